@@ -1,0 +1,26 @@
+# `make demo` and `make test` do all set-up themselves on a fresh machine.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.dpkit-installed
+
+.PHONY: demo test bench clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv --system-site-packages $(VENV)
+	# torch only when none is importable: here that takes the CPU build on disk, never a CUDA download
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install torch==2.13.0
+	$(PY) -m pip install -e '.[test]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/dpkit demo
+
+test: $(STAMP)
+	$(PY) -m pytest
+
+bench: $(STAMP)
+	$(PY) benchmarks/strategies_throughput.py
+
+clean:
+	rm -rf $(VENV) runs build src/*.egg-info

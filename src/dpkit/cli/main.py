@@ -1,0 +1,42 @@
+"""`dpkit <command>`: dispatch to one module per subcommand."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+
+from dpkit.errors import DpkitError
+
+# subcommand name -> module under dpkit.cli; each module defines add_parser(subparsers) and run(args) -> int
+COMMANDS = {
+    "demo": "dpkit.cli.demo",
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="dpkit", description="Data-parallel training for PyTorch on GPUs and virtual CPU devices.")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log at DEBUG level")
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
+    subparsers.required = True
+    for name, module_name in COMMANDS.items():
+        module = importlib.import_module(module_name)
+        sub = module.add_parser(subparsers)
+        sub.set_defaults(_run=module.run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return int(args._run(args) or 0)
+    except (ValueError, TypeError, FileNotFoundError, DpkitError) as error:
+        print(f"dpkit {args.command}: error: {error}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,54 @@
+"""Built-in models and data for the demo, tests and benchmarks, and loading a user's model factory."""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch import nn
+
+from dpkit.examples.digits import DigitsMLP, load_digits
+
+TensorSplits = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class Example:
+    """A named model with its data: `build_model()` and `load_data(seed) -> (x_train, y_train, x_test, y_test)`."""
+
+    name: str
+    build_model: Callable[[], nn.Module]
+    load_data: Callable[[int], TensorSplits]
+    description: str
+
+
+EXAMPLES: dict[str, Example] = {
+    "digits": Example("digits", DigitsMLP, load_digits, "MLP on scikit-learn's bundled 8x8 digits (1797 images, 10 classes)"),
+}
+
+
+def register_example(example: Example) -> None:
+    EXAMPLES[example.name] = example
+
+
+def get_example(name: str) -> Example:
+    if name not in EXAMPLES:
+        raise ValueError(f"--example: unknown example {name!r}; choose one of {', '.join(sorted(EXAMPLES))}")
+    return EXAMPLES[name]
+
+
+def load_factory(spec: str) -> Callable[[], nn.Module]:
+    """A user's model factory given as 'package.module:factory'."""
+    if not isinstance(spec, str) or spec.count(":") != 1:
+        raise ValueError(f"model factory: expected 'package.module:factory', got {spec!r}")
+    module_name, attribute = spec.split(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as error:
+        raise ValueError(f"model factory {spec!r}: cannot import {module_name!r} ({error}); is it on PYTHONPATH?") from error
+    factory = getattr(module, attribute, None)
+    if not callable(factory):
+        raise ValueError(f"model factory {spec!r}: {module_name} has no callable {attribute!r}")
+    return factory
