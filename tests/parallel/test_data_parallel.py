@@ -260,19 +260,24 @@ def test_train_and_eval_propagate():
     assert (dp(x) == 0).any()
 
 
+class Probe(nn.Module):
+    """Calls `record()` in every replica's thread and keeps what it returns."""
+
+    def __init__(self, record):
+        super().__init__()
+        self.linear = nn.Linear(2, 2)
+        self.record = record
+        self.seen = []
+
+    def forward(self, x):
+        self.seen.append(self.record())
+        return self.linear(x)
+
+
 def test_no_grad_and_inference_mode_reach_the_replicas():
-    seen = []
-
-    class Probe(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.linear = nn.Linear(2, 2)
-
-        def forward(self, x):
-            seen.append((torch.is_grad_enabled(), torch.is_inference_mode_enabled()))
-            return self.linear(x)
-
-    dp = DataParallel(Probe(), dpkit.cpu_devices(2))
+    probe = Probe(lambda: (torch.is_grad_enabled(), torch.is_inference_mode_enabled()))
+    seen = probe.seen
+    dp = DataParallel(probe, dpkit.cpu_devices(2))
     with torch.no_grad():
         out = dp(torch.randn(4, 2))
     assert seen == [(False, False)] * 2 and not out.requires_grad
@@ -285,18 +290,9 @@ def test_no_grad_and_inference_mode_reach_the_replicas():
 
 
 def test_autocast_state_and_dtype_reach_the_replicas():
-    seen = []
-
-    class Probe(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.linear = nn.Linear(2, 2)
-
-        def forward(self, x):
-            seen.append((torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu")))
-            return self.linear(x)
-
-    dp = DataParallel(Probe(), dpkit.cpu_devices(2))
+    probe = Probe(lambda: (torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu")))
+    seen = probe.seen
+    dp = DataParallel(probe, dpkit.cpu_devices(2))
     with torch.autocast("cpu", dtype=torch.bfloat16):
         out = dp(torch.randn(4, 2))
     assert seen == [(True, torch.bfloat16)] * 2 and out.dtype == torch.bfloat16
@@ -434,18 +430,9 @@ def test_gather_on_another_output_device_and_dim():
 def test_virtual_devices_share_the_intra_op_threads_fairly():
     from dpkit.devices import cpu_threads_per_device
 
-    seen = []
-
-    class Probe(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.linear = nn.Linear(2, 2)
-
-        def forward(self, x):
-            seen.append(torch.get_num_threads())
-            return self.linear(x)
-
+    probe = Probe(lambda: torch.get_num_threads())
+    seen = probe.seen
     main_threads = torch.get_num_threads()
-    DataParallel(Probe(), dpkit.cpu_devices(2))(torch.randn(4, 2))
+    DataParallel(probe, dpkit.cpu_devices(2))(torch.randn(4, 2))
     assert seen == [cpu_threads_per_device(2)] * 2
     assert torch.get_num_threads() == main_threads  # the caller's own setting is untouched
