@@ -113,3 +113,33 @@ def test_save_errors_name_the_argument(tmp_path):
         atomic_save({}, tmp_path)
     with pytest.raises(FileNotFoundError, match="path: no checkpoint"):
         dpkit.load_model(nn.Linear(1, 1), tmp_path / "missing.pt")
+
+
+def test_engine_wrappers_save_and_load_like_any_other(tmp_path):
+    for strategy in ("dp-balanced", "replicated"):
+        engine = dpkit.Engine(strategy=strategy, accelerator="cpu", devices=2)
+        source = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2))
+        model, _ = engine.setup(source, torch.optim.SGD(source.parameters(), lr=0.1))
+        assert unwrap_model(model) is source
+        path = dpkit.save_model(model, tmp_path / f"{strategy}.pt")
+        assert set(torch.load(path, weights_only=True)) == set(source.state_dict())
+        target = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2))
+        dpkit.load_model(target, path)
+        assert all(torch.equal(a, b) for a, b in zip(target.state_dict().values(), source.state_dict().values()))
+        engine.close()
+
+
+class Renamed(nn.Module):
+    """A wrapper unwrap_model does not know, whose keys start with 'module.'."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.module = inner
+
+
+def test_load_into_an_unknown_prefixing_wrapper(tmp_path):
+    source = nn.Linear(2, 3)
+    dpkit.save_model(source, tmp_path / "m.pt")
+    target = Renamed(nn.Linear(2, 3))
+    dpkit.load_model(target, tmp_path / "m.pt")
+    assert torch.equal(target.module.weight, source.weight)

@@ -4,6 +4,9 @@ from dpkit.checkpoint import CheckpointMismatchError, load_model, save_model, un
 from dpkit.devices import cpu_devices
 from dpkit.errors import DpkitError
 from dpkit.parallel import Broadcast, DataParallel, split_sizes
+from dpkit import observe
+from dpkit.observe import Observer
+from dpkit.engine import Engine
 
 __version__ = "0.1.0"
 
@@ -12,8 +15,11 @@ __all__ = [
     "CheckpointMismatchError",
     "DataParallel",
     "DpkitError",
+    "Engine",
+    "Observer",
     "cpu_devices",
     "load_model",
+    "observe",
     "save_model",
     "split_sizes",
     "unwrap_model",

@@ -29,14 +29,21 @@ class CheckpointMismatchError(DpkitError):
 
 
 def unwrap_model(model: nn.Module) -> nn.Module:
-    """The innermost model under DataParallel, DistributedDataParallel and torch.compile wrappers."""
+    """The innermost model under DataParallel, DistributedDataParallel, torch.compile and dpkit's wrappers.
+
+    A wrapper of dpkit's own says so with a class attribute `wraps_module = True` and keeps the wrapped
+    model in `.module`.
+    """
     while True:
+        inner = getattr(model, "module", None)
         if hasattr(model, "_orig_mod") and isinstance(getattr(model, "_orig_mod"), nn.Module):
             model = model._orig_mod
-        elif isinstance(model, (nn.DataParallel, nn.parallel.DistributedDataParallel)) or (
-            type(model).__name__ in ("DataParallel", "DistributedDataParallel") and isinstance(getattr(model, "module", None), nn.Module)
+        elif isinstance(inner, nn.Module) and (
+            isinstance(model, (nn.DataParallel, nn.parallel.DistributedDataParallel))
+            or type(model).__name__ in ("DataParallel", "DistributedDataParallel")
+            or getattr(type(model), "wraps_module", False)
         ):
-            model = model.module
+            model = inner
         else:
             return model
 
@@ -116,7 +123,9 @@ def load_model(model: nn.Module, path: str | os.PathLike, *, map_location: Any =
         raise CheckpointMismatchError(f"{path}: expected a state dict, found {type(loaded).__name__}")
     state = strip_prefixes(loaded)
     target = unwrap_model(model)
-    expected = target.state_dict()
+    # keys as the target names them, for a wrapper unwrap_model does not know
+    own_keys = {clean: key for clean, key in zip(strip_prefixes(target.state_dict()), target.state_dict())}
+    expected = strip_prefixes(target.state_dict())
     missing = sorted(set(expected) - set(state))
     unexpected = sorted(set(state) - set(expected))
     wrong_shape = sorted(
@@ -133,5 +142,5 @@ def load_model(model: nn.Module, path: str | os.PathLike, *, map_location: Any =
         if wrong_shape:
             lines.append(f"  shape mismatches ({len(wrong_shape)}): {'; '.join(wrong_shape)}")
         raise CheckpointMismatchError("\n".join(lines))
-    target.load_state_dict(state, strict=True)
+    target.load_state_dict({own_keys[key]: value for key, value in state.items()}, strict=True)
     return model

@@ -12,6 +12,9 @@ from dpkit.errors import DpkitError
 # subcommand name -> module under dpkit.cli; each module defines add_parser(subparsers) and run(args) -> int
 COMMANDS = {
     "demo": "dpkit.cli.demo",
+    "profile": "dpkit.cli.profile",
+    "train": "dpkit.cli.train",
+    "launch": "dpkit.cli.launch",
 }
 
 

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from dpkit.examples.digits import DigitsMLP, load_digits
+from dpkit.examples.wide_output import WideOutputNet, make_wide_output_data
 
 TensorSplits = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 
@@ -26,6 +27,7 @@ class Example:
 
 EXAMPLES: dict[str, Example] = {
     "digits": Example("digits", DigitsMLP, load_digits, "MLP on scikit-learn's bundled 8x8 digits (1797 images, 10 classes)"),
+    "wide-output": Example("wide-output", WideOutputNet, make_wide_output_data, "small trunk, 20,000-class head, synthetic data from a seed"),
 }
 
 

@@ -2,16 +2,24 @@
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+import weakref
+from typing import Any, Callable, Sequence
 
 import torch
 from torch import nn
 
+from dpkit import observe
 from dpkit.devices import DeviceLike, parse_device, parse_device_list, tensor_on
+from dpkit.observe.memory import device_key
+from dpkit.observe.observer import phases, replica_wrap
 from dpkit.parallel.apply import parallel_apply
+from dpkit.parallel.balance import BALANCE_MODES, Balancer
 from dpkit.parallel.gather import gather
+from dpkit.parallel.nested import leaves
 from dpkit.parallel.replicate import replicate
 from dpkit.parallel.scatter import batch_size_of, plan_split, scatter, unwrap_broadcasts
+
+LOSS_REDUCTIONS = ("mean", "sum")
 
 
 def check_chunk_sizes(chunk_sizes: Sequence[int] | None, n_devices: int) -> list[int] | None:
@@ -30,6 +38,48 @@ def check_chunk_sizes(chunk_sizes: Sequence[int] | None, n_devices: int) -> list
     return sizes
 
 
+class ReplicaLoss:
+    """What a replica runs when DataParallel has a loss_fn: its forward, then the loss on its slice of
+    the target, so only a scalar per replica crosses to the output device."""
+
+    def __init__(self, replica: nn.Module, loss_fn: Callable[[Any, Any], torch.Tensor]):
+        self.replica = replica
+        self.loss_fn = loss_fn
+
+    def __call__(self, *args: Any, target: Any, **kwargs: Any) -> torch.Tensor:
+        output = self.replica(*args, **kwargs)
+        with observe.replica_phase("loss"):
+            loss = self.loss_fn(output, target)
+        if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+            shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
+            raise ValueError(f"loss_fn: must return a 0-dim tensor (reduce the replica's rows with 'mean' or 'sum'), got {shape}")
+        return loss
+
+
+def combine_losses(losses: Sequence[torch.Tensor], rows: Sequence[int], reduction: str, device: torch.device) -> torch.Tensor:
+    """The whole batch's loss from per-replica losses: 'mean' weights each by its share of the rows
+    (an unweighted mean of means is wrong for uneven splits), 'sum' adds them."""
+    batch_size = sum(rows)
+    moved = [loss if device.type == "cpu" else loss.to(device) for loss in losses]
+    if reduction == "sum":
+        return torch.stack(moved).sum()
+    return sum(loss * (n / batch_size) for loss, n in zip(moved, rows))
+
+
+def check_max_bytes(max_bytes_per_device: Any, devices: Sequence[torch.device]) -> list[float | None]:
+    """One limit per device: given (an int for all, or a list), else 90% of a CUDA device's memory
+    (headroom for the CUDA context and allocator fragmentation); no limit on CPU."""
+    if max_bytes_per_device is None:
+        return [int(0.9 * torch.cuda.get_device_properties(d).total_memory) if d.type == "cuda" else None for d in devices]
+    values = list(max_bytes_per_device) if isinstance(max_bytes_per_device, (list, tuple)) else [max_bytes_per_device] * len(devices)
+    if len(values) != len(devices):
+        raise ValueError(f"max_bytes_per_device: has {len(values)} entries for {len(devices)} devices; give one limit per device or a single int")
+    for i, value in enumerate(values):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0):
+            raise ValueError(f"max_bytes_per_device[{i}]: expected a positive number of bytes or None, got {value!r}")
+    return values
+
+
 class DataParallel(nn.Module):
     """Split each call's batch across devices, run one replica per device, gather the outputs.
 
@@ -40,6 +90,17 @@ class DataParallel(nn.Module):
         output_device: where outputs are gathered (default: the first device).
         dim: the batch dimension to split along.
         chunk_sizes: rows per device (must add up to the batch); 0 leaves a device out entirely.
+        loss_fn: `loss_fn(output, target) -> 0-dim tensor`, computed inside each replica on its slice.
+            Then `dp(x, target=y)` returns the batch's loss instead of the outputs (`target` is split
+            like the inputs); without `target=` the call returns outputs as usual.
+        loss_reduction: how loss_fn reduces its rows, "mean" (default) or "sum"; replica losses are
+            combined so the loss and every gradient equal a single-device run's. A mean over anything
+            other than rows (class weights, ignore_index) must use reduction="sum" and divide outside.
+        balance: "memory" measures two training steps after a warm-up step, then picks chunk sizes
+            that equalise predicted peak memory (device 0 gets fewer rows); "speed" gives rows in
+            proportion to measured throughput (one measured step). Re-solved whenever the batch size changes. Exclusive with chunk_sizes.
+        max_bytes_per_device: per-device memory limit for balance="memory" (an int for all or a list);
+            default: 90% of a CUDA device's memory, no limit on CPU. No device is given rows past it.
 
     The wrapper's parameters are the module's own parameter objects and `state_dict()` keys carry a
     `module.` prefix as in torch; `dpkit.save_model` writes them without it.
@@ -47,12 +108,22 @@ class DataParallel(nn.Module):
 
     def __init__(self, module: nn.Module, device_ids: Sequence[DeviceLike] | None = None,
                  output_device: DeviceLike | None = None, dim: int = 0, *,
-                 chunk_sizes: Sequence[int] | None = None):
+                 chunk_sizes: Sequence[int] | None = None, loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
+                 loss_reduction: str = "mean", balance: str | None = None,
+                 max_bytes_per_device: int | Sequence[int | None] | None = None):
         super().__init__()
         if not isinstance(module, nn.Module):
             raise TypeError(f"module: expected a torch.nn.Module, got {type(module).__name__}")
         if isinstance(dim, bool) or not isinstance(dim, int) or dim < 0:
             raise ValueError(f"dim: expected a non-negative int batch dimension, got {dim!r}")
+        if loss_fn is not None and not callable(loss_fn):
+            raise TypeError(f"loss_fn: expected a callable loss_fn(output, target) -> 0-dim tensor, got {type(loss_fn).__name__}")
+        if loss_reduction not in LOSS_REDUCTIONS:
+            raise ValueError(f"loss_reduction: expected 'mean' or 'sum' (how loss_fn reduces a replica's rows), got {loss_reduction!r}")
+        if balance is not None and balance not in BALANCE_MODES:
+            raise ValueError(f"balance: expected 'memory', 'speed' or None, got {balance!r}")
+        if balance is not None and chunk_sizes is not None:
+            raise ValueError("balance and chunk_sizes: give one; balance chooses the chunk sizes itself")
         self.module = module
         self.device_ids: list[torch.device] = parse_device_list(device_ids)
         self.output_device: torch.device = (
@@ -60,7 +131,15 @@ class DataParallel(nn.Module):
         )
         self.dim = dim
         self.chunk_sizes = check_chunk_sizes(chunk_sizes, len(self.device_ids))
+        self.loss_fn = loss_fn
+        self.loss_reduction = loss_reduction
+        self.balance = balance
+        self.balancer = None if balance is None else Balancer(
+            balance, [device_key(d) for d in self.device_ids], check_max_bytes(max_bytes_per_device, self.device_ids))
+        self._measuring: tuple[observe.Observer, list[int], weakref.finalize] | None = None
+        self._optimizers: weakref.WeakSet = weakref.WeakSet()  # seen stepping in a measured step
         self.last_split_sizes: list[int] | None = None
+        self.last_devices: list[torch.device] | None = None  # the devices that got rows (and a replica)
 
     @property
     def primary_device(self) -> torch.device:
@@ -77,21 +156,105 @@ class DataParallel(nn.Module):
                         f"move the module there first (module.to('{primary}'))"
                     )
 
-    def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+    def forward(self, *inputs: Any, target: Any = None, **kwargs: Any) -> Any:
         self.check_placement()
+        self.finish_measurement()
+        with_loss = self.loss_fn is not None and target is not None
+        if target is not None:  # split like the inputs; without loss_fn it is the module's own keyword
+            kwargs = {**kwargs, "target": target}
         batch_size = batch_size_of(inputs, kwargs, self.dim)
         if batch_size is None:  # nothing to split: run once on the primary device
-            self.last_split_sizes = None
-            args, kw = unwrap_broadcasts(inputs, kwargs, self.primary_device)
-            return self.module(*args, **kw)
-        plan = plan_split(batch_size, len(self.device_ids), self.chunk_sizes)
+            return self.run_once(inputs, kwargs, with_loss)
+        plan = plan_split(batch_size, len(self.device_ids), self.split_for(batch_size))
+        observers = self.observers_for(plan)
+        with phases(observers, "scatter"):
+            chunks = scatter(inputs, kwargs, plan, self.device_ids, self.dim)
+        devices = self.last_devices = [device for device, _, _ in chunks]
+        replicas = self.replicate_observed(devices, observers, with_loss)
+        outputs = parallel_apply(replicas, devices, [a for _, a, _ in chunks], [k for _, _, k in chunks], wrap=replica_wrap(observers))
+        self.mark_backward(observers, outputs, chunks)
+        return self.combine(outputs, plan.sizes, observers, with_loss)
+
+    def run_once(self, inputs: tuple, kwargs: dict, with_loss: bool) -> Any:
+        self.last_split_sizes = None
+        args, kw = unwrap_broadcasts(inputs, kwargs, self.primary_device)
+        return ReplicaLoss(self.module, self.loss_fn)(*args, **kw) if with_loss else self.module(*args, **kw)
+
+    def combine(self, outputs: list[Any], sizes: Sequence[int], observers: Sequence[observe.Observer], with_loss: bool) -> Any:
+        """The batch's loss from the replicas' losses, or their outputs gathered on the output device."""
+        if with_loss:
+            with phases(observers, "loss", self.output_device):
+                return combine_losses(outputs, [s for s in sizes if s > 0], self.loss_reduction, self.output_device)
+        with phases(observers, "gather", self.output_device):
+            return gather(outputs, self.output_device, self.dim)
+
+    def observers_for(self, plan: Any) -> tuple[observe.Observer, ...]:
+        """The started observers (none: nothing is measured), told about this call's devices and rows."""
         self.last_split_sizes = list(plan.sizes)
-        chunks = scatter(inputs, kwargs, plan, self.device_ids, self.dim)
-        devices = [device for device, _, _ in chunks]
-        replicas = replicate(self.module, devices, self.primary_device)
-        outputs = parallel_apply(replicas, devices, [a for _, a, _ in chunks], [k for _, _, k in chunks])
-        return gather(outputs, self.output_device, self.dim)
+        observers = observe.active()
+        for observer in observers:
+            observer.note_devices(self.device_ids, self.output_device, plan.sizes)
+            observer.watch(self.module, self.primary_device)
+        return observers
+
+    def split_for(self, batch_size: int) -> list[int] | None:
+        """chunk_sizes, the balancer's choice (observing this step when it asks to), or None for even."""
+        if self.balancer is None:
+            return self.chunk_sizes
+        sizes, measure = self.balancer.plan(batch_size, can_measure=torch.is_grad_enabled() and self.training)
+        if measure:
+            # measure from this call to the next one: the whole step, backward and optimizer included
+            observer = observe.Observer(memory=True, timing=self.balance == "speed", trace=False).start()
+            for optimizer in self._optimizers:  # its state is held all step long, not only in step()
+                observer.watch_optimizer(optimizer, self.primary_device)
+            # a wrapper dropped mid-measurement must not leave the observer running for the process
+            self._measuring = (observer, sizes, weakref.finalize(self, observer.stop))
+        return sizes
+
+    def finish_measurement(self) -> None:
+        """Close the step the balancer asked to observe (called at the start of the next call)."""
+        if self._measuring is None:
+            return
+        observer, sizes, finalizer = self._measuring
+        self._measuring = None
+        finalizer.detach()
+        observer.stop()
+        self._optimizers.update(observer.optimizers_seen)
+        self.balancer.record(sizes, observer.report())
+
+    def replicate_observed(self, devices: list[torch.device], observers: Sequence[observe.Observer], with_loss: bool) -> list[Any]:
+        """A replica per device that has rows (with its loss when there is a target)."""
+        if not observers:
+            replicas = replicate(self.module, devices, self.primary_device)
+        else:
+            replicas = []
+            for device in devices:  # one at a time, so each copy is charged to its own device
+                with phases(observers, "replicate", device):
+                    replicas.extend(replicate(self.module, [device], self.primary_device))
+        return [ReplicaLoss(replica, self.loss_fn) for replica in replicas] if with_loss else replicas
+
+    def mark_backward(self, observers: Sequence[observe.Observer], outputs: list[Any],
+                      chunks: list[tuple[torch.device, tuple, dict]]) -> None:
+        """Tell observers which device each replica's autograd nodes belong to (backward runs elsewhere)."""
+        if not observers:
+            return
+        inputs = [leaf for _, args, kw in chunks for _, leaf in leaves((args, kw), "inputs")]
+        stop = [t.grad_fn for t in inputs if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+        for observer in observers:
+            for output, (device, _, _) in zip(outputs, chunks):
+                observer.mark_backward([t for _, t in leaves(output, "output")], device, stop)
+
+    def __getstate__(self) -> dict:
+        # weak references and a running measurement do not pickle; the next steps learn them again
+        state = dict(self.__dict__)
+        state["_optimizers"], state["_measuring"] = None, None
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        super().__setstate__(state)
+        self._optimizers = weakref.WeakSet()
 
     def extra_repr(self) -> str:
         devices = ", ".join(str(d) for d in self.device_ids)
-        return f"device_ids=[{devices}], output_device={self.output_device}, dim={self.dim}"
+        extra = f", balance={self.balance!r}" if self.balance else ""
+        return f"device_ids=[{devices}], output_device={self.output_device}, dim={self.dim}{extra}"

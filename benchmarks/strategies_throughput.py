@@ -1,0 +1,220 @@
+"""Throughput of dpkit's strategies against the loops they compete with, measured side by side.
+
+On 2 virtual CPU devices with one intra-op thread each and a compute-bound MLP:
+
+    replicated  vs  a hand-written torch DDP loop over gloo, 2 processes   (target >= 1.05x)
+    dpkit ddp   vs  that same hand-written DDP loop                      (target >= 0.97x)
+    single      vs  a bare PyTorch loop on one device                    (target >= 0.97x)
+
+Every contender trains the same model on the same global batch with SGD, side by side: two processes
+are started through dpkit's launcher (torchrun underneath); the DDP loops run on both, the one-process
+contenders (bare, single, replicated, dp, dp-balanced) on rank 0 while rank 1 waits in a barrier, and
+all contenders time their windows of steps in turn (A B C … A B C …), so changing machine load hits
+them alike. The medians over the windows are compared.
+
+    python benchmarks/strategies_throughput.py            # make bench
+    python benchmarks/strategies_throughput.py --windows 15 --batch-size 512
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import dpkit
+from dpkit.engine import Engine
+from dpkit.launch import launch
+
+DEVICES = 2
+THREADS_PER_DEVICE = 1
+
+
+def build_mlp(width: int, depth: int) -> nn.Module:
+    layers: list[nn.Module] = []
+    for _ in range(depth):
+        layers += [nn.Linear(width, width), nn.ReLU()]
+    return nn.Sequential(*layers, nn.Linear(width, 10))
+
+
+def make_batch(batch_size: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(0)
+    return torch.randn(batch_size, width, generator=generator), torch.randint(0, 10, (batch_size,), generator=generator)
+
+
+def time_window(step, steps: int, samples_per_step: int) -> float:
+    """samples/s over `steps` consecutive steps."""
+    began = time.perf_counter()
+    for _ in range(steps):
+        step()
+    return samples_per_step * steps / (time.perf_counter() - began)
+
+
+# --- the loops ---------------------------------------------------------------------------------------
+def bare_step(args: argparse.Namespace):
+    """The reference for `single`: what a PyTorch user writes for one device."""
+    torch.manual_seed(0)
+    model = build_mlp(args.width, args.depth)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    x, y = make_batch(args.batch_size, args.width)
+
+    def step() -> None:
+        optimizer.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        optimizer.step()
+
+    return step
+
+
+def engine_step(args: argparse.Namespace, strategy: str, devices: int, **options):
+    """The same loop through dpkit's Engine; under ddp each process takes its share of the global batch."""
+    torch.manual_seed(0)
+    engine = Engine(strategy=strategy, accelerator="cpu", devices=devices, progress=False, **options)
+    model = build_mlp(args.width, args.depth)
+    model, optimizer = engine.setup(model, torch.optim.SGD(model.parameters(), lr=0.01))
+    criterion = engine.setup_criterion(F.cross_entropy)
+    x, y = make_batch(args.batch_size, args.width)
+    if engine.world_size > 1:
+        sizes = dpkit.split_sizes(args.batch_size, engine.world_size)
+        start = sum(sizes[:engine.rank])
+        x, y = x[start:start + sizes[engine.rank]], y[start:start + sizes[engine.rank]]
+
+    def step() -> None:
+        optimizer.zero_grad()
+        loss = criterion(model(x), y)
+        engine.backward(loss)
+        optimizer.step()
+
+    return step
+
+
+def torch_ddp_step(args: argparse.Namespace):
+    """The hand-written DDP loop: what a PyTorch user writes for DDP on CPU (process group already up)."""
+    import torch.distributed as dist
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    model = nn.parallel.DistributedDataParallel(build_mlp(args.width, args.depth))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    x, y = make_batch(args.batch_size, args.width)
+    share = args.batch_size // world
+    x, y = x[rank * share:(rank + 1) * share], y[rank * share:(rank + 1) * share]
+
+    def step() -> None:
+        optimizer.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        optimizer.step()
+
+    return step
+
+
+def worker(args: argparse.Namespace) -> dict[str, list[float]]:
+    """In each of the two launched processes. The DDP loops run on both; the one-process contenders run
+    on rank 0 while rank 1 waits, blocked (not spinning), in a barrier. Windows alternate over all
+    contenders, so every contender sees the same machine load."""
+    import torch.distributed as dist
+
+    torch.set_num_threads(THREADS_PER_DEVICE)
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    steps = {TORCH_DDP: torch_ddp_step(args), DPKIT_DDP: engine_step(args, "ddp", DEVICES, threads_per_device=THREADS_PER_DEVICE)}
+    if rank == 0:
+        steps.update({
+            BARE: bare_step(args),
+            SINGLE: engine_step(args, "single", 1),
+            REPLICATED: engine_step(args, "replicated", DEVICES, threads_per_device=THREADS_PER_DEVICE),
+            DP: engine_step(args, "dp", DEVICES),
+            DP_BALANCED: engine_step(args, "dp-balanced", DEVICES),
+        })
+
+    def run(name: str, count: int) -> float | None:
+        rate = None
+        if name in (TORCH_DDP, DPKIT_DDP) or rank == 0:
+            rate = time_window(steps[name], count, args.batch_size)
+        if name not in (TORCH_DDP, DPKIT_DDP):
+            dist.barrier()
+        return rate
+
+    for name in ORDER:
+        run(name, args.warmup)
+    rates: dict[str, list[float]] = {name: [] for name in ORDER}
+    for window in range(args.windows):
+        for name in ORDER[window % len(ORDER):] + ORDER[:window % len(ORDER)]:
+            rates[name].append(run(name, args.steps))
+    dist.destroy_process_group()
+    return rates
+
+
+def shape_argv(args: argparse.Namespace) -> list[str]:
+    return ["--width", str(args.width), "--depth", str(args.depth), "--batch-size", str(args.batch_size),
+            "--steps", str(args.steps), "--windows", str(args.windows), "--warmup", str(args.warmup)]
+
+
+BARE, SINGLE = "bare torch loop (1 device)", "dpkit single"
+TORCH_DDP, DPKIT_DDP = "torch DDP loop (gloo, 2 procs)", "dpkit ddp (2 procs)"
+REPLICATED, DP, DP_BALANCED = "dpkit replicated (2 devices)", "dpkit dp (2 devices)", "dpkit dp-balanced (2 devices)"
+ORDER = [BARE, SINGLE, TORCH_DDP, DPKIT_DDP, REPLICATED, DP, DP_BALANCED]
+
+TARGETS = [  # (contender, reference, at least)
+    (REPLICATED, TORCH_DDP, 1.05),
+    (DPKIT_DDP, TORCH_DDP, 0.97),
+    (SINGLE, BARE, 0.97),
+]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--width", type=int, default=1024, help="MLP width (default 1024)")
+    parser.add_argument("--depth", type=int, default=3, help="hidden layers (default 3)")
+    parser.add_argument("--batch-size", type=int, default=256, help="global batch (default 256)")
+    parser.add_argument("--steps", type=int, default=10, help="steps per timed window (default 10)")
+    parser.add_argument("--windows", type=int, default=15, help="timed windows per contender (default 15)")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed steps per contender first (default 3)")
+    parser.add_argument("--json", default=None, help="also write the medians and ratios to this file")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--result", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+
+    if args.worker:  # inside a launched process
+        rates = worker(args)
+        if int(os.environ.get("RANK", "0")) == 0:
+            Path(args.result).write_text(json.dumps(rates))
+        return 0
+
+    print(f"MLP {args.depth}x{args.width} -> 10, global batch {args.batch_size}, SGD; {DEVICES} virtual CPU devices x "
+          f"{THREADS_PER_DEVICE} intra-op thread (single-device loops: {THREADS_PER_DEVICE} thread); "
+          f"{args.windows} windows x {args.steps} steps per contender, interleaved", flush=True)
+    with tempfile.TemporaryDirectory() as folder:
+        result = Path(folder) / "rates.json"
+        launch(str(Path(__file__).resolve()), [*shape_argv(args), "--worker", "--result", str(result)], nproc_per_node=DEVICES)
+        rates = json.loads(result.read_text())
+
+    medians = {name: statistics.median(rates[name]) for name in ORDER}
+    print(f"\n{'contender':34s} {'median samples/s':>17s} {'ms/step':>8s} {'min':>7s} {'max':>7s}")
+    for name in ORDER:
+        print(f"{name:34s} {medians[name]:17.0f} {1e3 * args.batch_size / medians[name]:8.1f} "
+              f"{min(rates[name]):7.0f} {max(rates[name]):7.0f}")
+    print()
+    results, ok = [], True
+    for contender, reference, at_least in TARGETS:
+        ratio = medians[contender] / medians[reference]
+        passed = ratio >= at_least
+        ok &= passed
+        results.append({"contender": contender, "reference": reference, "ratio": ratio, "target": at_least, "passed": passed})
+        print(f"{contender} / {reference}: {ratio:.3f}x (target >= {at_least}) {'ok' if passed else 'BELOW TARGET'}")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"medians": medians, "rates": rates, "ratios": results, "config": vars(args)}, indent=2))
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,128 @@
+"""What an Observer measured, per device: a table, JSON, a stacked bar chart and a Chrome trace."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from dpkit.observe.memory import CATEGORIES
+from dpkit.observe.timing import PHASES, Span
+
+SCHEMA_VERSION = 1
+
+
+@dataclass
+class DeviceReport:
+    device: str
+    rows: int | None  # rows of the last observed step on this device (None: not a DataParallel device)
+    peak_bytes: int
+    bytes_by_category: dict[str, int]  # live bytes at the moment of the peak; sums to peak_bytes
+    seconds_by_phase: dict[str, float]
+    peak_bytes_by_category: dict[str, int] = field(default_factory=dict)  # each category's own peak
+
+
+@dataclass
+class Report:
+    devices: list[DeviceReport]
+    steps: int = 0
+    spans: list[Span] = field(default_factory=list)
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def imbalance(self) -> float:
+        """Max over mean of the per-device peaks (1.0 = perfectly even; 0.0 when nothing was measured)."""
+        peaks = [d.peak_bytes for d in self.devices]
+        mean = sum(peaks) / len(peaks) if peaks else 0.0
+        return max(peaks) / mean if mean > 0 else 0.0
+
+    def device(self, name: str) -> DeviceReport:
+        for entry in self.devices:
+            if entry.device == name:
+                return entry
+        raise KeyError(f"device {name!r} is not in the report; it has {', '.join(d.device for d in self.devices)}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "schema_version": SCHEMA_VERSION,
+            **self.meta,
+            "steps": self.steps,
+            "imbalance": self.imbalance,
+            "devices": [
+                {"device": d.device, "rows": d.rows, "peak_bytes": d.peak_bytes,
+                 "bytes_by_category": dict(d.bytes_by_category), "peak_bytes_by_category": dict(d.peak_bytes_by_category),
+                 "seconds_by_phase": dict(d.seconds_by_phase)}
+                for d in self.devices
+            ],
+        }
+
+    def save_json(self, path: str | Path) -> Path:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+        return path
+
+    def format_table(self) -> str:
+        """Per device: rows, peak and its breakdown (MiB), then milliseconds per phase."""
+        mib = 1024 * 1024
+        used_phases = [p for p in PHASES if any(p in d.seconds_by_phase for d in self.devices)]
+        short = {"parameters": "params", "gradients": "grads", "optimizer_state": "optim", "activations": "activ",
+                 "gathered_outputs": "gathered", "loss": "loss", "other": "other"}
+        header = ["device", "rows", "peak MiB"] + [short[c] for c in CATEGORIES] + [f"{p} ms" for p in used_phases]
+        lines = []
+        for d in self.devices:
+            row = [d.device, "-" if d.rows is None else str(d.rows), f"{d.peak_bytes / mib:.2f}"]
+            row += [f"{d.bytes_by_category.get(c, 0) / mib:.2f}" for c in CATEGORIES]
+            row += [f"{d.seconds_by_phase.get(p, 0.0) * 1e3:.1f}" for p in used_phases]
+            lines.append(row)
+        widths = [max(len(h), *(len(r[i]) for r in lines)) if lines else len(h) for i, h in enumerate(header)]
+        out = ["  ".join(h.rjust(w) for h, w in zip(header, widths))]
+        out += ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in lines]
+        out.append(f"imbalance (max/mean of per-device peaks): {self.imbalance:.3f}   steps observed: {self.steps}")
+        return "\n".join(out)
+
+    def save_png(self, path: str | Path, title: str | None = None) -> Path:
+        """A stacked bar per device: bytes by category at that device's peak."""
+        import matplotlib
+
+        matplotlib.use("Agg")  # no display needed
+        import matplotlib.pyplot as plt
+
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        names = [d.device for d in self.devices]
+        figure, axes = plt.subplots(figsize=(max(5.0, 1.2 * len(names) + 4.0), 4.0))
+        bottoms = [0.0] * len(names)
+        for category in CATEGORIES:
+            heights = [d.bytes_by_category.get(category, 0) / 2**20 for d in self.devices]
+            if any(heights):
+                axes.bar(names, heights, bottom=bottoms, label=category)
+                bottoms = [b + h for b, h in zip(bottoms, heights)]
+        axes.set_ylabel("MiB at the device's peak")
+        axes.set_title(title or f"memory by category (imbalance {self.imbalance:.2f})")
+        axes.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1.0))  # beside the bars, not over them
+        figure.tight_layout()
+        figure.savefig(path, dpi=100)
+        plt.close(figure)
+        return path
+
+    def trace_events(self) -> list[dict[str, Any]]:
+        """Chrome trace events: one track (thread) per device, one complete event per phase span."""
+        track = {name: i + 1 for i, name in enumerate(d.device for d in self.devices)}
+        for span in self.spans:
+            track.setdefault(span.device, len(track) + 1)
+        events: list[dict[str, Any]] = [{"name": "process_name", "ph": "M", "pid": 1, "tid": 0, "args": {"name": "dpkit"}}]
+        for name, tid in track.items():
+            events.append({"name": "thread_name", "ph": "M", "pid": 1, "tid": tid, "args": {"name": name}})
+        for span in self.spans:
+            events.append({"name": span.phase, "cat": "phase", "ph": "X", "pid": 1, "tid": track[span.device],
+                           "ts": round(span.start_seconds * 1e6, 3), "dur": round(span.seconds * 1e6, 3)})
+        return events
+
+    def save_trace(self, path: str | Path) -> Path:
+        """Write a Chrome trace JSON (open it in https://ui.perfetto.dev or chrome://tracing)."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({"traceEvents": self.trace_events(), "displayTimeUnit": "ms"}))
+        return path

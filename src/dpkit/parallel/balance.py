@@ -1,0 +1,220 @@
+"""Chunk sizes from measurements: equal predicted peak memory, or equal predicted time, per device.
+
+Model: on device i, one step with r rows costs `fixed_i + per_row_i * r` (bytes at the peak, or
+seconds). Device 0 has the larger `fixed` (it alone holds the reduced gradients and the optimizer
+state), so equalising the prediction gives it fewer rows. `fill_rows` solves
+    minimise max_i fixed_i + per_row_i * r_i   subject to   sum r_i = batch, 0 <= r_i <= max_rows_i
+exactly (water-filling to a level, then the last few rows one at a time where they cost least).
+
+Memory needs two measured steps to separate `fixed` from `per_row` on every device: the first at the
+even split, the second with device 0's share halved; both come after one unmeasured warm-up step, in
+which optimizers create their state. Speed measures one step after the warm-up (time through the
+origin). The model does not depend on the batch size, so a new batch size is re-solved without
+measuring again. Calibration steps run at the even (or perturbed) split, before any limit is known.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+from dpkit.observe.report import Report
+from dpkit.parallel.scatter import split_sizes
+
+BALANCE_MODES = ("memory", "speed")
+
+# Memory balance accepts peaks up to this fraction above the best achievable one in exchange for a more
+# even split: when device 0's own state already outweighs every other device's whole share, the strict
+# optimum leaves device 0 idle, which costs a device's worth of throughput to save no memory that matters.
+MEMORY_SLACK = 0.03
+
+log = logging.getLogger("dpkit")
+
+
+@dataclass(frozen=True)
+class LinearCost:
+    """Per device: cost = fixed + per_row * rows."""
+
+    fixed: tuple[float, ...]
+    per_row: tuple[float, ...]
+
+    def predict(self, sizes: Sequence[int]) -> list[float]:
+        return [f + a * r for f, a, r in zip(self.fixed, self.per_row, sizes)]
+
+
+def fit_linear(points: Sequence[Sequence[tuple[int, float]]]) -> LinearCost:
+    """Least-squares line per device through its (rows, cost) points.
+
+    A device whose points all have the same row count gets the median slope of the others (or cost per
+    row when no device can be fitted), so one unchanged device does not stop the balance.
+    """
+    slopes: list[float | None] = []
+    for device_points in points:
+        rows = [r for r, _ in device_points]
+        if len(set(rows)) < 2:
+            slopes.append(None)
+            continue
+        mean_r = sum(rows) / len(rows)
+        mean_c = sum(c for _, c in device_points) / len(device_points)
+        var = sum((r - mean_r) ** 2 for r in rows)
+        slopes.append(sum((r - mean_r) * (c - mean_c) for r, c in device_points) / var)
+    known = sorted(s for s in slopes if s is not None)
+    fallback = known[len(known) // 2] if known else None
+    fixed, per_row = [], []
+    for device_points, slope in zip(points, slopes):
+        if slope is None:
+            slope = fallback
+        if slope is None:  # nothing to fit: cost proportional to rows
+            rows, cost = max(device_points)
+            slope = cost / rows if rows else 0.0
+        slope = max(slope, 0.0)
+        intercept = sum(c - slope * r for r, c in device_points) / len(device_points)
+        fixed.append(max(intercept, 0.0))
+        per_row.append(slope)
+    return LinearCost(tuple(fixed), tuple(per_row))
+
+
+def fill_rows(batch_size: int, cost: LinearCost, max_rows: Sequence[int] | None = None) -> list[int]:
+    """Rows per device minimising the largest predicted cost, never above a device's `max_rows`."""
+    n = len(cost.fixed)
+    caps = [batch_size] * n if max_rows is None else [min(batch_size, max(0, int(m))) for m in max_rows]
+    if sum(caps) < batch_size:
+        raise ValueError(
+            f"max_bytes_per_device: the devices can hold at most {sum(caps)} rows together ({caps} each) but the "
+            f"batch has {batch_size}; use a smaller batch or raise max_bytes_per_device"
+        )
+    # a device with no measured per-row cost is treated as nearly free, not as infinitely fast
+    positive = [a for a in cost.per_row if a > 0]
+    floor_rate = (min(positive) if positive else 1.0) * 1e-6
+    rate = [a if a > 0 else floor_rate for a in cost.per_row]
+
+    def rows_at(level: float) -> list[int]:
+        return [min(cap, max(0, math.floor((level - f) / a))) for f, a, cap in zip(cost.fixed, rate, caps)]
+
+    low = min(cost.fixed)
+    high = max(f + a * batch_size for f, a in zip(cost.fixed, rate))
+    for _ in range(100):
+        mid = (low + high) / 2
+        if sum(rows_at(mid)) <= batch_size:
+            low = mid
+        else:
+            high = mid
+    rows = rows_at(low)
+    for _ in range(batch_size - sum(rows)):  # at most n rows left: each where it raises the peak least
+        best = min((i for i in range(n) if rows[i] < caps[i]),
+                   key=lambda i: (cost.fixed[i] + rate[i] * (rows[i] + 1), -i))
+        rows[best] += 1
+    return rows
+
+
+def spread_within_slack(rows: Sequence[int], cost: LinearCost, caps: Sequence[int], slack: float = MEMORY_SLACK) -> list[int]:
+    """The most even split whose predicted peaks stay within `slack` of the largest peak of `rows`."""
+    ceiling = max(cost.predict(rows)) * (1.0 + slack)
+    room = [
+        cap if a <= 0 else min(cap, max(r, math.floor((ceiling - f) / a)))
+        for r, f, a, cap in zip(rows, cost.fixed, cost.per_row, caps)
+    ]
+    batch_size, n = sum(rows), len(rows)
+    spread, remaining = [0] * n, batch_size
+    for k, i in enumerate(sorted(range(n), key=lambda i: (room[i], i))):  # fill the tightest devices first
+        spread[i] = min(room[i], -(-remaining // (n - k)))
+        remaining -= spread[i]
+    return spread if remaining == 0 else list(rows)
+
+
+def max_rows_within(limits_bytes: Sequence[float | None], cost: LinearCost, batch_size: int) -> list[int]:
+    """Rows each device can take before its predicted peak passes its limit (None = no limit)."""
+    caps = []
+    for limit, fixed, per_row in zip(limits_bytes, cost.fixed, cost.per_row):
+        if limit is None:
+            caps.append(batch_size)
+        elif fixed > limit:
+            caps.append(0)
+        elif per_row <= 0:
+            caps.append(batch_size)
+        else:
+            caps.append(min(batch_size, math.floor((limit - fixed) / per_row)))
+    return caps
+
+
+class Balancer:
+    """Measures steps, fits per-device costs, and hands DataParallel its chunk sizes.
+
+    `plan(batch_size)` returns (sizes, measure): when `measure` is True DataParallel observes that step
+    (from this call to the next) and passes the report to `record`.
+    """
+
+    def __init__(self, mode: str, device_keys: Sequence[str], max_bytes_per_device: Sequence[float | None] | None = None):
+        if mode not in BALANCE_MODES:
+            raise ValueError(f"balance: expected one of {', '.join(map(repr, BALANCE_MODES))} or None, got {mode!r}")
+        self.mode = mode
+        self.device_keys = list(device_keys)
+        self.limits = list(max_bytes_per_device) if max_bytes_per_device is not None else [None] * len(device_keys)
+        self.points: list[list[tuple[int, float]]] = [[] for _ in device_keys]
+        self.cost: LinearCost | None = None
+        self._sizes: dict[int, list[int]] = {}
+        self.measured_steps = 0
+        self.calibration_calls = 0  # steps planned for measuring, the warm-up included
+        self._warm_up_recorded = False
+
+    @property
+    def steps_to_measure(self) -> int:
+        return 2 if self.mode == "memory" else 1
+
+    def plan(self, batch_size: int, can_measure: bool = True) -> tuple[list[int], bool]:
+        n = len(self.device_keys)
+        if n == 1:
+            return [batch_size], False
+        if self.cost is not None:
+            if batch_size not in self._sizes:
+                caps = max_rows_within(self.limits, self.cost, batch_size) if self.mode == "memory" else None
+                rows = fill_rows(batch_size, self.cost, caps)
+                if self.mode == "memory":
+                    rows = spread_within_slack(rows, self.cost, caps if caps is not None else [batch_size] * n)
+                self._sizes[batch_size] = rows
+                predicted = ", ".join(f"{p / 2**20:.1f} MiB" if self.mode == "memory" else f"{p * 1e3:.1f} ms"
+                                      for p in self.cost.predict(self._sizes[batch_size]))
+                log.info("balance=%r: batch %d split %s (predicted per device: %s)", self.mode, batch_size,
+                         self._sizes[batch_size], predicted)
+            return list(self._sizes[batch_size]), False
+        even = split_sizes(batch_size, n)
+        if batch_size < 2 * n or not can_measure:  # too few rows to learn from, or no backward to see
+            return even, False
+        self.calibration_calls += 1
+        if self.calibration_calls == 1:
+            # warm-up: optimizers create their state in the first step, which is not typical; observed
+            # only so that DataParallel learns the optimizers whose state it must count from then on
+            return even, True
+        if self.measured_steps == 0:
+            return even, True
+        # second memory measurement: halve device 0's share so every device's row count changes
+        moved = even[0] - even[0] // 2
+        sizes = [even[0] // 2] + [size + extra for size, extra in zip(even[1:], split_sizes(moved, n - 1))]
+        return sizes, True
+
+    def record(self, sizes: Sequence[int], report: Report) -> None:
+        if self.calibration_calls == 1 and self.measured_steps == 0 and not self._warm_up_recorded:
+            self._warm_up_recorded = True
+            return
+        for i, key in enumerate(self.device_keys):
+            try:
+                entry = report.device(key)
+            except KeyError:
+                entry = None
+            if self.mode == "memory":
+                value = float(entry.peak_bytes) if entry is not None else 0.0
+            else:
+                if sizes[i] == 0 or entry is None:
+                    continue
+                value = sum(entry.seconds_by_phase.get(phase, 0.0) for phase in ("forward", "loss", "backward"))
+            self.points[i].append((int(sizes[i]), value))
+        self.measured_steps += 1
+        if self.measured_steps >= self.steps_to_measure:
+            if self.mode == "memory":
+                self.cost = fit_linear(self.points)
+            else:
+                rates = [sum(c for _, c in p) / max(1, sum(r for r, _ in p)) if p else 0.0 for p in self.points]
+                self.cost = LinearCost(tuple(0.0 for _ in rates), tuple(rates))
+            self._sizes.clear()

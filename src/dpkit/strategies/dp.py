@@ -1,0 +1,19 @@
+"""dp: dpkit.DataParallel. Each forward scatters the batch, replicates the model, gathers the outputs on
+the first device, where the loss and its backward run as on one device."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from dpkit.parallel import DataParallel
+from dpkit.strategies.base import Strategy
+
+
+class DP(Strategy):
+    name = "dp"
+
+    def wrap_model(self, model: nn.Module) -> nn.Module:
+        return DataParallel(model.to(self.root_device), self.devices)
+
+
+STRATEGY = DP

@@ -1,0 +1,73 @@
+"""dp-balanced: DataParallel with the loss computed inside each replica and memory-balanced chunks.
+
+Computing the loss in the replicas means the full output never lands on the first device, only one
+scalar per replica; chunk sizes follow measured memory, so the first device is not the one that runs out.
+In the user's loop `model(x)` returns a DeferredOutput while training, and the criterion from
+`engine.setup_criterion(criterion)` runs `DataParallel(..., loss_fn=criterion, balance="memory")(x, target=y)`,
+which weights each replica's mean loss by its share of the batch. Outside training (eval, no_grad) `model(x)` returns
+the gathered outputs.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from dpkit.parallel import DataParallel
+from dpkit.strategies.base import DeferredOutput, Strategy, defers
+
+
+def _check_contract() -> None:
+    accepted = inspect.signature(DataParallel.__init__).parameters
+    missing = [name for name in ("loss_fn", "balance") if name not in accepted]
+    if missing:
+        raise RuntimeError(
+            f"strategy 'dp-balanced' needs dpkit.DataParallel({', '.join(f'{m}=' for m in missing)}...), which this "
+            "dpkit does not have yet; use strategy='dp' or 'replicated'"
+        )
+
+
+class DPBalancedModule(nn.Module):
+    """DataParallel with loss_fn and balance="memory"; in training, outputs are deferred to the criterion."""
+
+    wraps_module = True  # dpkit.unwrap_model / save_model / load_model look inside
+
+    def __init__(self, strategy: "DPBalanced", data_parallel: nn.Module):
+        super().__init__()
+        self.strategy = strategy
+        self.module = data_parallel  # state_dict keys "module.module.…", which save_model strips
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if defers(self.strategy, self):
+            return DeferredOutput(self.strategy.name, args, kwargs)
+        return self.module(*args, **kwargs)
+
+
+class DPBalanced(Strategy):
+    name = "dp-balanced"
+
+    def wrap_model(self, model: nn.Module) -> nn.Module:
+        _check_contract()
+        self.data_parallel = DataParallel(model.to(self.root_device), self.devices, balance="memory")
+        return DPBalancedModule(self, self.data_parallel)
+
+    def wrap_criterion(self, criterion: Callable) -> Callable:
+        self.criterion = criterion
+        self.data_parallel.loss_fn = criterion  # dp(x, target=y) now returns the loss; dp(x) still the outputs
+
+        def loss_in_replicas(output: DeferredOutput, *targets: Any, **criterion_kwargs: Any) -> torch.Tensor:
+            if criterion_kwargs or len(targets) != 1:
+                raise TypeError(
+                    "criterion: strategy 'dp-balanced' calls the loss inside the replicas as criterion(output, target); "
+                    f"got {len(targets)} targets and keywords {sorted(criterion_kwargs)}; bind extra arguments into the "
+                    "criterion (e.g. nn.CrossEntropyLoss(label_smoothing=0.1))"
+                )
+            return self.data_parallel(*output.args, target=targets[0], **output.kwargs)
+
+        return loss_in_replicas
+
+
+STRATEGY = DPBalanced

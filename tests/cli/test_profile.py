@@ -1,0 +1,79 @@
+"""`dpkit profile` on wide-output over 4 virtual CPU devices: faithful dp is lopsided, dp-balanced is even."""
+
+import json
+import textwrap
+
+import pytest
+
+from dpkit.cli.main import main
+
+SMALL = ["--accelerator", "cpu", "--devices", "4", "--batch-size", "256", "--steps", "2", "--warmup", "3", "--no-progress"]
+
+
+def run_profile(tmp_path, strategy, *extra):
+    out = tmp_path / f"{strategy}.json"
+    code = main(["profile", "--example", "wide-output", "--strategy", strategy, *SMALL, "--json", str(out), *extra])
+    assert code == 0
+    return json.loads(out.read_text())
+
+
+def test_faithful_dp_shows_device_zero_imbalance_and_dp_balanced_removes_it(tmp_path, capsys):
+    dp = run_profile(tmp_path, "dp", "--png", str(tmp_path / "dp.png"), "--trace", str(tmp_path / "dp_trace.json"))
+    peaks = [d["peak_bytes"] for d in dp["devices"]]
+    assert [d["device"] for d in dp["devices"]] == ["cpu:0", "cpu:1", "cpu:2", "cpu:3"]
+    assert peaks[0] >= 1.3 * sum(peaks[1:]) / 3
+    assert dp["imbalance"] == pytest.approx(max(peaks) / (sum(peaks) / 4))
+    assert [d["rows"] for d in dp["devices"]] == [64, 64, 64, 64]
+
+    balanced = run_profile(tmp_path, "dp-balanced", "--dtype", "float64")
+    assert balanced["imbalance"] <= 1.10
+    rows = [d["rows"] for d in balanced["devices"]]
+    assert sum(rows) == 256 and rows[0] < min(rows[1:])
+    # five Adam steps with the loss inside the replicas, on uneven chunks, track a single device exactly
+    single = run_profile(tmp_path, "single", "--dtype", "float64")
+    assert balanced["last_loss"] == pytest.approx(single["last_loss"], rel=1e-12)
+    assert balanced["last_loss"] == pytest.approx(dp["last_loss"], rel=1e-5)  # dp ran in float32
+
+    for entry in dp["devices"] + balanced["devices"]:
+        assert set(entry) >= {"device", "rows", "peak_bytes", "bytes_by_category", "seconds_by_phase"}
+        assert sum(entry["bytes_by_category"].values()) == entry["peak_bytes"]
+    assert {"forward", "backward", "optimizer"} <= set(dp["devices"][0]["seconds_by_phase"])
+    assert "forward" in dp["devices"][3]["seconds_by_phase"]
+
+    assert (tmp_path / "dp.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    trace = json.loads((tmp_path / "dp_trace.json").read_text())["traceEvents"]
+    tracks = {e["args"]["name"]: e["tid"] for e in trace if e.get("name") == "thread_name"}
+    assert set(tracks) == {"cpu:0", "cpu:1", "cpu:2", "cpu:3"}
+    forward_tracks = {e["tid"] for e in trace if e["ph"] == "X" and e["name"] == "forward"}
+    assert forward_tracks == set(tracks.values())
+    printed = capsys.readouterr().out
+    assert "imbalance (max/mean of per-device peaks)" in printed and "cpu:3" in printed
+
+
+def test_single_and_a_user_model(tmp_path, monkeypatch):
+    package = tmp_path / "mymodels"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "tiny.py").write_text(textwrap.dedent("""
+        import torch
+        def build():
+            return torch.nn.Sequential(torch.nn.Linear(5, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3))
+        def data(seed):
+            g = torch.Generator().manual_seed(seed)
+            return torch.randn(64, 5, generator=g), torch.randint(0, 3, (64,), generator=g)
+    """))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    out = tmp_path / "single.json"
+    code = main(["profile", "--model", "mymodels.tiny:build", "--data", "mymodels.tiny:data", "--strategy", "single",
+                 "--accelerator", "cpu", "--devices", "2", "--batch-size", "16", "--steps", "1", "--warmup", "0",
+                 "--no-progress", "--json", str(out)])
+    assert code == 0
+    report = json.loads(out.read_text())
+    assert [d["device"] for d in report["devices"]] == ["cpu:0"] and report["imbalance"] == 1.0
+    assert report["devices"][0]["bytes_by_category"]["parameters"] == (5 * 8 + 8 + 8 * 3 + 3) * 4
+
+
+@pytest.mark.parametrize("strategy, message", [("ddp", "not profiled yet"), ("zero", "unknown strategy")])
+def test_other_strategies_are_a_clear_error(strategy, message, capsys):
+    assert main(["profile", "--strategy", strategy, "--accelerator", "cpu", "--no-progress"]) == 2
+    assert message in capsys.readouterr().err

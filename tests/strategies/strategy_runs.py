@@ -1,0 +1,47 @@
+"""Helpers shared by the strategy tests: `dpkit train` runs, cached per (strategy, devices, batch)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from dpkit.cli.main import main
+
+STEPS = 20
+LR = 0.1
+SEED = 3
+
+
+def train_args(strategy: str, devices: int, batch_size: int, out: Path, *extra: str) -> list[str]:
+    return ["train", "--example", "digits", "--strategy", strategy, "--accelerator", "cpu", "--devices", str(devices),
+            "--steps", str(STEPS), "--batch-size", str(batch_size), "--seed", str(SEED), "--lr", str(LR),
+            "--out", str(out), "--no-progress", *extra]
+
+
+class Runs:
+    def __init__(self, root: Path):
+        self.root = root
+        self.done: dict[tuple, Path] = {}
+
+    def __call__(self, strategy: str, devices: int, batch_size: int, *extra: str) -> Path:
+        key = (strategy, devices, batch_size, *extra)
+        if key not in self.done:
+            out = self.root / "-".join(map(str, key)).replace("--", "")
+            assert main(train_args(strategy, devices, batch_size, out, *extra)) == 0
+            self.done[key] = out
+        return self.done[key]
+
+
+def load_state(folder: Path) -> dict[str, torch.Tensor]:
+    return torch.load(folder / "model.pt", weights_only=True)
+
+
+def load_metrics(folder: Path) -> dict:
+    return json.loads((folder / "metrics.json").read_text())
+
+
+def max_abs_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert list(a) == list(b), f"different keys: {list(a)} vs {list(b)}"
+    return max((a[k] - b[k]).abs().max().item() for k in a)

@@ -1,0 +1,60 @@
+"""The central property: every strategy computes the single-device model.
+
+20 SGD steps from the same seed, global batches of 64 (even shares) and 67 (uneven shares: DDP's own
+averaging of per-rank means would be wrong there), on 2 and 3 virtual CPU devices.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from strategy_runs import STEPS, load_metrics, load_state, max_abs_diff
+from dpkit.examples.digits import DigitsMLP
+
+TOLERANCE = 1e-5
+
+
+@pytest.mark.parametrize("batch_size", [64, 67])
+@pytest.mark.parametrize("devices", [2, 3])
+@pytest.mark.parametrize("strategy", ["dp", "dp-balanced", "replicated", "ddp"])
+def test_strategy_equals_single(train_run, strategy, devices, batch_size):
+    reference = train_run("single", 1, batch_size)
+    run = train_run(strategy, devices, batch_size)
+
+    state = load_state(run)
+    DigitsMLP().load_state_dict(state)  # a clean state dict for the bare example model
+    diff = max_abs_diff(state, load_state(reference))
+    assert diff <= TOLERANCE, f"{strategy} on {devices} devices, batch {batch_size}: max |diff| {diff:.3g} vs single"
+
+    metrics, single = load_metrics(run), load_metrics(reference)
+    assert metrics["strategy"] == strategy
+    assert metrics["devices"] == [f"cpu:{i}" for i in range(devices)]
+    assert len(metrics["loss"]) == STEPS
+    # the per-step loss is the global batch's mean loss, whichever process or replica computed it
+    assert max(abs(a - b) for a, b in zip(metrics["loss"], single["loss"])) < 1e-5
+    assert metrics["samples_per_second"] > 0
+    # evaluation counts every test sample exactly once
+    assert metrics["test_samples"] == single["test_samples"] == 360
+    assert metrics["test_accuracy"] == pytest.approx(single["test_accuracy"], abs=1 / 360)
+
+
+def test_training_moves_the_weights(train_run):
+    """Guards the equivalence test against a vacuous pass: the runs do change the model."""
+    torch.manual_seed(3)
+    initial = DigitsMLP().state_dict()
+    trained = load_state(train_run("single", 1, 64))
+    assert max_abs_diff(trained, initial) > 1e-2
+    loss = load_metrics(train_run("single", 1, 64))["loss"]
+    assert loss[-1] < loss[0]
+
+
+@pytest.mark.parametrize("strategy,devices", [("replicated", 3), ("ddp", 2)])
+def test_gradient_accumulation_equals_single(train_run, strategy, devices):
+    """accumulate=2 with momentum: no_sync (ddp) / no sum (replicated) on the first micro-batch, then one step."""
+    extra = ("--accumulate", "2", "--momentum", "0.9")
+    reference = train_run("single", 1, 33, *extra)
+    run = train_run(strategy, devices, 33, *extra)
+    diff = max_abs_diff(load_state(run), load_state(reference))
+    assert diff <= TOLERANCE, f"{strategy}: max |diff| {diff:.3g} vs single with accumulation"
+    assert len(load_metrics(run)["loss"]) == STEPS

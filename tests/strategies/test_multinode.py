@@ -1,0 +1,39 @@
+"""Two nodes over loopback: two `dpkit launch --nnodes 2` processes train together, like ddp on 2 devices."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from strategy_runs import load_metrics, load_state, max_abs_diff, train_args
+from dpkit.launch import free_port
+
+
+def test_two_nodes_over_loopback_equal_ddp_on_two_devices(train_run, tmp_path):
+    port = free_port("127.0.0.1")
+    out = tmp_path / "two-nodes"
+
+    def node(rank: int) -> subprocess.Popen:
+        command = [sys.executable, "-m", "dpkit.cli.main", "launch", "--nnodes", "2", "--node-rank", str(rank),
+                   "--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port", str(port),
+                   "-m", "dpkit.cli.main", *train_args("ddp", 1, 64, out)]
+        return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+    nodes = [node(0), node(1)]
+    outputs = []
+    try:
+        for process in nodes:
+            outputs.append(process.communicate(timeout=120)[0])
+    finally:
+        for process in nodes:
+            if process.poll() is None:
+                process.kill()
+    for rank, (process, output) in enumerate(zip(nodes, outputs)):
+        assert process.returncode == 0, f"node {rank} failed:\n{output}"
+
+    metrics = load_metrics(out)
+    assert metrics["world_size"] == 2
+    assert metrics["test_samples"] == 360
+    reference = train_run("ddp", 2, 64)
+    assert max_abs_diff(load_state(out), load_state(reference)) <= 1e-6
+    assert metrics["loss"] == load_metrics(reference)["loss"]
