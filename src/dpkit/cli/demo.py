@@ -59,7 +59,7 @@ def run(args: argparse.Namespace) -> int:
                 optimizer.step()
                 step_seconds.append(time.perf_counter() - began)
                 rows_per_device = [total + rows for total, rows in zip(rows_per_device, dp.last_split_sizes)]
-                bar.set_postfix(epoch=epoch + 1, loss=f"{loss.item():.3f}")
+                bar.set_postfix(epoch=epoch + 1, loss=f"{loss.item():.3f}", refresh=False)  # redraw at tqdm's pace, not every step
                 bar.update()
 
     dp.eval()
