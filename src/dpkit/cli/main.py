@@ -5,9 +5,11 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import os
 import sys
 
 from dpkit.errors import DpkitError
+from dpkit.strategies.ddp import launched
 
 # subcommand name -> module under dpkit.cli; each module defines add_parser(subparsers) and run(args) -> int
 COMMANDS = {
@@ -41,5 +43,22 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
+def exit_worker(code: int) -> None:
+    """Leave a launched worker process without interpreter teardown.
+
+    Under load, a gloo worker that has finished cleanly (process group destroyed, files written) can
+    still abort during interpreter teardown ("terminate called without an active exception", no
+    Python frame left), which the launcher reports as a failed run. The work is done and flushed by
+    then, so a worker skips that teardown.
+    """
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_code = main()
+    if launched():
+        exit_worker(exit_code)
+    sys.exit(exit_code)

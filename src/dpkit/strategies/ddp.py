@@ -231,7 +231,11 @@ class DDP(Strategy):
 
     def teardown(self) -> None:
         if dist.is_initialized():
+            # every rank arrives before any closes its connections: a rank that tears gloo down while a
+            # peer is still finishing its last collective can abort at exit ("terminate called ...")
+            dist.barrier()
             dist.destroy_process_group()
+        self.ddp = None
 
 
 STRATEGY = DDP
