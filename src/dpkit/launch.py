@@ -30,6 +30,14 @@ class LaunchError(DpkitError):
     """A worker process failed; the message names its rank, exit code and error."""
 
 
+LAUNCH_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+def launched() -> bool:
+    """Whether this process was started by a launcher (dpkit launch / torchrun)."""
+    return all(name in os.environ for name in LAUNCH_VARIABLES)
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port nothing listens on at `host` right now (the OS picks it)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:

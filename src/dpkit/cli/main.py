@@ -9,7 +9,7 @@ import os
 import sys
 
 from dpkit.errors import DpkitError
-from dpkit.strategies.ddp import launched
+from dpkit.launch import launched
 
 # subcommand name -> module under dpkit.cli; each module defines add_parser(subparsers) and run(args) -> int
 COMMANDS = {

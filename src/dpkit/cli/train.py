@@ -23,7 +23,7 @@ from dpkit.examples import EXAMPLES, get_example, load_factory
 from dpkit.launch import launch
 from dpkit.precision import PRECISIONS
 from dpkit.strategies import available_strategies
-from dpkit.strategies.ddp import launched
+from dpkit.launch import launched
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:

@@ -17,6 +17,8 @@ from typing import Any, Callable
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from dpkit.devices import parse_device
+
 CATEGORIES = ("parameters", "gradients", "optimizer_state", "activations", "gathered_outputs", "loss", "other")
 
 
@@ -145,9 +147,8 @@ def fresh_tensors(func: Any, out: Any):
 
 
 def device_key(device: torch.device | str) -> str:
-    """'cpu:3', 'cuda:0': the key of a device's account (a bare 'cpu' is cpu:0)."""
-    device = torch.device(device)
-    return f"{device.type}:{device.index if device.index is not None else 0}"
+    """'cpu:3', 'cuda:0': the key of a device's account (a bare 'cpu' is cpu:0, as everywhere in dpkit)."""
+    return str(parse_device(device))
 
 
 class AllocationTracker(TorchDispatchMode):

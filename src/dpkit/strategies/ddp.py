@@ -27,18 +27,11 @@ from torch import nn
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, RandomSampler, Sampler
 
 from dpkit.devices import cpu_threads_per_device
+from dpkit.launch import LAUNCH_VARIABLES, launched
 from dpkit.parallel.scatter import split_sizes
 from dpkit.strategies.base import Strategy
 
 log = logging.getLogger("dpkit")
-
-LAUNCH_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
-
-
-def launched() -> bool:
-    """Whether this process was started by a launcher (dpkit launch / torchrun)."""
-    return all(name in os.environ for name in LAUNCH_VARIABLES)
-
 
 class _BelowWarning(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
