@@ -5,6 +5,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 from strategy_runs import load_metrics, load_state, max_abs_diff, train_args
 from dpkit.launch import free_port
 
@@ -36,4 +38,9 @@ def test_two_nodes_over_loopback_equal_ddp_on_two_devices(train_run, tmp_path):
     assert metrics["test_samples"] == 360
     reference = train_run("ddp", 2, 64)
     assert max_abs_diff(load_state(out), load_state(reference)) <= 1e-6
-    assert metrics["loss"] == load_metrics(reference)["loss"]
+    # Two nodes and one node sum the same float32 values in a different order (gloo's ring over two hosts vs
+    # one), so the per-step losses agree to float32 rounding, not bit for bit; bit-equality is promised only
+    # for the same topology, seed and machine (tests/strategies/test_repeatability.py).
+    reference_loss = load_metrics(reference)["loss"]
+    assert len(metrics["loss"]) == len(reference_loss)
+    assert metrics["loss"] == pytest.approx(reference_loss, rel=1e-6, abs=1e-7)

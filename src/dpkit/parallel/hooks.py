@@ -1,0 +1,112 @@
+"""The observation seam: parallel/ and the strategies announce what they do; whoever listens measures.
+
+Nothing in parallel/ knows what a measurement is. It calls the functions below at the edges of its work,
+and they forward to every registered listener (an `observe.Observer` while it is started, a test's
+recorder, ...). With no listener registered each call costs one check of an empty tuple.
+
+    handle = hooks.register(listener)     # listener: any object with some of the methods of Listener
+    ...
+    handle.remove()
+
+Calls, all optional for a listener to implement:
+    phase(name, device)          context manager around a phase run by the calling thread
+                                 ("scatter", "replicate", "gather", "loss", "all_reduce", "optimizer", ...)
+    replica(index, device)       context manager around a replica's job, entered in that replica's thread
+    replica_phase(name)          context manager inside a replica's job that switches its phase ("loss", ...)
+    split(module, devices, output_device, rows)   a step's plan: rows per device (0: left out)
+    outputs(outputs, devices, stop)               the replicas' outputs, whose autograd nodes belong to
+                                                  `devices[i]` up to the nodes in `stop` (the inputs')
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from typing import Any, ContextManager, Iterator, Protocol, Sequence
+
+import torch
+
+_listeners: tuple[Any, ...] = ()
+_lock = threading.Lock()
+
+
+class Listener(Protocol):  # documentation of the calls; a listener implements any subset
+    def phase(self, name: str, device: torch.device | None) -> ContextManager: ...
+    def replica(self, index: int, device: torch.device) -> ContextManager: ...
+    def replica_phase(self, name: str) -> ContextManager: ...
+    def split(self, module: Any, devices: Sequence[torch.device], output_device: torch.device, rows: Sequence[int]) -> None: ...
+    def outputs(self, outputs: Sequence[Any], devices: Sequence[torch.device], stop: Sequence[Any]) -> None: ...
+
+
+class Handle:
+    """Returned by register(); remove() unregisters (idempotent)."""
+
+    def __init__(self, listener: Any):
+        self.listener = listener
+
+    def remove(self) -> None:
+        global _listeners
+        with _lock:
+            _listeners = tuple(x for x in _listeners if x is not self.listener)
+
+
+def register(listener: Any) -> Handle:
+    global _listeners
+    with _lock:
+        if not any(x is listener for x in _listeners):
+            _listeners = _listeners + (listener,)
+    return Handle(listener)
+
+
+def listening() -> bool:
+    """Whether anyone listens (callers skip preparing what only a listener would read)."""
+    return bool(_listeners)
+
+
+def _enter_all(method: str, *args: Any) -> ContextManager:
+    listeners = _listeners
+    if not listeners:
+        return contextlib.nullcontext()
+    stack = contextlib.ExitStack()
+    for listener in listeners:
+        enter = getattr(listener, method, None)
+        if enter is not None:
+            stack.enter_context(enter(*args))
+    return stack
+
+
+def phase(name: str, device: torch.device | None = None) -> ContextManager:
+    return _enter_all("phase", name, device)
+
+
+def replica(index: int, device: torch.device) -> ContextManager:
+    return _enter_all("replica", index, device)
+
+
+def replica_phase(name: str) -> ContextManager:
+    return _enter_all("replica_phase", name)
+
+
+def _notify(method: str, *args: Any) -> None:
+    for listener in _listeners:
+        notify = getattr(listener, method, None)
+        if notify is not None:
+            notify(*args)
+
+
+def split(module: Any, devices: Sequence[torch.device], output_device: torch.device, rows: Sequence[int]) -> None:
+    _notify("split", module, devices, output_device, rows)
+
+
+def outputs(outputs: Sequence[Any], devices: Sequence[torch.device], stop: Sequence[Any]) -> None:
+    _notify("outputs", outputs, devices, stop)
+
+
+@contextlib.contextmanager
+def listening_to(listener: Any) -> Iterator[Any]:
+    """register(listener) for the duration of a with-block."""
+    handle = register(listener)
+    try:
+        yield listener
+    finally:
+        handle.remove()
