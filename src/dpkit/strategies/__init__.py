@@ -1,30 +1,41 @@
-"""How devices cooperate in one step: one module per strategy, found by name.
+"""How devices cooperate in one step: one module per strategy, named in STRATEGIES.
 
-`strategy="dp-balanced"` loads `dpkit.strategies.dp_balanced` and uses its `STRATEGY` class, so adding a
-strategy is adding one module here.
+Adding a strategy is adding its module here and one line to the table; any other module in this package
+(helpers a strategy shares) is not a strategy.
 """
 
 from __future__ import annotations
 
 import importlib
-import pkgutil
 from typing import Any, Sequence
 
 import torch
 
 from dpkit.strategies.base import DeferredOutput, Strategy
 
-__all__ = ["DeferredOutput", "Strategy", "available_strategies", "create_strategy"]
+__all__ = ["STRATEGIES", "DeferredOutput", "Strategy", "available_strategies", "create_strategy"]
+
+# name -> "module:class"; modules are imported on first use (ddp pulls in torch.distributed)
+STRATEGIES: dict[str, str] = {
+    "single": "dpkit.strategies.single:Single",
+    "dp": "dpkit.strategies.dp:DP",
+    "dp-balanced": "dpkit.strategies.dp_balanced:DPBalanced",
+    "replicated": "dpkit.strategies.replicated:Replicated",
+    "ddp": "dpkit.strategies.ddp:DDP",
+}
 
 
 def available_strategies() -> list[str]:
-    names = [info.name for info in pkgutil.iter_modules(__path__) if info.name != "base"]
-    return sorted(name.replace("_", "-") for name in names)
+    return sorted(STRATEGIES)
+
+
+def strategy_class(name: str) -> type[Strategy]:
+    if not isinstance(name, str) or name not in STRATEGIES:
+        raise ValueError(f"strategy: unknown strategy {name!r}; choose one of {', '.join(available_strategies())}")
+    module_name, class_name = STRATEGIES[name].split(":")
+    return getattr(importlib.import_module(module_name), class_name)
 
 
 def create_strategy(name: str, devices: Sequence[torch.device], **options: Any) -> Strategy:
     """An instance of the strategy called `name` ("single", "dp", "dp-balanced", "replicated", "ddp")."""
-    if not isinstance(name, str) or name.replace("-", "_") not in {n.replace("-", "_") for n in available_strategies()}:
-        raise ValueError(f"strategy: unknown strategy {name!r}; choose one of {', '.join(available_strategies())}")
-    module = importlib.import_module(f"dpkit.strategies.{name.replace('-', '_')}")
-    return module.STRATEGY(devices, **options)
+    return strategy_class(name)(devices, **options)

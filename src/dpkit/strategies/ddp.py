@@ -229,6 +229,3 @@ class DDP(Strategy):
             dist.barrier()
             dist.destroy_process_group()
         self.ddp = None
-
-
-STRATEGY = DDP

@@ -14,6 +14,3 @@ class DP(Strategy):
 
     def wrap_model(self, model: nn.Module) -> nn.Module:
         return DataParallel(model.to(self.root_device), self.devices)
-
-
-STRATEGY = DP

@@ -68,6 +68,3 @@ class DPBalanced(Strategy):
             return self.data_parallel(*output.args, target=targets[0], **output.kwargs)
 
         return loss_in_replicas
-
-
-STRATEGY = DPBalanced

@@ -361,6 +361,3 @@ class Replicated(Strategy):
                 for mine, first in zip(self.params[i], self.params[0]):
                     mine.copy_(first)
         self._sync_buffers()
-
-
-STRATEGY = Replicated

@@ -16,6 +16,3 @@ class Single(Strategy):
         if len(devices) != 1:
             raise ValueError(f"devices: strategy 'single' uses one device, got {len(devices)}; pass devices=1 or choose 'dp', 'replicated' or 'ddp'")
         super().__init__(devices)
-
-
-STRATEGY = Single
