@@ -367,6 +367,17 @@ def collective_rows(timings: list[dict[str, Any]], world_size: int, comparison: 
     return rows
 
 
+def best_bus_bandwidth(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per collective, the highest bus bandwidth over the message sizes, where it was reached and its ratio."""
+    summary: dict[str, dict[str, Any]] = {}
+    for row in rows:
+        best = summary.get(row["collective"])
+        if best is None or row["busbw_bytes_per_second"] > best["busbw_bytes_per_second"]:
+            summary[row["collective"]] = {"busbw_bytes_per_second": row["busbw_bytes_per_second"], "size_bytes": row["size_bytes"],
+                                          "nominal_bytes_per_second": row["nominal_bytes_per_second"], "ratio": row["ratio"]}
+    return summary
+
+
 # ---------------------------------------------------------------- the whole check-up
 
 def _resolve_link(catalogue: Catalogue, given: str | None, inferred_name: str | None, argument: str) -> tuple[Link | None, bool]:
@@ -445,6 +456,11 @@ def run_doctor(options: DoctorOptions | None = None) -> dict[str, Any]:
         timings = measure_collectives(backend, options.processes, sizes, list(options.collectives), options.iterations,
                                       options.warmup, options.progress, options.timeout_seconds)
         report["collectives"] = collective_rows(timings, options.processes, link_comparison(*peer_link))
+        report["summary"] = best_bus_bandwidth(report["collectives"])
+        link = peer_link[0]
+        if link is not None and link.max_devices is not None and options.processes > link.max_devices:
+            notes.append(f"{link.name} joins at most {link.max_devices} devices, but {options.processes} ranks took part")
+    report.setdefault("summary", {})
     report["sizes_bytes"] = sizes
     flagged = [row for row in report["copies"] + report["collectives"] if row["low"]]
     if flagged:

@@ -79,6 +79,7 @@ def test_match_gpu_from_torch_device_names(catalogue, device_name, expected):
 def test_match_gpu_unknown_is_none(catalogue):
     assert catalogue.match_gpu("NVIDIA GeForce GTX 1080") is None
     assert catalogue.match_gpu("") is None
+    assert catalogue.match_gpu("NVIDIA GH200 480GB") is None
 
 
 def test_user_json_adds_and_overrides(tmp_path):

@@ -76,7 +76,9 @@ def _rate(value: float | None) -> str:
 def _ratio(row: dict[str, Any]) -> str:
     if row["ratio"] is None:
         return "-"
-    return f"{row['ratio']:.0%}" + (" LOW" if row["low"] else "")
+    percent = row["ratio"] * 100
+    text = f"{percent:.0f}%" if percent >= 10 else f"{percent:.2g}%"
+    return text + (" LOW" if row.get("low") else "")
 
 
 def _table(headers: list[str], rows: list[list[str]]) -> str:
@@ -117,6 +119,9 @@ def format_report(report: dict[str, Any]) -> str:
                            _rate(row["algbw_bytes_per_second"]), _rate(row["busbw_bytes_per_second"]),
                            _rate(row["nominal_bytes_per_second"]), _rate(row["typical_bytes_per_second"]), _ratio(row)]
                           for row in report["collectives"]]))
+    for collective, best in report.get("summary", {}).items():
+        against = "" if best["ratio"] is None else f", {_ratio(best)} of nominal {_rate(best['nominal_bytes_per_second'])} GB/s"
+        parts.append(f"best {collective} bus bandwidth: {_rate(best['busbw_bytes_per_second'])} GB/s at {_size(best['size_bytes'])}{against}")
     parts.extend(f"note: {note}" for note in report["notes"])
     return "\n\n".join(parts)
 

@@ -105,6 +105,8 @@ class Catalogue:
         if text.strip() and normalize_name(text) in self.gpus:
             return self.gpus[normalize_name(text)]
         key = None
+        if "gh200" in text or "h100 nvl" in text:
+            return None  # Grace Hopper and the 94 GB H100 NVL differ from every entry: add them with a user file
         if "h200" in text:
             key = "h200-sxm"
         elif "h100" in text:
