@@ -21,6 +21,7 @@ import json
 import logging
 import os
 import platform
+import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -299,6 +300,7 @@ def _collective_worker(rank: int, world_size: int, backend: str, port: int, size
         synchronize = lambda: None  # noqa: E731  (gloo calls return when done)
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
                             timeout=timedelta(seconds=timeout_seconds))
+    barrier = (lambda: dist.barrier(device_ids=[rank])) if cuda else dist.barrier
     results = []
     steps = [(collective, size) for collective in collectives for size in sizes]
     with tqdm(total=len(steps), desc=f"doctor {backend} collectives", unit="size",
@@ -312,7 +314,7 @@ def _collective_worker(rank: int, world_size: int, backend: str, port: int, size
             for _ in range(warmup):
                 call()
             synchronize()
-            dist.barrier()
+            barrier()
             start = time.perf_counter()
             for _ in range(iterations):
                 call()
@@ -322,11 +324,16 @@ def _collective_worker(rank: int, world_size: int, backend: str, port: int, size
             dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
             results.append({"collective": collective, "size_bytes": size_bytes, "seconds": float(elapsed.item())})
             bar.update()
-    dist.barrier()
+    barrier()
     dist.destroy_process_group()
     if rank == 0:
         with open(result_path, "w", encoding="utf-8") as handle:
             json.dump(results, handle)
+    # The work is done and written: skip interpreter teardown, where gloo can abort under load
+    # (as dpkit.cli.main.exit_worker does for launched workers).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def measure_collectives(backend: str, world_size: int, sizes: list[int], collectives: Sequence[str], iterations: int,
@@ -440,6 +447,7 @@ def run_doctor(options: DoctorOptions | None = None) -> dict[str, Any]:
                   disable=not options.progress, leave=False) as bar:
             report["copies"] = measure_cuda_copies(options.copy_bytes, options.copy_repeats, host_links, peer_link, gpus,
                                                    report["peer_access"], lambda _: bar.update())
+        torch.cuda.empty_cache()  # the collective workers get the GPUs' memory back
     else:
         peer_link = _resolve_link(catalogue, options.link, None, "--link")
         report["links"] = {"host": None, "peer": peer_link[0].name if peer_link[0] else None, "inferred": False}
