@@ -340,6 +340,7 @@ def measure_collectives(backend: str, world_size: int, sizes: list[int], collect
                         warmup: int, show_progress: bool, timeout_seconds: float) -> list[dict[str, Any]]:
     """Time each collective at each size in world_size fresh processes; seconds per call, slowest rank."""
     import torch.multiprocessing as mp
+    from torch.multiprocessing.spawn import ProcessException
 
     from dpkit.launch import free_port, loopback_interface
 
@@ -352,7 +353,7 @@ def measure_collectives(backend: str, world_size: int, sizes: list[int], collect
             mp.start_processes(_collective_worker, nprocs=world_size, join=True, start_method="spawn",
                                args=(world_size, backend, free_port(), list(sizes), list(collectives), iterations, warmup,
                                      result_path, show_progress, timeout_seconds))
-        except mp.ProcessException as error:
+        except ProcessException as error:
             last_line = str(error).strip().splitlines()[-1] if str(error).strip() else type(error).__name__
             raise RuntimeError(f"doctor: a {backend} worker failed ({last_line})") from error
         finally:

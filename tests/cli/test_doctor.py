@@ -133,3 +133,13 @@ def test_doctor_on_gpus():
     assert len(report["peer_access"]) == count
     if count >= 2:
         assert {row["size_bytes"] for row in report["collectives"]} == set(report["sizes_bytes"])
+
+
+def test_failed_worker_is_one_runtime_error_line():
+    if torch.cuda.is_available():
+        pytest.skip("needs a machine where NCCL workers fail: no GPU")
+    from dpkit.doctor import measure_collectives
+    with pytest.raises(RuntimeError) as info:
+        measure_collectives("nccl", 2, [4096], ["all_reduce"], iterations=1, warmup=0, show_progress=False, timeout_seconds=30)
+    message = str(info.value)
+    assert message.startswith("doctor: a nccl worker failed") and "\n" not in message
