@@ -23,6 +23,7 @@ import os
 import platform
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -289,6 +290,8 @@ def _collective_worker(rank: int, world_size: int, backend: str, port: int, size
 
     from dpkit.devices import cpu_threads_per_device
 
+    # a thread lock for tqdm: its default multiprocessing lock would be left to the resource tracker by os._exit below
+    tqdm.set_lock(threading.RLock())
     cuda = backend == "nccl"
     if cuda:
         torch.cuda.set_device(rank)
