@@ -192,14 +192,26 @@ def test_pages_exist_and_blocks_are_parsed() -> None:
 LINK = re.compile(r"\]\(([^)\s]+)\)")
 
 
+def heading_anchors(page: Path) -> set[str]:
+    """The anchors GitHub gives a page's headings: lower case, punctuation dropped, spaces as hyphens."""
+    text = re.sub(r"^```.*?^```", "", page.read_text(encoding="utf-8"), flags=re.S | re.M)  # no headings in code
+    headings = re.findall(r"^#+\s+(.*?)\s*$", text, flags=re.M)
+    return {re.sub(r"[^\w\- ]", "", heading.lower()).replace(" ", "-") for heading in headings}
+
+
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
 def test_relative_links_resolve(page: Path) -> None:
     for target in LINK.findall(page.read_text(encoding="utf-8")):
-        if re.match(r"^[a-z]+:", target) or target.startswith("#"):
+        if re.match(r"^[a-z]+:", target):
             continue
-        path = (page.parent / target.split("#")[0]).resolve()
+        file_part, _, anchor = target.partition("#")
+        path = (page.parent / file_part).resolve() if file_part else page
         relative = path.relative_to(ROOT).as_posix() if path.is_relative_to(ROOT) else str(path)
-        assert path.exists() or relative in PENDING_PAGES, f"{page.relative_to(ROOT)}: link to {target} finds nothing"
+        if not path.exists():
+            assert relative in PENDING_PAGES, f"{page.relative_to(ROOT)}: link to {target} finds nothing"
+            continue
+        if anchor and path.suffix == ".md":
+            assert anchor in heading_anchors(path), f"{page.relative_to(ROOT)}: link to {target}: no such heading in {relative}"
 
 
 def test_readme_is_a_front_page() -> None:
