@@ -55,7 +55,8 @@ class Block:
 
     @property
     def where(self) -> str:
-        return f"{self.page.relative_to(ROOT)}:{self.line}"
+        page = self.page.relative_to(ROOT) if self.page.is_relative_to(ROOT) else self.page
+        return f"{page}:{self.line}"
 
 
 def code_blocks(page: Path) -> list[Block]:
@@ -73,7 +74,7 @@ def code_blocks(page: Path) -> list[Block]:
             body.append(lines[i][len(indent):] if lines[i].startswith(indent) else lines[i])
             i += 1
         if i == len(lines):
-            raise AssertionError(f"{page.relative_to(ROOT)}:{start + 1}: code block is never closed")
+            raise AssertionError(f"{page}:{start + 1}: code block is never closed")
         previous = start - 1
         while previous >= 0 and not lines[previous].strip():
             previous -= 1
@@ -164,23 +165,84 @@ def test_code_blocks_run(page: Path, page_results: tuple[dict, str]) -> None:
     assert result["ok"], f"{result['error']}\n--- output ---\n{result['output']}"
 
 
+def block_problems(page: Path) -> list[str]:
+    """What is wrong with a page's fences: unknown languages, empty reasons, commands the test cannot run."""
+    problems = []
+    known = RUN_LANGUAGES + OUTPUT_LANGUAGES
+    for block in code_blocks(page):
+        if block.language not in known:
+            problems.append(f"{block.where}: fence language {block.language!r}; use one of {', '.join(known)}")
+        elif block.not_run is not None:
+            if block.language not in RUN_LANGUAGES:
+                problems.append(f"{block.where}: a not-run marker on a {block.language} block, which never runs")
+            elif not block.not_run:
+                problems.append(f"{block.where}: <!-- not-run: --> needs a reason")
+        elif block.language in ("bash", "sh"):
+            commands = shell_commands(block.code)
+            if not commands:
+                problems.append(f"{block.where}: an empty {block.language} block")
+            problems += [f"{block.where}: `{shlex.join(argv)}` is not a dpkit command, so the test cannot run it; "
+                         "mark the block <!-- not-run: why --> or show it as ```console"
+                         for argv in commands if argv[0] != "dpkit"]
+    return problems
+
+
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
 def test_every_block_is_run_or_says_why_not(page: Path) -> None:
-    for block in code_blocks(page):
-        known = RUN_LANGUAGES + OUTPUT_LANGUAGES
-        assert block.language in known, (
-            f"{block.where}: fence language {block.language!r}; use one of {', '.join(known)}")
-        if block.not_run is not None:
-            assert block.language in RUN_LANGUAGES, f"{block.where}: a not-run marker on a {block.language} block, which never runs"
-            assert block.not_run, f"{block.where}: <!-- not-run: --> needs a reason"
-            continue
-        if block.language in ("bash", "sh"):
-            commands = shell_commands(block.code)
-            assert commands, f"{block.where}: an empty {block.language} block"
-            for argv in commands:
-                assert argv[0] == "dpkit", (
-                    f"{block.where}: `{shlex.join(argv)}` is not a dpkit command, so the test cannot run it; "
-                    "mark the block <!-- not-run: why --> or show it as ```console")
+    problems = block_problems(page)
+    assert not problems, "\n".join(problems)
+
+
+FAULTY_PAGE = """# A page with every kind of fence
+
+```
+dpkit train --steps 2
+```
+
+```bash
+make demo
+```
+
+<!-- not-run: -->
+```python
+import nowhere
+```
+
+<!-- not-run: needs GPUs -->
+```bash
+dpkit train --accelerator cuda
+```
+
+<!-- not-run: output -->
+```console
+$ dpkit --help
+```
+
+```bash
+dpkit --help  # runs
+```
+"""
+
+
+def test_the_checker_names_each_unmarked_or_unlabelled_block(tmp_path: Path) -> None:
+    page = tmp_path / "page.md"
+    page.write_text(FAULTY_PAGE)
+    blocks = code_blocks(page)
+    assert [(b.line, b.language, b.not_run) for b in blocks] == [
+        (3, "", None), (7, "bash", None), (12, "python", ""), (17, "bash", "needs GPUs"), (22, "console", "output"), (26, "bash", None)]
+    problems = block_problems(page)
+    assert [problem.split(": ")[0] for problem in problems] == [f"{page}:{line}" for line in (3, 7, 12, 22)]
+    assert "`make demo` is not a dpkit command" in problems[1]
+
+
+def test_the_runner_names_the_failing_block(tmp_path: Path) -> None:
+    page = tmp_path / "page.md"
+    page.write_text("```python\nvalue = 1\n```\n\n```python\nassert value == 2, 'wrong'\n```\n")
+    with pytest.raises(RuntimeError, match=r"page.md:5 failed: AssertionError: wrong"):
+        run_page(page, tmp_path)
+    page.write_text("```python\nvalue = 2\n```\n\n```bash\ndpkit train --steps 0\n```\n")
+    with pytest.raises(RuntimeError, match=r"`dpkit train --steps 0` returned 2"):
+        run_page(page, tmp_path)
 
 
 def test_pages_exist_and_blocks_are_parsed() -> None:
