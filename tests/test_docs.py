@@ -279,6 +279,9 @@ def test_relative_links_resolve(page: Path) -> None:
 def test_readme_is_a_front_page() -> None:
     size = len((ROOT / "README.md").read_bytes())
     assert size <= README_MAX_BYTES, f"README.md is {size} bytes; move reference material into docs/"
+    linked = {target.partition("#")[0] for target in LINK.findall((ROOT / "README.md").read_text(encoding="utf-8"))}
+    unlinked = [page.relative_to(ROOT).as_posix() for page in PAGES[1:] if page.relative_to(ROOT).as_posix() not in linked]
+    assert not unlinked, f"README.md does not link {', '.join(unlinked)}; add them under 'More'"
 
 
 if __name__ == "__main__":
