@@ -124,3 +124,25 @@ def test_a_replica_phase_must_be_a_known_phase():
         with pytest.raises(ValueError, match="replica_phase: unknown phase 'fwd'"):
             with hooks.replica_phase("fwd"):
                 pass
+
+
+@pytest.mark.parametrize("strategy, devices", [("single", 1), ("dp", 2)])
+def test_the_engine_announces_forward_loss_backward_and_optimizer(strategy, devices):
+    engine = dpkit.Engine(strategy=strategy, accelerator="cpu", devices=devices, progress=False)
+    bare = nn.Linear(3, 2)
+    model, optimizer = engine.setup(bare, torch.optim.SGD(bare.parameters(), lr=0.1))
+    criterion = engine.setup_criterion(F.mse_loss)
+    recorder = Recorder()
+    with hooks.listening_to(recorder), Observer("cpu:0", models=engine.model_copies()) as obs:
+        loss = criterion(model(torch.randn(6, 3)), torch.randn(6, 2))
+        engine.backward(loss)
+        optimizer.step()
+    phases = [(e[1], e[2]) for e in recorder.events if e[0] == "phase"]
+    assert ("loss", "cpu:0") in phases and ("backward", "cpu:0") in phases
+    splits = [e[1:3] for e in recorder.events if e[0] == "split"]
+    assert splits == [([f"cpu:{i}" for i in range(devices)], dpkit.split_sizes(6, devices))]
+    if strategy == "single":
+        assert ("forward", "cpu:0") in phases  # dp's replicas announce their own forward
+    report = obs.report()
+    assert report.steps == 1 and [d.rows for d in report.devices] == dpkit.split_sizes(6, devices)
+    assert {"forward", "loss", "backward", "optimizer"} <= set(report.device("cpu:0").seconds_by_phase)
