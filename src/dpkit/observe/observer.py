@@ -82,6 +82,7 @@ class Observer:
         self._watched: set[int] = set()
         self._listening: hooks.Handle | None = None
         self._started = False
+        self._devices_lock = threading.Lock()  # replica threads announce devices too
 
     # ---- lifecycle -------------------------------------------------------------------------------
     def start(self) -> "Observer":
@@ -155,7 +156,9 @@ class Observer:
 
     def _note_device(self, key: str) -> None:
         if key not in self.devices:
-            self.devices.append(key)
+            with self._devices_lock:
+                if key not in self.devices:
+                    self.devices.append(key)
 
     # ---- phases (seam calls and direct use) ------------------------------------------------------
     @contextlib.contextmanager
