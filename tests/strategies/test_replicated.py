@@ -287,3 +287,38 @@ def test_ctrl_c_during_a_replicated_step_stops_within_a_second_and_the_next_step
     optimizer.step()
     first, second = (list(r.parameters()) for r in engine.strategy.replicas)
     assert all(torch.equal(a, b) for a, b in zip(first, second))
+
+
+class SleepInBackwardOnReplicaOne(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        if threading.current_thread().name.startswith("dpkit-cpu:1"):
+            time.sleep(1.5)
+        return grad
+
+
+class SlowBackwardNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(6, 3)
+
+    def forward(self, x):
+        return SleepInBackwardOnReplicaOne.apply(self.linear(x))
+
+
+def test_ctrl_c_during_the_replicas_backward_stops_within_a_second():
+    engine = Engine(strategy="replicated", accelerator="cpu", devices=2)
+    model = SlowBackwardNet()
+    model, _ = engine.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    x, y = data(8)
+    loss = engine.setup_criterion(F.cross_entropy)(model(x), y)
+    timer = threading.Timer(0.2, _thread.interrupt_main)
+    began = time.monotonic()
+    timer.start()
+    with pytest.raises(KeyboardInterrupt):
+        engine.backward(loss)
+    assert time.monotonic() - began < 1.2

@@ -178,7 +178,7 @@ class GradientSum:
         self.threads = threads
         self.slices = len(self.devices)
         self.buckets = plan_buckets(self.params[0], bucket_cap_bytes) if self.params else []
-        self._round: _Round | None = None
+        self._thread = threading.local()  # .round: the round the backward in this thread belongs to
         self._handles: list[Any] = []
         if self.on_cpu and len(self.devices) > 1 and overlap:
             bucket_of = {position: b for b, bucket in enumerate(self.buckets) for position in bucket}
@@ -189,8 +189,10 @@ class GradientSum:
 
     def _hook(self, bucket: int):
         def grad_ready(_: torch.Tensor) -> None:
-            round_ = self._round
-            if round_ is not None:  # only inside backward(..., sync=True); other backwards sum later
+            # hooks fire in the thread running the replica's backward: only backward(..., sync=True) has a
+            # round there; other backwards (accumulating, or on the caller's thread) are summed later
+            round_ = getattr(self._thread, "round", None)
+            if round_ is not None:
                 round_.grad_ready(bucket)
         return grad_ready
 
@@ -260,6 +262,7 @@ class GradientSum:
         round_ = _Round(self, list(by_replica))
 
         def backward_then_sum(i: int) -> None:
+            self._thread.round = round_
             try:
                 if i in by_replica:
                     with hooks.replica_phase("backward"):
@@ -271,9 +274,7 @@ class GradientSum:
             except BaseException:
                 round_.abort()
                 raise
+            finally:
+                self._thread.round = None
 
-        self._round = round_
-        try:
-            run_replicas(self.devices, backward_then_sum, generators=False, threads=self.threads)
-        finally:
-            self._round = None
+        run_replicas(self.devices, backward_then_sum, generators=False, threads=self.threads)
