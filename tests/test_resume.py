@@ -44,7 +44,7 @@ def loader_for(seeded_order: bool) -> DataLoader:
 
 
 def run(strategy: str, devices: int, state_dir: Path, *, stop_at: int | None = None, resume: bool = False,
-        seeded_order: bool = False, dropout: float = 0.3, steps: int = STEPS) -> tuple[dict[str, torch.Tensor], dict[int, float]]:
+        seeded_order: bool = False, dropout: float = 0.3, steps: int = STEPS, close: bool = True) -> tuple[dict[str, torch.Tensor], dict[int, float]]:
     """Train up to `steps` (or save and stop at `stop_at`); the weights and the loss of every step run here."""
     engine = dpkit.Engine(strategy=strategy, accelerator="cpu", devices=devices, progress=False)
     torch.manual_seed(0)
@@ -68,11 +68,13 @@ def run(strategy: str, devices: int, state_dir: Path, *, stop_at: int | None = N
             losses[engine.step] = loss.item()
             if engine.step == stop_at:
                 engine.save_state(state_dir, keep=2, scheduler=scheduler, note=f"stopped at {engine.step}")
-                engine.close()
+                if close:
+                    engine.close()
                 return clean_state_dict(model), losses
             if engine.step == steps:
                 break
-    engine.close()
+    if close:
+        engine.close()
     return {k: v.clone() for k, v in clean_state_dict(model).items()}, losses
 
 
@@ -124,3 +126,36 @@ def test_resume_under_another_strategy_and_world_size(tmp_path, first, second):
         torch.testing.assert_close(weights[key], reference[key], rtol=1e-5, atol=1e-6)
     for step, loss in {**first_losses, **losses}.items():
         assert loss == pytest.approx(reference_losses[step], rel=1e-5, abs=1e-6)
+
+
+DDP_SCRIPT = """
+import sys
+from pathlib import Path
+import torch
+sys.path.insert(0, {tests!r})
+from test_resume import run
+
+out = Path(sys.argv[1])
+# one process group for the three runs: each Engine finds it initialised; only the last one closes it
+reference, reference_losses = run("ddp", 2, out / "unused", close=False)
+_, first_losses = run("ddp", 2, out / "state", stop_at={stop_at}, close=False)
+weights, resumed_losses = run("ddp", 2, out / "state", resume=True)
+rank = int(__import__("os").environ["RANK"])
+torch.save({{"reference": reference, "reference_losses": reference_losses, "weights": weights,
+            "losses": {{**first_losses, **resumed_losses}}}}, out / f"result-{{rank}}.pt")
+"""
+
+
+def test_ddp_resume_equals_uninterrupted_bitwise(tmp_path):
+    """Two processes under dpkit's launcher: an uninterrupted run, a run saved at step 5 (mid-epoch), and a
+    fresh Engine that resumes it, all in the same process group; each rank's weights and losses compare."""
+    from dpkit.launch import launch
+
+    script = tmp_path / "ddp_resume.py"
+    script.write_text(DDP_SCRIPT.format(tests=str(Path(__file__).parent), stop_at=5))
+    launch(str(script), [str(tmp_path)], nproc_per_node=2)
+    for rank in range(2):
+        result = torch.load(tmp_path / f"result-{rank}.pt", weights_only=True)
+        assert_bitwise(result["reference"], result["weights"], f"ddp rank {rank}")
+        assert result["losses"] == result["reference_losses"] and len(result["losses"]) == STEPS
+    assert sorted(p.name for p in (tmp_path / "state" / "step-00000005").iterdir()) == ["rank-0.pt", "rank-1.pt", "state.pt"]
