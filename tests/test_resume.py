@@ -88,6 +88,11 @@ def assert_bitwise(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], what:
 def test_resume_equals_uninterrupted_bitwise(tmp_path, strategy, devices):
     reference, reference_losses = run(strategy, devices, tmp_path / "unused")
     assert len(reference_losses) == STEPS
+    again, _ = run(strategy, devices, tmp_path / "unused")
+    if not all(torch.equal(again[k], reference[k]) for k in reference):
+        # the precondition, not the resume: dropout in replicas needs per-replica generators (issue 7's runner)
+        assert strategy == "replicated", f"{strategy}: two identical uninterrupted runs differ"
+        pytest.skip("replicated with dropout is not bitwise repeatable in this build (no per-replica generators yet)")
     for stop_at in (3, 6, 10):  # mid-epoch, the end of the first epoch, inside the second
         state_dir = tmp_path / f"stop-{stop_at}"
         _, first_losses = run(strategy, devices, state_dir, stop_at=stop_at)
@@ -139,6 +144,7 @@ out = Path(sys.argv[1])
 # one process group for the three runs: each Engine finds it initialised; only the last one closes it
 reference, reference_losses = run("ddp", 2, out / "unused", close=False)
 _, first_losses = run("ddp", 2, out / "state", stop_at={stop_at}, close=False)
+run("ddp", 2, out / "cross", stop_at={stop_at}, seeded_order=True, dropout=0.0, close=False)  # resumed elsewhere below
 weights, resumed_losses = run("ddp", 2, out / "state", resume=True)
 rank = int(__import__("os").environ["RANK"])
 torch.save({{"reference": reference, "reference_losses": reference_losses, "weights": weights,
@@ -159,3 +165,11 @@ def test_ddp_resume_equals_uninterrupted_bitwise(tmp_path):
         assert_bitwise(result["reference"], result["weights"], f"ddp rank {rank}")
         assert result["losses"] == result["reference_losses"] and len(result["losses"]) == STEPS
     assert sorted(p.name for p in (tmp_path / "state" / "step-00000005").iterdir()) == ["rank-0.pt", "rank-1.pt", "state.pt"]
+
+    # ddp on 2 processes -> replicated on 3 devices -> single: the data position is a global batch
+    reference, reference_losses = run("single", 1, tmp_path / "unused", seeded_order=True, dropout=0.0)
+    _, middle_losses = run("replicated", 3, tmp_path / "cross", resume=True, stop_at=9, seeded_order=True, dropout=0.0)
+    weights, last_losses = run("single", 1, tmp_path / "cross", resume=True, seeded_order=True, dropout=0.0)
+    assert sorted({**middle_losses, **last_losses}) == list(range(6, STEPS + 1))
+    for key in reference:  # float32 rounding only: the replicas' sums run in another order (see above)
+        torch.testing.assert_close(weights[key], reference[key], rtol=1e-5, atol=1e-6)
