@@ -313,3 +313,65 @@ def test_saves_killed_at_random_moments_leave_the_previous_checkpoint(tmp_path, 
         engine.setup(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
         engine.save_state(state_dir)
         assert sorted(os.listdir(state_dir)) == ["latest", "step-00000000"]
+
+
+# --- dpkit ckpt --------------------------------------------------------------------------------------
+
+from dpkit.cli.main import main as dpkit_main
+
+
+def test_ckpt_inspect_prints_keys_shapes_dtypes_sizes_and_the_checksum(tmp_path, capsys):
+    model = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4))
+    dpkit.save_model(model, tmp_path / "model.pt")
+    assert dpkit_main(["ckpt", "inspect", str(tmp_path / "model.pt")]) == 0
+    out = capsys.readouterr().out
+    assert "dpkit SHA-256 verified" in out
+    assert "0.weight               4x3     float32  48 B" in out and "1.num_batches_tracked  scalar  int64    8 B" in out
+    assert "7 tensors, 33 values, 136 B" in out
+
+
+def test_ckpt_inspect_a_training_state(tmp_path, capsys):
+    engine = dpkit.Engine(strategy="dp", accelerator="cpu", devices=2, progress=False)
+    source = nn.Linear(3, 2)
+    model, optimizer = engine.setup(source, torch.optim.SGD(source.parameters(), lr=0.5, momentum=0.9))
+    for _ in range(3):
+        optimizer.zero_grad()
+        engine.backward(model(torch.ones(4, 3)).sum())
+        optimizer.step()
+    engine.save_state(tmp_path / "state", note="x")
+    assert dpkit_main(["ckpt", "inspect", str(tmp_path / "state")]) == 0
+    out = capsys.readouterr().out
+    assert "training state: step 3, strategy dp on 1 process(es) (cpu:0, cpu:1)" in out
+    assert "optimizer 0: 1 param group(s), lr 0.5, state for 2 parameter(s)" in out and "extras: note (value)" in out
+    assert "weight  2x3    float32  24 B" in out
+
+
+@pytest.mark.parametrize("safetensors", [False, True])
+def test_ckpt_convert_strips_a_ddp_checkpoint(tmp_path, capsys, safetensors):
+    if safetensors:
+        pytest.importorskip("safetensors")
+    source = nn.Linear(3, 2)
+    torch.save({"epoch": 1, "state_dict": {f"module.{k}": v for k, v in source.state_dict().items()}}, tmp_path / "ddp.pth")
+    out = tmp_path / ("model.safetensors" if safetensors else "model.pt")
+    assert dpkit_main(["ckpt", "convert", str(tmp_path / "ddp.pth"), str(out)] + (["--safetensors"] if safetensors else [])) == 0
+    assert "wrapper prefixes removed from 2" in capsys.readouterr().out
+    if safetensors:
+        from safetensors.torch import load_file
+
+        converted = load_file(out)
+    else:
+        converted = torch.load(out, weights_only=True)
+    fresh = nn.Linear(3, 2)
+    fresh.load_state_dict(converted)  # strict, into the bare model
+    assert torch.equal(fresh.weight, source.weight)
+
+
+def test_ckpt_bad_input_is_one_line_and_exit_2(tmp_path, capsys):
+    (tmp_path / "empty.pt").write_bytes(b"")
+    assert dpkit_main(["ckpt", "inspect", str(tmp_path / "empty.pt")]) == 2
+    assert dpkit_main(["ckpt", "inspect", str(tmp_path / "missing.pt")]) == 2
+    torch.save(nn.Linear(1, 1).state_dict(), tmp_path / "m.pt")
+    assert dpkit_main(["ckpt", "convert", str(tmp_path / "m.pt"), str(tmp_path)]) == 2
+    errors = capsys.readouterr().err.strip().splitlines()
+    assert len(errors) == 3 and all(line.startswith("dpkit ckpt: error: ") for line in errors)
+    assert "empty.pt" in errors[0] and "missing.pt" in errors[1] and "is a directory" in errors[2]
