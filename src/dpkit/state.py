@@ -355,9 +355,9 @@ def write_state_directory(root: str | os.PathLike, step: int, shared: dict[str, 
     root = Path(root)
     name = step_directory_name(step)
     final, temporary = root / name, root / f".{name}.tmp"
+    if root.exists() and not root.is_dir():  # every process checks, so none waits for a rank 0 that failed here
+        raise NotADirectoryError(f"directory: {root} is a file; give a folder for the training state")
     if rank == 0:
-        if root.exists() and not root.is_dir():
-            raise NotADirectoryError(f"directory: {root} is a file; give a folder for the training state")
         root.mkdir(parents=True, exist_ok=True)
         remove_stale_state_temporaries(root)
         temporary.mkdir()
