@@ -154,7 +154,7 @@ import signal
 import stat
 import time
 
-from dpkit.checkpoint import CheckpointCorruptError, read_checked, verify_file
+from dpkit.checkpoint import CheckpointCorruptError, verify_file
 
 
 def test_every_flipped_byte_is_an_error_naming_the_file(tmp_path):

@@ -8,10 +8,6 @@ epoch, save, and a fresh Engine in a fresh model resumes from the saved director
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-import textwrap
 from pathlib import Path
 
 import pytest

@@ -15,7 +15,6 @@ leaves the previous file; the next save removes the temporary files such kills l
 from __future__ import annotations
 
 import hashlib
-import io
 import json
 import logging
 import os

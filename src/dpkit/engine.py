@@ -15,6 +15,10 @@ The batch size the loader yields is the global batch; every strategy turns one s
 gradient as one device running the whole batch. With `accumulate=k` each loader batch is a
 micro-batch: `engine.backward` scales the loss by 1/k and skips the gradient exchange on the first k-1,
 and `optimizer.step()` / `optimizer.zero_grad()` only act on the k-th, so the loop does not change.
+
+`engine.save_state(folder)` / `engine.load_state(folder)` save and restore everything a stopped run needs
+(weights, optimizers, engine.step, the loaders' positions, every generator; see docs/resume.md), so the
+loop `while engine.step < steps: for x, y in loader: ...` resumes where it stopped.
 """
 
 from __future__ import annotations

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import collections
 import hashlib
+import io
 import itertools
 import logging
 import os
@@ -29,7 +30,7 @@ import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator
 
 import numpy as np
 import torch
@@ -411,8 +412,6 @@ def check_keep(keep: Any) -> int | None:
 
 def pack_extras(extra: dict[str, Any]) -> dict[str, dict[str, Any]]:
     """The user's extra objects as values weights_only loading can read; objects with state_dict() by their state."""
-    import io
-
     packed = {}
     for key, value in extra.items():
         if callable(getattr(value, "state_dict", None)) and callable(getattr(value, "load_state_dict", None)):
@@ -430,7 +429,3 @@ def pack_extras(extra: dict[str, Any]) -> dict[str, dict[str, Any]]:
                 "weights_only=True); pass numbers, strings, lists, dicts and tensors, or an object with state_dict()"
             ) from error
     return packed
-
-
-def loader_positions(loaders: Sequence[ResumableLoader]) -> list[dict[str, int]]:
-    return [loader.position() for loader in loaders]
