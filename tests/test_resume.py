@@ -170,14 +170,3 @@ def test_ddp_resume_equals_uninterrupted_bitwise(tmp_path):
     for key in reference:  # float32 rounding only: the replicas' sums run in another order (see above)
         torch.testing.assert_close(weights[key], reference[key], rtol=1e-5, atol=1e-6)
 
-
-def test_the_python_blocks_in_docs_resume_run(tmp_path, monkeypatch):
-    """docs/resume.md's example resumes a dp run bitwise; its assertions run here."""
-    import re
-
-    text = (Path(__file__).parent.parent / "docs" / "resume.md").read_text()
-    blocks = re.findall(r"```python\n(.*?)```", text, flags=re.S)
-    assert blocks
-    monkeypatch.chdir(tmp_path)
-    for block in blocks:
-        exec(compile(block, "docs/resume.md", "exec"), {"__name__": "docs_resume"})
