@@ -339,7 +339,7 @@ class Engine:
         keep = check_keep(keep)
         if self._model is None:
             raise RuntimeError("engine.save_state: call engine.setup(model, optimizer) first")
-        if not self._accumulation.at_boundary:
+        if self._optimizers and not self._accumulation.at_boundary:  # without the Engine's optimizer no window is known
             raise RuntimeError(
                 f"engine.save_state: called after micro-batch {self._accumulation.micro_batches} of {self.accumulate} of an "
                 "accumulation window, before its optimizer.step(); call it after optimizer.step()"
