@@ -224,3 +224,15 @@ def test_a_sampler_with_state_resumes_its_epoch():
     resumed = ResumableLoader(DataLoader(data, batch_size=3, sampler=CountingSampler(10)))
     resumed.resume_from(position, order_state)
     assert [ids.tolist() for (ids,) in resumed] == rest and len(rest) == 3
+
+
+def test_a_save_of_the_same_step_killed_between_its_renames_loses_nothing(tmp_path):
+    engine, model, optimizer, loader = make_engine()
+    train_steps(engine, model, optimizer, loader, 2)
+    engine.save_state(tmp_path, note="first")
+    # the moment between moving the old step-00000002 aside and renaming the new one into place
+    (tmp_path / "step-00000002").rename(tmp_path / ".step-00000002.old.tmp")
+    assert make_engine()[0].load_state(tmp_path) == {"note": "first"}
+    engine.save_state(tmp_path, note="second")  # puts the old copy back, then replaces it
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step-00000002"]
+    assert make_engine()[0].load_state(tmp_path) == {"note": "second"}
