@@ -379,8 +379,8 @@ class Engine:
         """
         if self._model is None:
             raise RuntimeError("engine.load_state: call engine.setup(model, optimizer) first")
-        map_location = "cpu" if self.device.type == "cpu" else self.device
-        chosen, shared, mine = read_state_directory(directory, self.rank, map_location=map_location)
+        # read onto the CPU: load_state_dict moves weights and optimizer state to their parameters' devices
+        chosen, shared, mine = read_state_directory(directory, self.rank, map_location="cpu")
         source = chosen / "state.pt"
         # --- check everything first ---
         model_state = check_state_dict(unwrap_model(self._bare_model), shared.get("model", {}), source)
