@@ -181,9 +181,11 @@ def resumable(loader: Any) -> bool:
 class ResumableLoader:
     """A DataLoader's global batches (this process's share of each), with a position that can be saved.
 
-    `state_dict()` gives the epoch and the next batch in it; after `load_state_dict()`, the next
-    iteration continues that epoch from that batch, in the same order. Every other iteration starts a
-    new epoch, as a DataLoader does; samplers with `set_epoch` are told the epoch.
+    `position()` gives the epoch and its next batch (the same in every process) and `order_state()` this
+    process's generator states from the epoch's start; after `resume_from(position, order_state)`, the
+    next iteration continues that epoch from that batch, in the same order. Every other iteration starts
+    a new epoch, as a DataLoader does; samplers with `set_epoch` are told the epoch. `last_batch` is the
+    record of the batch yielded last.
     """
 
     def __init__(self, loader: DataLoader, *, batch_sampler: Any = None, rank: int = 0, world_size: int = 1):
