@@ -18,6 +18,7 @@ COMMANDS = {
     "train": "dpkit.cli.train",
     "launch": "dpkit.cli.launch",
     "doctor": "dpkit.cli.doctor",
+    "ckpt": "dpkit.cli.ckpt",
 }
 
 
