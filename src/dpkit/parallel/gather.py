@@ -93,25 +93,24 @@ def _gather_tensors(values: list[torch.Tensor], path: str, device: torch.device,
     if not -first.dim() <= dim < first.dim():
         raise ValueError(f"{path}: replica 0 returned a {first.dim()}-dim tensor with no dimension {dim} to concatenate along")
     dim = dim % first.dim()
+    flattened = None
+    if rows is not None and len(rows) == len(values) and all(v.dim() == first.dim() for v in values):
+        flattened = _looks_flattened(values, dim, rows, input_sizes)
+    hint = "" if flattened is None else (
+        f"; dim {flattened} {[v.size(flattened) for v in values]} follows the rows the replicas received {list(rows)}: "
+        f"the batch seems flattened into dim {flattened}, so concatenating along dim {dim} mixes replicas; keep the "
+        f"batch in its own dimension in the output (e.g. view(seq, batch, -1)) or gather along dim {flattened}")
     expected = list(first.shape)
     for i, value in enumerate(values[1:], start=1):
         shape = list(value.shape)
         if len(shape) != len(expected) or any(a != b for k, (a, b) in enumerate(zip(shape, expected)) if k != dim):
             raise ValueError(
                 f"{path}: replica {i} returned shape {tuple(shape)}, which does not match replica 0's "
-                f"{tuple(expected)} outside dim {dim}"
+                f"{tuple(expected)} outside dim {dim}{hint}"
             )
-    if rows is not None and len(rows) == len(values):
-        flattened = _looks_flattened(values, dim, rows, input_sizes)
-        if flattened is not None:
-            warnings.warn(
-                f"{path}: gathering along dim {dim}, but the replicas' sizes there {[v.size(dim) for v in values]} are not "
-                f"the rows they received {list(rows)}, and dim {flattened} {[v.size(flattened) for v in values]} follows "
-                f"the rows: the batch seems flattened into dim {flattened}, so concatenating along dim {dim} mixes "
-                f"replicas; keep the batch in its own dimension in the output (e.g. view(seq, batch, -1)) or gather "
-                f"along dim {flattened}",
-                UserWarning, stacklevel=4,
-            )
+    if flattened is not None:
+        warnings.warn(f"{path}: gathering along dim {dim}, where the replicas' sizes are "
+                      f"{[v.size(dim) for v in values]}{hint}", UserWarning, stacklevel=4)
     return torch.cat([_to(v, device) for v in values], dim=dim)
 
 
