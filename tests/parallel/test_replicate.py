@@ -175,7 +175,7 @@ def test_torch_compiled_module_is_refused_and_left_unchanged():
 
 
 def test_lazy_modules_are_refused_until_initialised():
-    with pytest.raises(ValueError, match="lazy"):
+    with pytest.raises(RuntimeError, match="uninitialized parameters"):
         replicate(nn.LazyLinear(2), [CPU0])
 
 

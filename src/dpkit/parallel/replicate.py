@@ -64,7 +64,8 @@ def check_replicable(module: nn.Module, argument: str = "module") -> None:
         if isinstance(sub, torch.jit.ScriptModule):
             raise TypeError(f"{path}: is a TorchScript module, which dpkit cannot replicate; pass the Python module it was scripted from")
         if any(isinstance(p, nn.parameter.UninitializedParameter) for p in sub._parameters.values()):
-            raise ValueError(f"{path}: has uninitialised (lazy) parameters; run one forward pass on a sample batch before replicating it")
+            raise RuntimeError(f"{path}: Modules with uninitialized parameters (lazy modules) cannot be replicated; "
+                               "run one forward pass on a sample batch first")
 
 
 def _is_compiled_wrapper(module: nn.Module) -> bool:
