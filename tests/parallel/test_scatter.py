@@ -152,3 +152,16 @@ def test_chunk_sizes_are_validated_once_with_one_line_messages():
         check_chunk_sizes([0, 0], 2)
     with pytest.raises(TypeError, match="chunk_sizes: expected a list"):
         check_chunk_sizes("12", 2)
+
+
+class Features(dict):
+    """A dict subclass nobody registered with torch.utils._pytree: still walked into and rebuilt."""
+
+
+def test_unregistered_container_subclasses_are_split_and_rebuilt():
+    x = torch.arange(6).reshape(3, 2)
+    chunks = scatter((Features(ids=x, name="n", missing=None),), {}, plan_split(3, 2), dpkit_devices(2), 0)
+    first = chunks[0][1][0]
+    assert type(first) is Features and torch.equal(first["ids"], x[:2]) and first["name"] == "n" and first["missing"] is None
+    with pytest.raises(ValueError, match=r"args\[0\]\['ids'\]=3, args\[1\]=2"):
+        batch_size_of((Features(ids=x), torch.zeros(2)), {}, 0)
