@@ -16,6 +16,7 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 
+from dpkit.arguments import check_dim
 from dpkit.devices import DeviceLike, parse_device, parse_device_list, tensor_on
 from dpkit.parallel import apply
 from dpkit.parallel.gather import gather
@@ -66,7 +67,7 @@ def scatter(inputs: Any, target_gpus: Sequence[DeviceLike], dim: int = 0) -> lis
     """torch.nn.parallel.scatter: `inputs` split along `dim` into one part per device (same structure;
     non-tensors copied to every part). Fewer rows than devices gives fewer parts, as in torch."""
     devices = _devices(target_gpus, "target_gpus")
-    _, parts = _split((("inputs", inputs),), devices, dim)
+    _, parts = _split((("inputs", inputs),), devices, check_dim(dim))
     return [part[0] for part in parts]
 
 
@@ -75,6 +76,7 @@ def scatter_kwargs(inputs: tuple[Any, ...], kwargs: dict[str, Any] | None, targe
     """torch.nn.parallel.scatter_gather.scatter_kwargs: per-device positional and keyword arguments, split
     together (their split tensors must agree on the batch size)."""
     devices = _devices(target_gpus, "target_gpus")
+    check_dim(dim)
     inputs = tuple(inputs) if inputs is not None else ()
     kwargs = dict(kwargs) if kwargs else {}
     if not inputs and not kwargs:
@@ -90,8 +92,7 @@ def data_parallel(module: nn.Module, inputs: Any, device_ids: Sequence[DeviceLik
     replicate, parallel_apply, gather). A non-tuple `inputs` is the module's one positional argument."""
     if not isinstance(module, nn.Module):
         raise TypeError(f"module: expected a torch.nn.Module, got {type(module).__name__}")
-    if isinstance(dim, bool) or not isinstance(dim, int):
-        raise TypeError(f"dim: expected an int dimension, got {dim!r}")
+    check_dim(dim)
     if not isinstance(inputs, tuple):
         inputs = (inputs,) if inputs is not None else ()
     devices = parse_device_list(device_ids)

@@ -18,6 +18,7 @@ from typing import Any, Sequence
 
 import torch
 
+from dpkit.arguments import check_dim
 from dpkit.devices import DeviceLike, parse_device
 from dpkit.parallel.nested import children, is_dataclass_instance, is_namedtuple, rebuild
 
@@ -158,8 +159,7 @@ def gather(outputs: Sequence[Any], target_device: DeviceLike, dim: int = 0, *,
     """
     if not outputs:
         raise ValueError("gather: no outputs to gather")
-    if isinstance(dim, bool) or not isinstance(dim, int):
-        raise TypeError(f"dim: expected an int dimension, got {dim!r}")
+    check_dim(dim)
     if isinstance(target_device, torch.device) and target_device.index is not None:
         device = target_device
     elif target_device == -1 or target_device == "cpu":
