@@ -1,5 +1,6 @@
 """CPU memory accounting against known tensor sizes: right device, right category, gone when freed."""
 
+import importlib
 import gc
 
 import pytest
@@ -105,17 +106,18 @@ def test_nothing_runs_when_no_observer_is_started():
     assert _get_current_dispatch_mode() is None
     seen = []
     dp = dpkit.DataParallel(nn.Linear(4, 4), dpkit.cpu_devices(2))
-    original = dpkit.parallel.data_parallel.parallel_apply
+    data_parallel_module = importlib.import_module("dpkit.parallel.data_parallel")  # the attribute is torch's verb
+    original = data_parallel_module.parallel_apply
 
     def spy(*args, **kwargs):
         seen.append(kwargs.get("wrap"))
         return original(*args, **kwargs)
 
-    dpkit.parallel.data_parallel.parallel_apply = spy
+    data_parallel_module.parallel_apply = spy
     try:
         dp(torch.randn(4, 4))
     finally:
-        dpkit.parallel.data_parallel.parallel_apply = original
+        data_parallel_module.parallel_apply = original
     assert seen == [None]
 
 
