@@ -96,7 +96,7 @@ _ZERO_GRAD_IN_REPLICA = _ZeroGradInReplica()
 
 
 def _shallow_replica(module: nn.Module) -> nn.Module:
-    """A new module object of the same class whose state dict is a copy of the original's, containers
+    """A new module object of the same class whose attribute dict is a copy of the original's, containers
     copied, parameters/buffers/children to be filled in. No __init__, no __setattr__ of the module runs."""
     replica = object.__new__(type(module))
     state = dict(module.__dict__)
