@@ -1,5 +1,6 @@
 """CPU memory accounting against known tensor sizes: right device, right category, gone when freed."""
 
+import importlib
 import gc
 
 import pytest
@@ -105,8 +106,9 @@ def test_nothing_runs_when_no_observer_is_started(monkeypatch):
     assert active() == () and not hooks.listening()
     assert _get_current_dispatch_mode() is None
     replicate_calls = []
-    original = dpkit.parallel.data_parallel.replicate
-    monkeypatch.setattr(dpkit.parallel.data_parallel, "replicate",
+    data_parallel_module = importlib.import_module("dpkit.parallel.data_parallel")  # the attribute is torch's verb
+    original = data_parallel_module.replicate
+    monkeypatch.setattr(data_parallel_module, "replicate",
                         lambda module, devices, primary: replicate_calls.append(list(devices)) or original(module, devices, primary))
     dp = dpkit.DataParallel(nn.Linear(4, 4), dpkit.cpu_devices(2))
     dp(torch.randn(4, 4))

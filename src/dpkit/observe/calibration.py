@@ -17,7 +17,7 @@ import torch
 from dpkit.observe.memory import device_key
 from dpkit.observe.observer import Observer
 from dpkit.observe.report import Report
-from dpkit.parallel import data_parallel
+from dpkit.parallel.data_parallel import DataParallel as ParallelDataParallel
 from dpkit.parallel.balance import (BALANCE_MODES, MEASURED_STEPS, LinearCost, calibration_split, fit_cost, solve,
                                     split_sizes)
 
@@ -138,8 +138,8 @@ class MeasuredBalance(Balancer):
         self._optimizers = weakref.WeakSet()
 
 
-class DataParallel(data_parallel.DataParallel):
-    __doc__ = data_parallel.DataParallel.__doc__
+class DataParallel(ParallelDataParallel):
+    __doc__ = ParallelDataParallel.__doc__
 
     def balance_planner(self, mode: str, max_bytes_per_device: list[float | None]) -> Any:
         return MeasuredBalance(mode, self.device_ids, max_bytes_per_device)
