@@ -435,3 +435,31 @@ def test_virtual_devices_share_the_intra_op_threads_fairly():
     DataParallel(probe, dpkit.cpu_devices(2))(torch.randn(4, 2))
     assert seen == [cpu_threads_per_device(2)] * 2
     assert torch.get_num_threads() == main_threads  # the caller's own setting is untouched
+
+
+def test_negative_dim_equals_its_positive_twin():
+    torch.manual_seed(0)
+    module = nn.Linear(4, 3)
+    x = torch.randn(5, 6, 4)  # batch along dim 1 of 3
+    dp_neg = DataParallel(module, device_ids=["cpu:0", "cpu:1"], dim=-2)
+    dp_pos = DataParallel(module, device_ids=["cpu:0", "cpu:1"], dim=1)
+    assert torch.equal(dp_neg(x), dp_pos(x))
+    assert torch.allclose(dp_neg(x), module(x), atol=1e-6)
+
+
+def test_compiled_module_refused_at_construction_and_left_unchanged():
+    module = nn.Linear(3, 2)
+    compiled = torch.compile(module)
+    before = dict(module._modules)
+    with pytest.raises(TypeError, match="compile"):
+        DataParallel(compiled, device_ids=["cpu:0", "cpu:1"])
+    assert module._modules == before
+    assert module(torch.ones(1, 3)).shape == (1, 2)
+
+
+def test_replicated_engine_refuses_a_compiled_model():
+    import dpkit
+
+    engine = dpkit.Engine(strategy="replicated", accelerator="cpu", devices=2, progress=False)
+    with pytest.raises(TypeError, match="compile"):
+        engine.setup(torch.compile(nn.Linear(3, 2)))

@@ -13,26 +13,11 @@ from dpkit.parallel.apply import parallel_apply
 from dpkit.parallel.balance import BALANCE_MODES
 from dpkit.parallel.gather import gather
 from dpkit.parallel.nested import leaves
-from dpkit.parallel.replicate import replicate
-from dpkit.parallel.scatter import batch_size_of, plan_split, scatter, unwrap_broadcasts
+from dpkit.parallel.replicate import check_replicable, replicate
+from dpkit.arguments import check_dim
+from dpkit.parallel.scatter import batch_size_of, check_chunk_sizes, other_sizes, plan_split, scatter, unwrap_broadcasts
 
 LOSS_REDUCTIONS = ("mean", "sum")
-
-
-def check_chunk_sizes(chunk_sizes: Sequence[int] | None, n_devices: int) -> list[int] | None:
-    if chunk_sizes is None:
-        return None
-    if isinstance(chunk_sizes, (str, bytes)) or not hasattr(chunk_sizes, "__len__"):
-        raise TypeError(f"chunk_sizes: expected a list of row counts, one per device, got {chunk_sizes!r}")
-    sizes = list(chunk_sizes)
-    if len(sizes) != n_devices:
-        raise ValueError(f"chunk_sizes: has {len(sizes)} entries for {n_devices} devices; give one row count per device")
-    for i, size in enumerate(sizes):
-        if isinstance(size, bool) or not isinstance(size, int) or size < 0:
-            raise ValueError(f"chunk_sizes[{i}]: expected a non-negative int, got {size!r}")
-    if sum(sizes) == 0:
-        raise ValueError("chunk_sizes: all entries are 0; at least one device must receive rows")
-    return sizes
 
 
 class ChunkPlanner(Protocol):
@@ -123,8 +108,8 @@ class DataParallel(nn.Module):
         super().__init__()
         if not isinstance(module, nn.Module):
             raise TypeError(f"module: expected a torch.nn.Module, got {type(module).__name__}")
-        if isinstance(dim, bool) or not isinstance(dim, int) or dim < 0:
-            raise ValueError(f"dim: expected a non-negative int batch dimension, got {dim!r}")
+        check_dim(dim)  # negative dims count from the end of each input, as in torch
+        check_replicable(module)
         if loss_fn is not None and not callable(loss_fn):
             raise TypeError(f"loss_fn: expected a callable loss_fn(output, target) -> 0-dim tensor, got {type(loss_fn).__name__}")
         if loss_reduction not in LOSS_REDUCTIONS:
@@ -191,20 +176,21 @@ class DataParallel(nn.Module):
         outputs = parallel_apply(replicas, [a for _, a, _ in chunks], [k for _, _, k in chunks], devices)
         if hooks.listening():
             self.announce_outputs(outputs, chunks)
-        return self.combine(outputs, plan.sizes, with_loss)
+        return self.combine(outputs, plan.sizes, with_loss, inputs, kwargs)
 
     def run_once(self, inputs: tuple, kwargs: dict, with_loss: bool) -> Any:
         self.last_split_sizes = None
         args, kw = unwrap_broadcasts(inputs, kwargs, self.primary_device)
         return ReplicaLoss(self.module, self.loss_fn)(*args, **kw) if with_loss else self.module(*args, **kw)
 
-    def combine(self, outputs: list[Any], sizes: Sequence[int], with_loss: bool) -> Any:
+    def combine(self, outputs: list[Any], sizes: Sequence[int], with_loss: bool, inputs: tuple = (), kwargs: dict | None = None) -> Any:
         """The batch's loss from the replicas' losses, or their outputs gathered on the output device."""
         if with_loss:
             with hooks.phase("loss", self.output_device):
                 return combine_losses(outputs, [s for s in sizes if s > 0], self.loss_reduction, self.output_device)
         with hooks.phase("gather", self.output_device):
-            return gather(outputs, self.output_device, self.dim)
+            return gather(outputs, self.output_device, self.dim, rows=[s for s in sizes if s > 0],
+                          input_sizes=sorted(other_sizes((inputs, kwargs or {}), self.dim)))
 
     def split_for(self, batch_size: int) -> list[int] | None:
         """chunk_sizes, the balance planner's choice, or None for even."""

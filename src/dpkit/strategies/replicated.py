@@ -29,6 +29,7 @@ from torch import nn
 from dpkit.devices import cpu_threads_per_device
 from dpkit.parallel import hooks
 from dpkit.parallel.apply import run_replicas
+from dpkit.parallel.replicate import check_replicable
 from dpkit.parallel.gather import gather
 from dpkit.parallel.reduce import GradientSum
 from dpkit.parallel.scatter import batch_size_of, plan_split, scatter
@@ -81,6 +82,7 @@ class Replicated(Strategy):
 
     # --- setup -------------------------------------------------------------------------------------
     def wrap_model(self, model: nn.Module) -> nn.Module:
+        check_replicable(model)  # a compiled, scripted or lazy module cannot be copied per device
         model = model.to(self.root_device)
         self.replicas = [model] + [copy.deepcopy(model).to(device) for device in self.devices[1:]]
         self.params = [list(replica.parameters()) for replica in self.replicas]
