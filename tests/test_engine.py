@@ -43,9 +43,9 @@ def test_ddp_outside_a_launcher_points_to_dpkit_launch(monkeypatch):
         Engine(strategy="ddp", accelerator="cpu", devices=2)
 
 
-@pytest.mark.parametrize("accumulate", [0, -1, 1.5, True])
-def test_accumulate_must_be_a_positive_int(accumulate):
-    with pytest.raises(ValueError, match="accumulate"):
+@pytest.mark.parametrize("accumulate,error", [(0, ValueError), (-1, ValueError), (1.5, TypeError), (True, TypeError)])
+def test_accumulate_must_be_a_positive_int(accumulate, error):
+    with pytest.raises(error, match="accumulate: expected a positive int"):
         Engine(strategy="single", accelerator="cpu", accumulate=accumulate)
 
 

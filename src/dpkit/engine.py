@@ -33,6 +33,7 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
+from dpkit.arguments import check_int
 from dpkit.checkpoint import CheckpointCorruptError, check_state_dict, load_model, save_model, clean_state_dict, unwrap_model
 from dpkit.devices import DeviceLike, resolve_devices
 from dpkit.parallel import hooks
@@ -166,8 +167,7 @@ class Engine:
     def __init__(self, strategy: str = "single", accelerator: str = "auto",
                  devices: int | str | Sequence[DeviceLike] = "auto", precision: str = "32", accumulate: int = 1,
                  progress: bool = True, **strategy_options: Any):
-        if isinstance(accumulate, bool) or not isinstance(accumulate, int) or accumulate < 1:
-            raise ValueError(f"accumulate: expected a positive int number of micro-batches per step, got {accumulate!r}")
+        check_int(accumulate, "accumulate", meaning="micro-batches per optimizer step")
         if devices == "auto" and strategy == "single":
             devices = 1
         self.devices = resolve_devices(accelerator, devices)

@@ -36,6 +36,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset, Sampler
 
+from dpkit.arguments import check_int
 from dpkit.checkpoint import (
     CheckpointCorruptError,
     atomic_write,
@@ -422,8 +423,8 @@ def read_state_directory(directory: str | os.PathLike, rank: int, *, map_locatio
 
 
 def check_keep(keep: Any) -> int | None:
-    if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
-        raise ValueError(f"keep: expected a positive int number of states to keep (or None for all), got {keep!r}")
+    if keep is not None:
+        check_int(keep, "keep", meaning="states to keep, or None for all")
     return keep
 
 

@@ -30,6 +30,7 @@ from typing import Any, Sequence
 
 import torch
 
+from dpkit.arguments import check_int
 from dpkit.parallel import hooks
 from dpkit.parallel.apply import PeerFailed, run_replicas
 
@@ -168,8 +169,7 @@ class GradientSum:
         counts = {len(p) for p in params}
         if len(counts) > 1:
             raise ValueError(f"params: replicas have different parameter counts {sorted(counts)}; replicas must have the same parameters")
-        if isinstance(bucket_cap_bytes, bool) or not isinstance(bucket_cap_bytes, int) or bucket_cap_bytes < 1:
-            raise ValueError(f"bucket_cap_bytes: expected a positive int, got {bucket_cap_bytes!r}")
+        check_int(bucket_cap_bytes, "bucket_cap_bytes", meaning="bytes per bucket")
         self.devices = list(devices)
         self.params = [list(p) for p in params]
         self.groups = list(zip(*self.params))  # groups[position]: that parameter in every replica

@@ -28,6 +28,7 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, RandomSampler
 
+from dpkit.arguments import check_int
 from dpkit.devices import cpu_threads_per_device
 from dpkit.launch import LAUNCH_VARIABLES, launched
 from dpkit.parallel import hooks
@@ -91,8 +92,8 @@ class DDP(Strategy):
                 f"node; pass devices={self.local_world_size} or launch with --nproc-per-node {len(self.devices)}"
             )
         self.device = self.devices[self.local_rank]
-        if threads_per_device is not None and (isinstance(threads_per_device, bool) or not isinstance(threads_per_device, int) or threads_per_device < 1):
-            raise ValueError(f"threads_per_device: expected a positive int of intra-op threads per process, got {threads_per_device!r}")
+        if threads_per_device is not None:
+            check_int(threads_per_device, "threads_per_device", meaning="intra-op threads per process")
         self.threads_per_device = threads_per_device
         self.timeout_seconds = timeout_seconds
         self.seed = seed

@@ -26,6 +26,7 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 from torch import nn
 
+from dpkit.arguments import check_int
 from dpkit.devices import cpu_threads_per_device
 from dpkit.parallel import hooks
 from dpkit.parallel.apply import run_replicas
@@ -68,8 +69,8 @@ class Replicated(Strategy):
                  overlap_reduce: bool = True):
         super().__init__(devices)
         self.on_cpu = all(device.type == "cpu" for device in self.devices)
-        if threads_per_device is not None and (isinstance(threads_per_device, bool) or not isinstance(threads_per_device, int) or threads_per_device < 1):
-            raise ValueError(f"threads_per_device: expected a positive int of intra-op threads per virtual CPU device, got {threads_per_device!r}")
+        if threads_per_device is not None:
+            check_int(threads_per_device, "threads_per_device", meaning="intra-op threads per virtual CPU device")
         # intra-op threads per replica: a fair share of the cores unless given
         self.threads = (threads_per_device or cpu_threads_per_device(len(self.devices))) if self.on_cpu else None
         self.overlap_reduce = bool(overlap_reduce)
