@@ -41,7 +41,12 @@ log = logging.getLogger("dpkit")
 
 
 class LaunchError(DpkitError):
-    """A worker process failed; the message names its rank, exit code and error."""
+    """A worker process failed; the message names its rank, exit code and error. `exit_codes` maps each
+    failed worker's rank to its exit code (negative: killed by that signal)."""
+
+    def __init__(self, message: str, exit_codes: "dict[int, int] | None" = None):
+        super().__init__(message)
+        self.exit_codes = dict(exit_codes or {})
 
 
 class StoppedBySignal(DpkitError):
@@ -228,7 +233,8 @@ def launch(script: str, script_args: Sequence[str] = (), *, nproc_per_node: int 
         try:
             elastic_launch(config=config, entrypoint=sys.executable)(*entry_args)
         except ChildFailedError as error:
-            raise LaunchError(_failure_summary(error, watch.hung if watch else None)) from None
+            exit_codes = {rank: failure.exitcode for rank, failure in (getattr(error, "failures", {}) or {}).items()}
+            raise LaunchError(_failure_summary(error, watch.hung if watch else None), exit_codes) from None
         except SignalException as error:
             if error.sigval == signal.SIGINT:
                 raise KeyboardInterrupt from None
