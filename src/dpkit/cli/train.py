@@ -184,6 +184,7 @@ def prepare(args: argparse.Namespace) -> Prepared:
         data = arguments.classification_data("--data", raw, args.data)
     else:
         data = example.load_data(args.seed)
+    arguments.model_fits_data("--model" if args.model else "--data", model, data[0], data[1])
     rows = len(data[0])
     if args.batch_size > rows:
         raise ValueError(f"--batch-size: {args.batch_size} is larger than the {rows} training rows; use at most {rows}")
@@ -193,7 +194,6 @@ def prepare(args: argparse.Namespace) -> Prepared:
         if smallest < processes:
             raise ValueError(f"--batch-size: {args.batch_size} leaves a last batch of {smallest} row(s) for {processes} processes; "
                              f"each needs at least one (choose a batch size whose last batch of {rows} rows has >= {processes})")
-    arguments.model_fits_data("--model" if args.model else "--data", model, data[0], data[1])
     return Prepared(model, data, resume, _settings(args))
 
 
@@ -293,11 +293,14 @@ def train(args: argparse.Namespace, prepared: Prepared | None = None) -> int:
     out = Path(args.out)
     engine = Engine(strategy=args.strategy, accelerator=args.accelerator, devices=args.devices, precision=args.precision,
                     accumulate=args.accumulate, progress=not args.no_progress)
-    if engine.is_global_zero and not prepared.resume:
-        if args.overwrite and not restarted():
-            _remove_run(out)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / RUN_SETTINGS).write_text(json.dumps(prepared.settings, indent=2) + "\n")
+    if engine.is_global_zero and not prepared.resume and args.overwrite and not restarted():
+        _remove_run(out)
+
+    def write_settings() -> None:
+        # with the first saved state or the final model: a run that wrote nothing else leaves nothing behind
+        if engine.is_global_zero and not (out / RUN_SETTINGS).exists():
+            out.mkdir(parents=True, exist_ok=True)
+            (out / RUN_SETTINGS).write_text(json.dumps(prepared.settings, indent=2) + "\n")
 
     model, (x_train, y_train, x_test, y_test) = prepared.model, prepared.data
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum)
@@ -342,6 +345,7 @@ def train(args: argparse.Namespace, prepared: Prepared | None = None) -> int:
 
     def save_state(seconds: float) -> Path:
         reduce_pending()
+        write_settings()
         return engine.save_state(out / STATE_FOLDER, keep=args.keep, losses=list(losses), rows=list(step_rows), step_seconds=list(step_seconds),
                                  seconds=seconds)
 
@@ -405,6 +409,7 @@ def train(args: argparse.Namespace, prepared: Prepared | None = None) -> int:
             correct.append(engine.gather(model(x).argmax(dim=1) == y))
     correct = torch.cat(correct)
 
+    write_settings()
     engine.save(model, out / "model.pt")
     if engine.is_global_zero:
         metrics = {
