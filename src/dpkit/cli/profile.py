@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 import dpkit
+from dpkit.cli.arguments import output_file
 from dpkit.devices import resolve_devices
 from dpkit.examples import get_example, load_factory
 from dpkit.observe import Observer, Report
@@ -58,6 +59,8 @@ def criterion_for(target: torch.Tensor) -> Callable[[torch.Tensor, torch.Tensor]
 
 
 def check_args(args: argparse.Namespace) -> None:
+    for flag in ("--json", "--png", "--trace"):  # a folder or an unwritable place is found now, not after profiling
+        output_file(flag, getattr(args, flag[2:]))
     if args.strategy in ENGINE_STRATEGIES:
         raise ValueError(f"--strategy: {args.strategy!r} is not profiled yet (it runs through the Engine); "
                          f"use one of {', '.join(PROFILED_STRATEGIES)}")
