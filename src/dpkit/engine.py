@@ -21,16 +21,22 @@ from __future__ import annotations
 
 import logging
 import os
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
 import torch
 from torch import nn
 from tqdm import tqdm
 
-from dpkit.checkpoint import load_model, save_model
+from dpkit.checkpoint import CheckpointCorruptError, check_state_dict, load_model, save_model, clean_state_dict, unwrap_model
 from dpkit.devices import DeviceLike, resolve_devices
 from dpkit.parallel.nested import map_leaves
 from dpkit.precision import Precision
+from dpkit.state import (
+    STATE_FORMAT, ResumableLoader, capture_rng, check_keep, check_rng, pack_extras, read_state_directory, restore_rng,
+    resumable, write_state_directory,
+)
 from dpkit.strategies import DeferredOutput, Strategy, create_strategy
 
 log = logging.getLogger("dpkit")
@@ -52,24 +58,60 @@ class EngineModule(nn.Module):
             return self.module(*args, **kwargs)
 
 
+@dataclass
+class Accumulation:
+    """Where the loop is in its accumulation window, and how many optimizer steps it took.
+
+    The Engine counts backward calls; the optimizer steps (and zeroes gradients) only at the end of a
+    window of `every` of them. Both read this one object.
+    """
+
+    every: int
+    micro_batches: int = 0  # backward calls in the current window
+    stepped: bool = False  # an optimizer already stepped at the end of this window
+    steps: int = 0  # optimizer steps taken (windows completed by a step)
+
+    def add_micro_batch(self) -> bool:
+        """Count a backward call; True when it completes the window (gradients must be exchanged)."""
+        if self.micro_batches >= self.every:
+            self.micro_batches, self.stepped = 0, False
+        self.micro_batches += 1
+        return self.micro_batches == self.every
+
+    @property
+    def complete(self) -> bool:
+        return self.micro_batches >= self.every
+
+    @property
+    def at_boundary(self) -> bool:
+        """Between windows: nothing accumulated that a step has not consumed."""
+        return self.micro_batches == 0 or (self.complete and self.stepped)
+
+    def count_step(self) -> None:
+        if not self.stepped:
+            self.stepped = True
+            self.steps += 1
+
+
 class EngineOptimizer:
     """The strategy's optimizer; step and zero_grad act once per `accumulate` backward calls."""
 
-    def __init__(self, optimizer: Any, engine: "Engine"):
+    def __init__(self, optimizer: Any, accumulation: Accumulation, precision: Precision):
         self.optimizer = optimizer
-        self.engine = engine
+        self.accumulation = accumulation
+        self.precision = precision
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        if self.engine._micro_batches == 0:  # not in the middle of an accumulation
+        if self.accumulation.micro_batches == 0 or self.accumulation.complete:  # not in the middle of a window
             self.optimizer.zero_grad(set_to_none=set_to_none)
 
     def step(self, closure: Callable | None = None) -> Any:
-        if self.engine._micro_batches < self.engine.accumulate:
+        if not self.accumulation.complete:
             return None  # still accumulating micro-batches
-        self.engine._micro_batches = 0
+        self.accumulation.count_step()
         if closure is not None:
             return self.optimizer.step(closure)
-        return self.engine.precision.step(self.optimizer)
+        return self.precision.step(self.optimizer)
 
     def state_dict(self) -> dict:
         return self.optimizer.state_dict()
@@ -78,6 +120,8 @@ class EngineOptimizer:
         self.optimizer.load_state_dict(state_dict)
 
     def __getattr__(self, name: str) -> Any:  # param_groups, state, defaults, …
+        if name in ("optimizer", "accumulation", "precision"):
+            raise AttributeError(name)
         return getattr(self.optimizer, name)
 
 
@@ -126,7 +170,10 @@ class Engine:
             raise ValueError(f"precision: '16-mixed' is not supported with strategy '{strategy}' yet; use precision='bf16-mixed' or strategy='ddp'")
         self.accumulate = accumulate
         self.show_progress = progress
-        self._micro_batches = 0
+        self._accumulation = Accumulation(accumulate)
+        self._optimizers: list[EngineOptimizer] = []
+        self._loaders: list[ResumableLoader] = []  # in setup order; their positions are part of the state
+        self._pending_loaders: list[tuple[dict, dict | None]] = []  # positions loaded before their loader was set up
         self._model: EngineModule | None = None
         self._bare_model: nn.Module | None = None  # the user's model object (replica 0 / the DDP module)
         self.strategy.setup_environment()
@@ -164,7 +211,9 @@ class Engine:
             return self._model
         if not hasattr(optimizer, "step") or not hasattr(optimizer, "param_groups"):
             raise TypeError(f"optimizer: expected a torch.optim.Optimizer, got {type(optimizer).__name__}")
-        return self._model, EngineOptimizer(self.strategy.wrap_optimizer(optimizer), self)
+        engine_optimizer = EngineOptimizer(self.strategy.wrap_optimizer(optimizer), self._accumulation, self.precision)
+        self._optimizers.append(engine_optimizer)
+        return self._model, engine_optimizer
 
     def setup_criterion(self, criterion: Callable) -> Callable:
         """The criterion to call as criterion(model(x), y); under dp-balanced and replicated it runs the
@@ -187,8 +236,22 @@ class Engine:
         return engine_criterion
 
     def setup_dataloader(self, loader: Iterable) -> Iterable:
-        """The loader to iterate: its batches are global; under ddp each process gets its share."""
-        loader = self.strategy.wrap_dataloader(loader)
+        """The loader to iterate: its batches are global; under ddp each process gets its share.
+
+        A torch DataLoader over a map-style dataset comes back as a loader whose position (epoch, next
+        batch) is part of engine.save_state; other iterables come back unchanged and are not tracked.
+        """
+        wrapped = self.strategy.wrap_dataloader(loader)
+        if wrapped is loader and resumable(loader):
+            wrapped = ResumableLoader(loader)
+        loader = wrapped
+        if isinstance(loader, ResumableLoader):
+            index = len(self._loaders)
+            self._loaders.append(loader)
+            if index < len(self._pending_loaders):  # engine.load_state ran before this loader was set up
+                position, order_state = self._pending_loaders[index]
+                loader.check_position(position, f"loaders[{index}]")
+                loader.resume_from(position, order_state)
         if self.device.type != "cpu":
             loader = DeviceLoader(loader, self.device)
         return loader
@@ -198,9 +261,19 @@ class Engine:
         """loss.backward() for the strategy: sample-weighted, accumulated, reduced across devices."""
         if not isinstance(loss, torch.Tensor):
             raise TypeError(f"loss: expected a tensor, got {type(loss).__name__}")
-        self._micro_batches += 1
-        sync = self._micro_batches >= self.accumulate
-        self.strategy.backward(self.precision.scale_loss(loss), scale=1.0 / self.accumulate, sync=sync)
+        sync = self._accumulation.add_micro_batch()
+        self.strategy.backward(self.precision.scale_loss(loss), scale=self._loss_weight() / self.accumulate, sync=sync)
+
+    def _loss_weight(self) -> float:
+        """The loss weight of the batch in hand: under ddp, this process's rows * world / global rows, recorded
+        by the loader that yielded the latest batch (1 without an Engine loader)."""
+        records = [loader.last_batch for loader in self._loaders if loader.last_batch is not None]
+        return max(records, key=lambda r: r.sequence).loss_weight if records else 1.0
+
+    @property
+    def step(self) -> int:
+        """Optimizer steps taken through the Engine's optimizer (restored by load_state)."""
+        return self._accumulation.steps
 
     # --- metrics across processes ------------------------------------------------------------------
     def reduce(self, value: Any, op: str = "mean", *, weight: float | None = None) -> torch.Tensor:
@@ -248,6 +321,106 @@ class Engine:
         load_model(self._bare_model, path, map_location="cpu" if self.device.type == "cpu" else self.device)
         self.strategy.weights_loaded()
         return self._model
+
+    # --- resumable training state ------------------------------------------------------------------------
+    def save_state(self, directory: str | os.PathLike, *, keep: int | None = 3, **extra: Any) -> Path:
+        """Save everything a resumed run needs into `directory`/step-NNNNNNNN, and point `directory`/latest at it.
+
+        Holds the model (clean keys), the optimizers, the GradScaler, engine.step, the position of every
+        loader from engine.setup_dataloader, every process's generator states, and `extra` (plain values,
+        tensors, or objects with state_dict(), such as an LR scheduler). Keeps the newest `keep` states.
+        Every process must call it (under ddp it is a collective); call it between optimizer steps.
+        Returns the step directory written.
+        """
+        keep = check_keep(keep)
+        if self._model is None:
+            raise RuntimeError("engine.save_state: call engine.setup(model, optimizer) first")
+        if not self._accumulation.at_boundary:
+            raise RuntimeError(
+                f"engine.save_state: called after micro-batch {self._accumulation.micro_batches} of {self.accumulate} of an "
+                "accumulation window, before its optimizer.step(); call it after optimizer.step()"
+            )
+        directory = Path(directory)
+        shared = None
+        if self.is_global_zero:
+            shared = {
+                "format": STATE_FORMAT,
+                "step": self.step,
+                "strategy": self.strategy.name,
+                "world_size": self.world_size,
+                "devices": [str(d) for d in self.devices],
+                "precision": self.precision.precision,
+                "accumulate": self.accumulate,
+                "model": {k: v.detach().cpu() if isinstance(v, torch.Tensor) else v for k, v in clean_state_dict(self._bare_model).items()},
+                "optimizers": [optimizer.state_dict() for optimizer in self._optimizers],
+                "scaler": self.precision.scaler.state_dict() if self.precision.scaler is not None else None,
+                "loaders": [loader.position() for loader in self._loaders],
+                "extra": pack_extras(extra),
+            }
+        mine = {"rank": self.rank, "rng": capture_rng(), "loaders": [loader.order_state() for loader in self._loaders]}
+        written = write_state_directory(directory, self.step, shared, mine, rank=self.rank, keep=keep, barrier=self.barrier)
+        if self.is_global_zero:
+            log.info("saved the training state at step %d to %s", self.step, written)
+        return written
+
+    def load_state(self, directory: str | os.PathLike, **objects: Any) -> dict[str, Any]:
+        """Restore what save_state saved (from `directory`/latest, or a step directory); returns the extras.
+
+        Objects passed by name (e.g. scheduler=scheduler) get their saved state through load_state_dict.
+        Everything is read and checked before anything changes. A state saved under another strategy or
+        world size loads too: the data position counts global batches, which every strategy shares.
+        After it, iterating the Engine's loaders continues the saved epoch from the saved batch.
+        """
+        if self._model is None:
+            raise RuntimeError("engine.load_state: call engine.setup(model, optimizer) first")
+        map_location = "cpu" if self.device.type == "cpu" else self.device
+        chosen, shared, mine = read_state_directory(directory, self.rank, map_location=map_location)
+        source = chosen / "state.pt"
+        # --- check everything first ---
+        model_state = check_state_dict(unwrap_model(self._bare_model), shared.get("model", {}), source)
+        saved_optimizers = shared.get("optimizers", [])
+        if len(saved_optimizers) != len(self._optimizers):
+            raise ValueError(
+                f"optimizer: the state holds {len(saved_optimizers)} optimizer(s), this engine set up {len(self._optimizers)}; "
+                "set up the same model and optimizer(s) before engine.load_state"
+            )
+        for index, (optimizer, saved) in enumerate(zip(self._optimizers, saved_optimizers)):
+            groups = [len(group["params"]) for group in optimizer.param_groups]
+            saved_groups = [len(group.get("params", ())) for group in saved.get("param_groups", [])] if isinstance(saved, dict) else None
+            if groups != saved_groups:
+                raise ValueError(f"optimizer {index}: the state has param groups of sizes {saved_groups}, this optimizer {groups}; "
+                                 "build the optimizer as in the saved run")
+        positions = shared.get("loaders", [])
+        order_states = mine.get("loaders", [])
+        for index, (loader, position) in enumerate(zip(self._loaders, positions)):
+            loader.check_position(position, f"{source}: loaders[{index}]")
+        check_rng(mine.get("rng"), chosen)
+        extras = shared.get("extra", {})
+        for name, target in objects.items():
+            if name not in extras:
+                raise KeyError(f"{name}: not in the saved state's extras ({', '.join(sorted(extras)) or 'none'})")
+            if extras[name]["kind"] != "state_dict" or not callable(getattr(target, "load_state_dict", None)):
+                raise TypeError(f"{name}: saved as a plain value; it comes back in load_state's result, not through load_state_dict")
+        if shared.get("world_size") != self.world_size or shared.get("strategy") != self.strategy.name:
+            log.info("resuming a state saved by strategy %s on %s process(es) under strategy %s on %d",
+                     shared.get("strategy"), shared.get("world_size"), self.strategy.name, self.world_size)
+        # --- then change everything ---
+        unwrap_model(self._bare_model).load_state_dict(model_state, strict=True)
+        self.strategy.weights_loaded()
+        for optimizer, saved in zip(self._optimizers, saved_optimizers):
+            optimizer.load_state_dict(saved)
+        if self.precision.scaler is not None and shared.get("scaler"):
+            self.precision.scaler.load_state_dict(shared["scaler"])
+        self._accumulation.steps, self._accumulation.micro_batches, self._accumulation.stepped = int(shared["step"]), 0, False
+        padded = list(order_states) + [None] * (len(positions) - len(order_states))
+        self._pending_loaders = list(zip(positions, padded))
+        for loader, (position, order_state) in zip(self._loaders, self._pending_loaders):
+            loader.resume_from(position, order_state)
+        for name, target in objects.items():
+            target.load_state_dict(extras[name]["value"])
+        restore_rng(mine["rng"])
+        log.info("resumed from %s at step %d", chosen, self.step)
+        return {name: entry["value"] for name, entry in extras.items()}
 
     def close(self) -> None:
         """Release the strategy's resources (the process group under ddp)."""

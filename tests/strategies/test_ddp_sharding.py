@@ -10,19 +10,22 @@ import torch
 from torch.utils.data import DataLoader, DistributedSampler, RandomSampler, TensorDataset
 
 from dpkit.parallel import split_sizes
-from dpkit.strategies.ddp import EpochShuffle, RankShares, ShardedLoader
+from dpkit.state import GlobalBatches
+from dpkit.strategies.ddp import ShardedLoader
 
 
 def rank_views(loader_factory, world_size: int, epochs: int = 1):
     """Per rank: the list of (batch of sample ids, shares) over `epochs` epochs."""
     views = []
     for rank in range(world_size):
-        strategy = SimpleNamespace(rank=rank, world_size=world_size, shares=None)
+        strategy = SimpleNamespace(rank=rank, world_size=world_size)
         sharded = ShardedLoader(loader_factory(), strategy, seed=5)
         batches = []
         for _ in range(epochs):
             for (ids,) in sharded:
-                batches.append((ids.tolist(), strategy.shares))
+                record = sharded.last_batch  # the record backward's loss weight comes from
+                assert record.loss_weight == record.rows * world_size / record.global_rows
+                batches.append((ids.tolist(), (record.rows, record.global_rows)))
         views.append(batches)
     return views
 
@@ -61,18 +64,19 @@ def test_a_seeded_sampler_is_kept_and_matches_the_single_process_order():
     assert [a + b for (a, _), (b, _) in zip(views[0], views[1])] == single
 
 
-def test_epoch_shuffle_depends_only_on_seed_and_epoch():
-    a, b = EpochShuffle(20, seed=1), EpochShuffle(20, seed=1)
-    torch.manual_seed(123)  # the global RNG plays no part
-    first = list(a)
-    torch.manual_seed(456)
-    assert list(b) == first
-    b.set_epoch(1)
-    assert list(b) != first and sorted(b) == list(range(20))
+def test_an_unseeded_shuffle_depends_only_on_seed_and_epoch():
+    dataset = TensorDataset(torch.arange(20))
+    orders = []
+    for global_seed in (123, 456):
+        torch.manual_seed(global_seed)  # the global RNG plays no part
+        sharded = ShardedLoader(DataLoader(dataset, batch_size=20, shuffle=True), SimpleNamespace(rank=0, world_size=1), seed=1)
+        orders.append([ids.tolist() for _ in range(2) for (ids,) in sharded])
+    assert orders[0] == orders[1]
+    assert orders[0][0] != orders[0][1] and sorted(orders[0][1]) == list(range(20))
 
 
 def test_a_batch_smaller_than_the_world_is_an_error_naming_the_fix():
-    shares = RankShares([[0, 1]], rank=2, world_size=3)
+    shares = GlobalBatches([[0, 1]], rank=2, world_size=3)
     with pytest.raises(ValueError, match="batch size of at least the world size"):
         list(shares)
 
@@ -81,4 +85,4 @@ def test_a_distributed_sampler_is_refused():
     dataset = TensorDataset(torch.arange(10))
     loader = DataLoader(dataset, batch_size=2, sampler=DistributedSampler(dataset, num_replicas=2, rank=0))
     with pytest.raises(ValueError, match="DistributedSampler"):
-        ShardedLoader(loader, SimpleNamespace(rank=0, world_size=2, shares=None), seed=0)
+        ShardedLoader(loader, SimpleNamespace(rank=0, world_size=2), seed=0)

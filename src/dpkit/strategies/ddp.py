@@ -9,26 +9,26 @@ runs. Two things plain DDP gets wrong for a global batch, fixed here:
   and in evaluation every sample is seen once, by one process, with no padding duplicates.
 - Weighting: DDP averages per-process mean losses, which over-weights the samples of a smaller share.
   Scaling each process's loss by n_rank * world / N before DDP's average gives sum(n_rank / N * grad_rank),
-  the single-device gradient of the mean over all N samples.
+  the single-device gradient of the mean over all N samples. The loader records n_rank and N with each
+  batch it yields; the Engine passes the factor to backward in `scale`.
 """
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import logging
 import os
 from datetime import timedelta
-from typing import Any, Iterator, Sequence
+from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, RandomSampler, Sampler
+from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, RandomSampler
 
 from dpkit.devices import cpu_threads_per_device
 from dpkit.launch import HANG_TIMEOUT_VARIABLE, LAUNCH_VARIABLES, ProgressHeartbeat, launched, rendezvous_store
-from dpkit.parallel.scatter import split_sizes
+from dpkit.state import ResumableLoader
 from dpkit.strategies.base import Strategy
 
 log = logging.getLogger("dpkit")
@@ -38,51 +38,14 @@ class _BelowWarning(logging.Filter):
         return record.levelno >= logging.WARNING
 
 
-class EpochShuffle(Sampler[int]):
-    """A permutation that depends only on (seed, epoch), so every process draws the same one."""
+class ShardedLoader(ResumableLoader):
+    """A DataLoader's global batches, of which this process gets its contiguous share; positions as ResumableLoader.
 
-    def __init__(self, length: int, seed: int):
-        self.length, self.seed, self.epoch = length, seed, 0
+    Each yielded batch's record (`last_batch`) carries the share's rows and the global rows, which the
+    Engine hands to backward explicitly as the loss weight.
+    """
 
-    def set_epoch(self, epoch: int) -> None:
-        self.epoch = epoch
-
-    def __iter__(self) -> Iterator[int]:
-        generator = torch.Generator().manual_seed(self.seed + self.epoch)
-        return iter(torch.randperm(self.length, generator=generator).tolist())
-
-    def __len__(self) -> int:
-        return self.length
-
-
-class RankShares(Sampler[list[int]]):
-    """This process's contiguous share of every global batch, recording (share, global size) per batch."""
-
-    def __init__(self, global_batches: Any, rank: int, world_size: int):
-        self.global_batches, self.rank, self.world_size = global_batches, rank, world_size
-        self.sizes: collections.deque[tuple[int, int]] = collections.deque()
-
-    def __iter__(self) -> Iterator[list[int]]:
-        for batch in self.global_batches:
-            batch = list(batch)
-            sizes = split_sizes(len(batch), self.world_size)
-            if sizes[self.rank] == 0:
-                raise ValueError(
-                    f"batch_size: a global batch of {len(batch)} samples cannot give each of {self.world_size} processes a "
-                    "sample; use a batch size of at least the world size, or drop_last=True"
-                )
-            start = sum(sizes[:self.rank])
-            self.sizes.append((sizes[self.rank], len(batch)))
-            yield batch[start:start + sizes[self.rank]]
-
-    def __len__(self) -> int:
-        return len(self.global_batches)
-
-
-class ShardedLoader:
-    """Iterates a DataLoader's global batches, yielding this process's share; set_epoch each epoch."""
-
-    def __init__(self, loader: DataLoader, strategy: "DDP", seed: int):
+    def __init__(self, loader: DataLoader, strategy: Any, seed: int):
         if not isinstance(loader, DataLoader):
             raise TypeError(f"loader: strategy 'ddp' shards a torch DataLoader's batches, got {type(loader).__name__}")
         if isinstance(loader.sampler, DistributedSampler):
@@ -92,44 +55,14 @@ class ShardedLoader:
             )
         if loader.batch_sampler is None:
             raise ValueError("loader: strategy 'ddp' needs batches of indices; create the DataLoader with batch_size= or batch_sampler=")
-        self.strategy = strategy
-        self.epoch = 0
-        self.shuffle: EpochShuffle | None = None
         global_batches = loader.batch_sampler
         sampler = loader.sampler
-        if (type(sampler) is RandomSampler and sampler.generator is None and not sampler.replacement
-                and sampler.num_samples == len(loader.dataset)):
+        if (type(sampler) is RandomSampler and sampler.generator is None and loader.generator is None
+                and not sampler.replacement and sampler.num_samples == len(loader.dataset)):
             # the global RNG may differ between processes; draw the order from (seed, epoch) instead
-            self.shuffle = EpochShuffle(len(loader.dataset), seed)
-            global_batches = BatchSampler(self.shuffle, loader.batch_size, loader.drop_last)
-        self.shares = RankShares(global_batches, strategy.rank, strategy.world_size)
-        extra = {"prefetch_factor": loader.prefetch_factor, "persistent_workers": loader.persistent_workers} if loader.num_workers > 0 else {}
-        self.loader = DataLoader(
-            loader.dataset, batch_sampler=self.shares, num_workers=loader.num_workers, collate_fn=loader.collate_fn,
-            pin_memory=loader.pin_memory, timeout=loader.timeout, worker_init_fn=loader.worker_init_fn,
-            multiprocessing_context=loader.multiprocessing_context, **extra,
-        )
-
-    def set_epoch(self, epoch: int) -> None:
-        self.epoch = epoch
-
-    def __iter__(self) -> Iterator[Any]:
-        if self.shuffle is not None:
-            self.shuffle.set_epoch(self.epoch)
-        sampler = getattr(self.shares.global_batches, "sampler", None)
-        if sampler is not None and sampler is not self.shuffle and hasattr(sampler, "set_epoch"):
-            sampler.set_epoch(self.epoch)
-        self.epoch += 1
-        self.shares.sizes.clear()
-        try:
-            for batch in self.loader:
-                self.strategy.shares = self.shares.sizes.popleft()
-                yield batch
-        finally:
-            self.strategy.shares = None
-
-    def __len__(self) -> int:
-        return len(self.loader)
+            shuffle = DistributedSampler(loader.dataset, num_replicas=1, rank=0, shuffle=True, seed=seed)
+            global_batches = BatchSampler(shuffle, loader.batch_size, loader.drop_last)
+        super().__init__(loader, batch_sampler=global_batches, rank=strategy.rank, world_size=strategy.world_size)
 
 
 class DDP(Strategy):
@@ -160,7 +93,6 @@ class DDP(Strategy):
         self.timeout_seconds = timeout_seconds
         self.init_timeout_seconds = init_timeout_seconds  # how long to wait for every rank to join
         self.seed = seed
-        self.shares: tuple[int, int] | None = None  # (this process's rows, global rows) of the batch in hand
         self.ddp: nn.parallel.DistributedDataParallel | None = None
 
     @property
@@ -200,9 +132,7 @@ class DDP(Strategy):
         return ShardedLoader(loader, self, int(seed.item()))
 
     def backward(self, loss: torch.Tensor, *, scale: float, sync: bool) -> None:
-        if self.shares is not None:
-            rows, global_rows = self.shares
-            scale = scale * rows * self.world_size / global_rows
+        # `scale` includes this process's loss weight (its rows * world / global rows, from the batch's record)
         skip_sync = self.ddp.no_sync() if (not sync and self.ddp is not None) else contextlib.nullcontext()
         with skip_sync:
             (loss * scale if scale != 1.0 else loss).backward()

@@ -1,0 +1,436 @@
+"""Resumable training state: random number generators, the data position, and the state directory.
+
+What makes a resumed run equal to one that never stopped, besides weights and optimizer state:
+
+- Every generator that touches training: Python's `random`, NumPy's global generator, torch's CPU
+  generator and every CUDA generator. dpkit's per-replica generators are seeded from torch's CPU
+  generator at each step, so capturing that one captures them.
+- The data position: which epoch the loader is in and how many global batches of it were used. The
+  order of an epoch is drawn when its iterator starts (a shuffling sampler draws a permutation from its
+  generator or torch's), so the loader also keeps the generator states from the start of the epoch; a
+  resumed epoch redraws the same order from them and skips the used batches by index, without loading
+  their data.
+
+A state is a directory `step-NNNNNNNN/` under the folder the user names, holding `state.pt` (what every
+process shares: model, optimizers, scaler, step, data position, extras; written by rank 0) and
+`rank-R.pt` (each process's generators). It is written into a temporary sibling, every file fsynced,
+renamed into place, and then the folder's `latest` pointer is replaced atomically.
+"""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+import itertools
+import logging
+import os
+import random
+import re
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterator, Sequence
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, IterableDataset, Sampler
+
+from dpkit.checkpoint import (
+    CheckpointCorruptError,
+    atomic_write,
+    fsync_directory,
+    read_checked,
+    write_checked,
+)
+from dpkit.parallel.scatter import split_sizes
+
+log = logging.getLogger("dpkit")
+
+STATE_FORMAT = "dpkit-state/1"
+STATE_FILE = "state.pt"
+LATEST = "latest"
+_STEP_DIR = re.compile(r"^step-(\d{8,})$")
+
+
+# --- random number generators --------------------------------------------------------------------------
+
+def capture_rng(*, cuda: bool = True) -> dict[str, Any]:
+    """The states of Python's, NumPy's and torch's global generators (and CUDA's, when in use)."""
+    numpy_state = np.random.get_state(legacy=False)
+    state = {
+        "python": random.getstate(),
+        # as plain values and a tensor, so that weights_only loading reads them back
+        "numpy": {"bit_generator": numpy_state["bit_generator"], "key": torch.from_numpy(numpy_state["state"]["key"].astype(np.int64)),
+                  "pos": int(numpy_state["state"]["pos"]), "has_gauss": int(numpy_state["has_gauss"]), "gauss": float(numpy_state["gauss"])},
+        "torch": torch.get_rng_state(),
+    }
+    if cuda and torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def check_rng(state: Any, source: Any) -> None:
+    if not isinstance(state, dict) or not {"python", "numpy", "torch"} <= set(state):
+        raise CheckpointCorruptError(f"{source}: the generator states are missing or incomplete; the state cannot be resumed exactly")
+    if not isinstance(state["torch"], torch.Tensor) or state["torch"].dtype != torch.uint8:
+        raise CheckpointCorruptError(f"{source}: torch's generator state is not a byte tensor")
+
+
+def restore_rng(state: dict[str, Any]) -> None:
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    numpy_state = state["numpy"]
+    np.random.set_state({"bit_generator": numpy_state["bit_generator"],
+                         "state": {"key": numpy_state["key"].numpy().astype(np.uint32), "pos": numpy_state["pos"]},
+                         "has_gauss": numpy_state["has_gauss"], "gauss": numpy_state["gauss"]})
+    torch.set_rng_state(state["torch"])
+    saved_cuda = state.get("cuda")
+    if saved_cuda and torch.cuda.is_available():
+        count = min(len(saved_cuda), torch.cuda.device_count())
+        if count < len(saved_cuda):
+            log.warning("the state holds %d CUDA generators, this process sees %d GPUs; restoring the first %d",
+                        len(saved_cuda), torch.cuda.device_count(), count)
+        for index in range(count):
+            torch.cuda.set_rng_state(saved_cuda[index], index)
+
+
+# --- the data position ----------------------------------------------------------------------------------
+
+_batch_sequence = itertools.count()  # orders the batches of all loaders, so the Engine knows the latest
+
+
+@dataclass(frozen=True)
+class BatchRecord:
+    """What the Engine needs to know about the batch a loader just yielded."""
+
+    epoch: int
+    index: int  # the global batch's position in its epoch
+    rows: int  # rows this process received
+    global_rows: int  # rows of the global batch
+    loss_weight: float  # turns this process's mean loss into its part of an average over processes
+    sequence: int
+
+
+class GlobalBatches(Sampler[list[int]]):
+    """The batches of indices of one epoch, from batch `start` on; this process's share of each.
+
+    Iteration starts eagerly: `iter()` draws the epoch's order at once (so a resumed epoch can redraw it
+    inside a window where the generators are set back) and skips `start` batches by index only.
+    """
+
+    def __init__(self, batch_sampler: Any, rank: int = 0, world_size: int = 1):
+        self.batch_sampler, self.rank, self.world_size = batch_sampler, rank, world_size
+        self.start = 0
+        self.records: collections.deque[tuple[int, int, int]] = collections.deque()  # (index, rows, global rows)
+
+    def __iter__(self) -> Iterator[list[int]]:
+        batches = iter(self.batch_sampler)
+        skip, self.start = self.start, 0
+        for _ in range(skip):
+            if next(batches, None) is None:
+                break
+        first = next(batches, None)
+        return self._shares(first, batches, skip)
+
+    def _shares(self, first: Any, batches: Iterator, index: int) -> Iterator[list[int]]:
+        if first is None:
+            return
+        for batch in itertools.chain([first], batches):
+            batch = list(batch)
+            if self.world_size == 1:
+                share = batch
+            else:
+                sizes = split_sizes(len(batch), self.world_size)
+                if sizes[self.rank] == 0:
+                    raise ValueError(
+                        f"batch_size: a global batch of {len(batch)} samples cannot give each of {self.world_size} processes a "
+                        "sample; use a batch size of at least the world size, or drop_last=True"
+                    )
+                start = sum(sizes[:self.rank])
+                share = batch[start:start + sizes[self.rank]]
+            self.records.append((index, len(share), len(batch)))
+            index += 1
+            yield share
+
+    def __len__(self) -> int:
+        return len(self.batch_sampler)
+
+
+def _generators(loader: DataLoader, batch_sampler: Any) -> list[torch.Generator]:
+    """The torch generators that decide a loader's order (its own, its sampler's), each once."""
+    found: dict[int, torch.Generator] = {}
+    sampler = getattr(batch_sampler, "sampler", None)
+    for owner in (loader, loader.sampler, batch_sampler, sampler):
+        generator = getattr(owner, "generator", None)
+        if isinstance(generator, torch.Generator) and generator.device.type == "cpu":
+            found.setdefault(id(generator), generator)
+    return list(found.values())
+
+
+def _stateful_samplers(batch_sampler: Any) -> list[Any]:
+    samplers = [batch_sampler, getattr(batch_sampler, "sampler", None)]
+    return [s for s in samplers if s is not None and callable(getattr(s, "state_dict", None)) and callable(getattr(s, "load_state_dict", None))]
+
+
+def resumable(loader: Any) -> bool:
+    """Whether the Engine can track and restore this loader's position (a map-style DataLoader with batches)."""
+    return isinstance(loader, DataLoader) and not isinstance(loader.dataset, IterableDataset) and loader.batch_sampler is not None
+
+
+class ResumableLoader:
+    """A DataLoader's global batches (this process's share of each), with a position that can be saved.
+
+    `state_dict()` gives the epoch and the next batch in it; after `load_state_dict()`, the next
+    iteration continues that epoch from that batch, in the same order. Every other iteration starts a
+    new epoch, as a DataLoader does; samplers with `set_epoch` are told the epoch.
+    """
+
+    def __init__(self, loader: DataLoader, *, batch_sampler: Any = None, rank: int = 0, world_size: int = 1):
+        if not resumable(loader):
+            raise TypeError(f"loader: expected a torch DataLoader over a map-style dataset with batch_size= or batch_sampler=, got {type(loader).__name__}")
+        self.source = loader
+        self.world_size = world_size
+        self.global_batches = GlobalBatches(batch_sampler if batch_sampler is not None else loader.batch_sampler, rank, world_size)
+        self.generators = _generators(loader, self.global_batches.batch_sampler)
+        extra = {"prefetch_factor": loader.prefetch_factor, "persistent_workers": loader.persistent_workers} if loader.num_workers > 0 else {}
+        self.loader = DataLoader(
+            loader.dataset, batch_sampler=self.global_batches, num_workers=loader.num_workers, collate_fn=loader.collate_fn,
+            pin_memory=loader.pin_memory, timeout=loader.timeout, worker_init_fn=loader.worker_init_fn,
+            multiprocessing_context=loader.multiprocessing_context, generator=loader.generator, **extra,
+        )
+        self.epoch = 0  # the epoch the next iteration starts (or, mid-epoch, the one in progress)
+        self.next_batch = 0  # the next batch of that epoch
+        self.in_epoch = False
+        self.epoch_start: dict[str, Any] | None = None  # generator states when the current epoch began
+        self._resume: tuple[int, dict[str, Any] | None] | None = None  # (batch, generator states) for the next iteration
+        self.last_batch: BatchRecord | None = None
+
+    # --- what decides an epoch's order ----------------------------------------------------------------
+    def _order_state(self) -> dict[str, Any]:
+        return {
+            "rng": capture_rng(cuda=False),
+            "generators": [g.get_state() for g in self.generators],
+            "samplers": [s.state_dict() for s in _stateful_samplers(self.global_batches.batch_sampler)],
+        }
+
+    def _set_order_state(self, state: dict[str, Any]) -> None:
+        restore_rng(state["rng"])
+        for generator, saved in zip(self.generators, state["generators"]):
+            generator.set_state(saved)
+        for sampler, saved in zip(_stateful_samplers(self.global_batches.batch_sampler), state["samplers"]):
+            sampler.load_state_dict(saved)
+
+    def set_epoch(self, epoch: int) -> None:
+        """The epoch the next iteration runs (as DistributedSampler.set_epoch)."""
+        self.epoch, self.next_batch, self.in_epoch, self._resume = epoch, 0, False, None
+
+    def _tell_samplers(self, epoch: int) -> None:
+        for sampler in (self.global_batches.batch_sampler, getattr(self.global_batches.batch_sampler, "sampler", None)):
+            if sampler is not None and callable(getattr(sampler, "set_epoch", None)):
+                sampler.set_epoch(epoch)
+
+    def __iter__(self) -> Iterator[Any]:
+        if self.in_epoch and self._resume is None:  # the previous iteration was left early: a new epoch
+            self.epoch, self.in_epoch = self.epoch + 1, False
+        epoch = self.epoch
+        self._tell_samplers(epoch)
+        self.global_batches.records.clear()
+        resume, self._resume = self._resume, None
+        if resume is not None and resume[0] > 0:
+            start, order_state = resume
+            now = capture_rng(cuda=False)
+            self._set_order_state(order_state)  # redraw the epoch's order as it was first drawn
+            self.global_batches.start = start
+            iterator = iter(self.loader)
+            restore_rng(now)  # the global generators continue from the saved state, not from the redraw
+            self.epoch_start = order_state
+        else:
+            start = 0
+            self.epoch_start = self._order_state()
+            iterator = iter(self.loader)
+        self.in_epoch, self.next_batch = True, start
+        for batch in iterator:
+            index, rows, global_rows = self.global_batches.records.popleft()
+            self.next_batch = index + 1
+            self.last_batch = BatchRecord(epoch, index, rows, global_rows, rows * self.world_size / global_rows, next(_batch_sequence))
+            yield batch
+        self.epoch, self.next_batch, self.in_epoch = epoch + 1, 0, False
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def __getattr__(self, name: str) -> Any:  # dataset, batch_size, …
+        if name in ("source", "loader", "global_batches"):
+            raise AttributeError(name)
+        return getattr(self.source, name)
+
+    # --- saving and restoring the position --------------------------------------------------------------
+    def position(self) -> dict[str, int]:
+        """Shared by every process: the epoch and its next global batch (same under any world size)."""
+        return {"epoch": self.epoch, "next_batch": self.next_batch if self.in_epoch else 0,
+                "batches_per_epoch": len(self.global_batches), "dataset_size": len(self.source.dataset)}
+
+    def order_state(self) -> dict[str, Any] | None:
+        """This process's generator states from the start of the epoch in progress (None between epochs)."""
+        return self.epoch_start if self.in_epoch else None
+
+    def check_position(self, position: Any, source: str) -> None:
+        if not isinstance(position, dict) or not {"epoch", "next_batch", "batches_per_epoch"} <= set(position):
+            raise CheckpointCorruptError(f"{source}: the data position is missing or incomplete")
+        here = len(self.global_batches)
+        if position["batches_per_epoch"] != here or position.get("dataset_size", len(self.source.dataset)) != len(self.source.dataset):
+            raise ValueError(
+                f"loader: the state was saved with {position['batches_per_epoch']} batches per epoch over "
+                f"{position.get('dataset_size')} samples, this loader has {here} over {len(self.source.dataset)}; "
+                "resume with the same dataset and global batch size"
+            )
+
+    def resume_from(self, position: dict[str, int], order_state: dict[str, Any] | None) -> None:
+        """Continue at `position` on the next iteration (after check_position)."""
+        self.epoch, self.next_batch = int(position["epoch"]), int(position["next_batch"])
+        self.in_epoch = self.next_batch > 0
+        if self.next_batch > 0 and order_state is None:
+            raise CheckpointCorruptError("the state stops mid-epoch but holds no generator states for that epoch's order")
+        self._resume = (self.next_batch, order_state) if self.next_batch > 0 else None
+
+
+# --- the state directory --------------------------------------------------------------------------------
+
+def step_directory_name(step: int) -> str:
+    return f"step-{step:08d}"
+
+
+def _pointer_text(name: str) -> str:
+    return f"{name} sha256:{hashlib.sha256(name.encode()).hexdigest()}\n"
+
+
+def read_latest(root: Path) -> Path | None:
+    """The step directory the `latest` pointer names (None without a pointer)."""
+    pointer = root / LATEST
+    if not pointer.is_file():
+        return None
+    text = pointer.read_text(errors="replace")
+    name = text.split(" ", 1)[0]
+    if text != _pointer_text(name) or not _STEP_DIR.match(name):
+        raise CheckpointCorruptError(
+            f"{pointer}: the pointer to the newest state is damaged; delete it to load the newest step-* directory, "
+            "or pass a step directory"
+        )
+    return root / name
+
+
+def step_directories(root: Path) -> list[Path]:
+    """Complete state directories under `root`, oldest first."""
+    found = [(int(m.group(1)), p) for p in root.iterdir() if p.is_dir() and (m := _STEP_DIR.match(p.name))]
+    return [p for _, p in sorted(found)]
+
+
+def find_state(directory: str | os.PathLike) -> Path:
+    """The step directory to load: `directory` itself if it is one, else the one `latest` names (or the newest)."""
+    directory = Path(directory)
+    if (directory / STATE_FILE).is_file():
+        return directory
+    if not directory.is_dir():
+        raise FileNotFoundError(f"directory: no saved state at {directory}")
+    chosen = read_latest(directory)
+    if chosen is None:
+        candidates = step_directories(directory)
+        if not candidates:
+            raise FileNotFoundError(f"directory: {directory} holds no saved state (no {LATEST} pointer, no step-* directory)")
+        chosen = candidates[-1]
+    if not (chosen / STATE_FILE).is_file():
+        raise FileNotFoundError(f"directory: {directory / LATEST} names {chosen.name}, which holds no {STATE_FILE}; pass an existing step directory")
+    return chosen
+
+
+def remove_stale_state_temporaries(root: Path) -> None:
+    for stale in itertools.chain(root.glob(".step-*.tmp"), root.glob(f".{LATEST}.*.tmp")):
+        shutil.rmtree(stale, ignore_errors=True) if stale.is_dir() else stale.unlink(missing_ok=True)
+        log.debug("removed %s, left by an interrupted save", stale)
+
+
+def write_state_directory(root: str | os.PathLike, step: int, shared: dict[str, Any] | None, mine: dict[str, Any], *,
+                          rank: int, keep: int | None, barrier: Callable[[], None]) -> Path:
+    """Write one state directory; every process calls this (rank 0 passes `shared`)."""
+    root = Path(root)
+    name = step_directory_name(step)
+    final, temporary = root / name, root / f".{name}.tmp"
+    if rank == 0:
+        if root.exists() and not root.is_dir():
+            raise NotADirectoryError(f"directory: {root} is a file; give a folder for the training state")
+        root.mkdir(parents=True, exist_ok=True)
+        remove_stale_state_temporaries(root)
+        temporary.mkdir()
+    barrier()
+    with open(temporary / f"rank-{rank}.pt", "wb") as handle:
+        write_checked(mine, handle)
+    if rank == 0:
+        with open(temporary / STATE_FILE, "wb") as handle:
+            write_checked(shared, handle)
+    barrier()
+    if rank == 0:
+        fsync_directory(temporary)
+        replaced = None
+        if final.exists():  # the same step saved again: move the old one aside, then drop it
+            replaced = root / f".{name}.old.tmp"
+            os.rename(final, replaced)
+        os.rename(temporary, final)
+        fsync_directory(root)
+        atomic_write(root / LATEST, lambda handle: handle.write(_pointer_text(name).encode()))
+        if replaced is not None:
+            shutil.rmtree(replaced, ignore_errors=True)
+        if keep is not None:
+            for old in step_directories(root)[:-keep]:
+                if old != final:
+                    shutil.rmtree(old, ignore_errors=True)
+    barrier()
+    return final
+
+
+def read_state_directory(directory: str | os.PathLike, rank: int, *, map_location: Any = "cpu") -> tuple[Path, dict[str, Any], dict[str, Any]]:
+    """(step directory, shared state, this rank's state); a rank the saved run did not have reads rank 0's."""
+    chosen = find_state(directory)
+    shared = read_checked(chosen / STATE_FILE, map_location=map_location)
+    if not isinstance(shared, dict) or shared.get("format") != STATE_FORMAT:
+        raise CheckpointCorruptError(f"{chosen / STATE_FILE}: not a dpkit training state (format {shared.get('format') if isinstance(shared, dict) else type(shared).__name__!r}, expected {STATE_FORMAT!r})")
+    own = chosen / f"rank-{rank}.pt"
+    if not own.is_file():
+        own = chosen / "rank-0.pt"
+        log.info("%s: saved by %d process(es); process %d takes rank 0's generator states", chosen, shared.get("world_size", 1), rank)
+    mine = read_checked(own, map_location="cpu")
+    if not isinstance(mine, dict):
+        raise CheckpointCorruptError(f"{own}: not a dpkit per-process state")
+    return chosen, shared, mine
+
+
+def check_keep(keep: Any) -> int | None:
+    if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
+        raise ValueError(f"keep: expected a positive int number of states to keep (or None for all), got {keep!r}")
+    return keep
+
+
+def pack_extras(extra: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """The user's extra objects as values weights_only loading can read; objects with state_dict() by their state."""
+    import io
+
+    packed = {}
+    for key, value in extra.items():
+        if callable(getattr(value, "state_dict", None)) and callable(getattr(value, "load_state_dict", None)):
+            packed[key] = {"kind": "state_dict", "value": value.state_dict()}
+        else:
+            packed[key] = {"kind": "value", "value": value}
+        buffer = io.BytesIO()
+        try:
+            torch.save(packed[key], buffer)
+            buffer.seek(0)
+            torch.load(buffer, weights_only=True)
+        except Exception as error:  # noqa: BLE001 - any failure means it cannot come back
+            raise TypeError(
+                f"{key}: a {type(value).__name__} cannot be saved in the training state (it must load back with "
+                "weights_only=True); pass numbers, strings, lists, dicts and tensors, or an object with state_dict()"
+            ) from error
+    return packed
+
+
+def loader_positions(loaders: Sequence[ResumableLoader]) -> list[dict[str, int]]:
+    return [loader.position() for loader in loaders]
