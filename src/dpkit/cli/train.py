@@ -380,7 +380,7 @@ def train(args: argparse.Namespace, prepared: Prepared | None = None) -> int:
                         raise TrainingDiverged(f"--lr {args.lr:g}: the loss became {float(step_loss):g} at step {steps_done}; "
                                                "training stopped and wrote nothing from it; try a smaller --lr")
                     seconds = seconds_before + time.perf_counter() - started
-                    if args.checkpoint_every and steps_done < args.steps and (steps_done % args.checkpoint_every == 0 or flags[0] > 0):
+                    if args.checkpoint_every and (steps_done % args.checkpoint_every == 0 or flags[0] > 0 or steps_done == args.steps):
                         saved_path, saved_at = save_state(seconds), steps_done
                     if flags[0] > 0:
                         signum = stop.signum if stop.signum is not None else signal.SIGTERM  # a peer was stopped
