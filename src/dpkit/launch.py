@@ -247,15 +247,20 @@ def launch(script: str, script_args: Sequence[str] = (), *, nproc_per_node: int 
 @contextlib.contextmanager
 def _quiet_torch_elastic() -> Iterator[None]:
     """torchrun's agent logs each step of a shutdown as warnings; dpkit's summary says what matters, so
-    they show only with dpkit's DEBUG logging (-v)."""
-    logger = logging.getLogger("torch.distributed.elastic")
-    saved = logger.level
-    if not log.isEnabledFor(logging.DEBUG):
+    they show only with dpkit's DEBUG logging (-v). Each of its modules' loggers has its own level."""
+    if log.isEnabledFor(logging.DEBUG):
+        yield
+        return
+    loggers = [logging.getLogger(name) for name in list(logging.root.manager.loggerDict)
+               if name.startswith("torch.distributed.elastic") or name.startswith("torch.distributed.launcher")]
+    saved = [(logger, logger.level) for logger in loggers]
+    for logger in loggers:
         logger.setLevel(logging.CRITICAL)
     try:
         yield
     finally:
-        logger.setLevel(saved)
+        for logger, level in saved:
+            logger.setLevel(level)
 
 
 # --- workers die with their launcher -----------------------------------------------------------------
