@@ -1,6 +1,6 @@
 """dpkit: data-parallel training for PyTorch, on GPUs and on virtual CPU devices."""
 
-from dpkit.checkpoint import CheckpointMismatchError, load_model, save_model, unwrap_model
+from dpkit.checkpoint import CheckpointCorruptError, CheckpointMismatchError, load_model, save_model, strip_prefixes, unwrap_model
 from dpkit.devices import cpu_devices
 from dpkit.errors import DpkitError
 from dpkit.parallel import Broadcast, DataParallel, split_sizes
@@ -12,6 +12,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Broadcast",
+    "CheckpointCorruptError",
     "CheckpointMismatchError",
     "DataParallel",
     "DpkitError",
@@ -22,5 +23,6 @@ __all__ = [
     "observe",
     "save_model",
     "split_sizes",
+    "strip_prefixes",
     "unwrap_model",
 ]

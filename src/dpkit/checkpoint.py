@@ -15,7 +15,6 @@ leaves the previous file; the next save removes the temporary files such kills l
 from __future__ import annotations
 
 import hashlib
-import io
 import json
 import logging
 import os
@@ -203,8 +202,8 @@ def atomic_save(obj: Any, path: str | os.PathLike) -> Path:
 
 def _corrupt(path: Path, what: str) -> CheckpointCorruptError:
     return CheckpointCorruptError(
-        f"{path}: {what}; the file is damaged (an interrupted copy, a full disk or a storage error): restore it "
-        "from a backup, or load an earlier checkpoint"
+        f"{path}: {what}; an interrupted copy, a full disk or a storage error changed it: restore it from a backup, "
+        "or load an earlier checkpoint"
     )
 
 
@@ -329,6 +328,16 @@ def write_safetensors(state_dict: Mapping[str, torch.Tensor], path: str | os.Pat
         handle.write(data)
 
     return atomic_write(path, write)
+
+
+def safetensors_has_checksum(path: str | os.PathLike) -> bool:
+    with open(path, "rb") as handle:
+        header_bytes = int.from_bytes(handle.read(8), "little")
+        try:
+            header = json.loads(handle.read(header_bytes))
+        except (ValueError, UnicodeDecodeError):
+            return False
+    return _SAFETENSORS_KEY in (header.get("__metadata__") or {})
 
 
 def read_safetensors(path: str | os.PathLike, *, map_location: Any = "cpu") -> dict[str, torch.Tensor]:

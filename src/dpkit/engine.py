@@ -15,6 +15,10 @@ The batch size the loader yields is the global batch; every strategy turns one s
 gradient as one device running the whole batch. With `accumulate=k` each loader batch is a
 micro-batch: `engine.backward` scales the loss by 1/k and skips the gradient exchange on the first k-1,
 and `optimizer.step()` / `optimizer.zero_grad()` only act on the k-th, so the loop does not change.
+
+`engine.save_state(folder)` / `engine.load_state(folder)` save and restore everything a stopped run needs
+(weights, optimizers, engine.step, the loaders' positions, every generator; see docs/resume.md), so the
+loop `while engine.step < steps: for x, y in loader: ...` resumes where it stopped.
 """
 
 from __future__ import annotations
@@ -355,6 +359,8 @@ class Engine:
                 "optimizers": [optimizer.state_dict() for optimizer in self._optimizers],
                 "scaler": self.precision.scaler.state_dict() if self.precision.scaler is not None else None,
                 "loaders": [loader.position() for loader in self._loaders],
+                # what a strategy learned that decides its arithmetic (dp-balanced: its chunk sizes)
+                "strategy_state": self.strategy.state_dict() if callable(getattr(self.strategy, "state_dict", None)) else None,
                 "extra": pack_extras(extra),
             }
         mine = {"rank": self.rank, "rng": capture_rng(), "loaders": [loader.order_state() for loader in self._loaders]}
@@ -394,6 +400,8 @@ class Engine:
         order_states = mine.get("loaders", [])
         for index, (loader, position) in enumerate(zip(self._loaders, positions)):
             loader.check_position(position, f"{source}: loaders[{index}]")
+            if position["next_batch"] > 0 and (index >= len(order_states) or order_states[index] is None):
+                raise CheckpointCorruptError(f"{source}: loaders[{index}] stopped mid-epoch, but the state holds no generator states for that epoch's order")
         check_rng(mine.get("rng"), chosen)
         extras = shared.get("extra", {})
         for name, target in objects.items():
@@ -411,6 +419,10 @@ class Engine:
             optimizer.load_state_dict(saved)
         if self.precision.scaler is not None and shared.get("scaler"):
             self.precision.scaler.load_state_dict(shared["scaler"])
+        strategy_state = shared.get("strategy_state")
+        if strategy_state and shared.get("strategy") == self.strategy.name and shared.get("world_size") == self.world_size \
+                and callable(getattr(self.strategy, "load_state_dict", None)):
+            self.strategy.load_state_dict(strategy_state)
         self._accumulation.steps, self._accumulation.micro_batches, self._accumulation.stepped = int(shared["step"]), 0, False
         padded = list(order_states) + [None] * (len(positions) - len(order_states))
         self._pending_loaders = list(zip(positions, padded))

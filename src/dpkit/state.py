@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import collections
 import hashlib
+import io
 import itertools
 import logging
 import os
@@ -29,7 +30,7 @@ import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator
 
 import numpy as np
 import torch
@@ -355,9 +356,9 @@ def write_state_directory(root: str | os.PathLike, step: int, shared: dict[str, 
     root = Path(root)
     name = step_directory_name(step)
     final, temporary = root / name, root / f".{name}.tmp"
+    if root.exists() and not root.is_dir():  # every process checks, so none waits for a rank 0 that failed here
+        raise NotADirectoryError(f"directory: {root} is a file; give a folder for the training state")
     if rank == 0:
-        if root.exists() and not root.is_dir():
-            raise NotADirectoryError(f"directory: {root} is a file; give a folder for the training state")
         root.mkdir(parents=True, exist_ok=True)
         remove_stale_state_temporaries(root)
         temporary.mkdir()
@@ -411,8 +412,6 @@ def check_keep(keep: Any) -> int | None:
 
 def pack_extras(extra: dict[str, Any]) -> dict[str, dict[str, Any]]:
     """The user's extra objects as values weights_only loading can read; objects with state_dict() by their state."""
-    import io
-
     packed = {}
     for key, value in extra.items():
         if callable(getattr(value, "state_dict", None)) and callable(getattr(value, "load_state_dict", None)):
@@ -430,7 +429,3 @@ def pack_extras(extra: dict[str, Any]) -> dict[str, dict[str, Any]]:
                 "weights_only=True); pass numbers, strings, lists, dicts and tensors, or an object with state_dict()"
             ) from error
     return packed
-
-
-def loader_positions(loaders: Sequence[ResumableLoader]) -> list[dict[str, int]]:
-    return [loader.position() for loader in loaders]

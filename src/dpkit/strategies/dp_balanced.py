@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from dpkit.parallel import DataParallel
+from dpkit.parallel.balance import LinearCost
 from dpkit.strategies.base import DeferredOutput, Strategy, defers
 
 
@@ -68,3 +69,27 @@ class DPBalanced(Strategy):
             return self.data_parallel(*output.args, target=targets[0], **output.kwargs)
 
         return loss_in_replicas
+
+    # --- resumable state (engine.save_state): the balancer's measurements and chosen splits, so that a
+    # resumed run splits its batches, and so rounds and draws dropout masks, as the saved run did
+    _BALANCER_FIELDS = ("points", "_sizes", "measured_steps", "calibration_calls", "_warm_up_recorded")
+
+    def state_dict(self) -> dict:
+        balancer = getattr(getattr(self, "data_parallel", None), "balancer", None)
+        if balancer is None:
+            return {}
+        self.data_parallel.finish_measurement()  # a step being measured ends here rather than at the next forward
+        state = {name: getattr(balancer, name) for name in self._BALANCER_FIELDS if hasattr(balancer, name)}
+        cost = getattr(balancer, "cost", None)
+        state["cost"] = None if cost is None else {"fixed": list(cost.fixed), "per_row": list(cost.per_row)}
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        balancer = getattr(getattr(self, "data_parallel", None), "balancer", None)
+        if balancer is None or not state:
+            return
+        for name in self._BALANCER_FIELDS:
+            if name in state:
+                setattr(balancer, name, state[name])
+        cost = state.get("cost")
+        balancer.cost = None if cost is None else LinearCost(tuple(cost["fixed"]), tuple(cost["per_row"]))

@@ -1,0 +1,145 @@
+"""`dpkit ckpt`: look inside a checkpoint or training state, or convert a torch checkpoint.
+
+    dpkit ckpt inspect runs/train/model.pt       # keys, shapes, dtypes, sizes; checksum verified
+    dpkit ckpt inspect runs/train/state          # a training state: step, strategy, data position, …
+    dpkit ckpt convert ddp_checkpoint.pth model.pt [--safetensors]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+
+from dpkit.checkpoint import (
+    CheckpointMismatchError,
+    atomic_save,
+    read_checked,
+    strip_prefixes,
+    unpack_state_dict,
+    verify_file,
+    write_safetensors,
+    _is_safetensors,
+    safetensors_has_checksum,
+)
+from dpkit.state import STATE_FILE, STATE_FORMAT, find_state
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    parser = subparsers.add_parser("ckpt", help="inspect a checkpoint or training state; convert a torch checkpoint")
+    actions = parser.add_subparsers(dest="action", metavar="ACTION")
+    actions.required = True
+    inspect = actions.add_parser("inspect", help="print keys, shapes, dtypes, sizes, step and strategy; verify checksums")
+    inspect.add_argument("path", help="a checkpoint file (.pt, .pth, .safetensors) or a training-state folder")
+    convert = actions.add_parser("convert", help="strip DataParallel/DDP/compile prefixes; write a checked .pt or safetensors")
+    convert.add_argument("source", help="a torch checkpoint: a state dict, or a {'state_dict': ...} / {'model': ...} container")
+    convert.add_argument("out", help="the file to write")
+    convert.add_argument("--safetensors", action="store_true", help="write safetensors instead of a torch file")
+    return parser
+
+
+def _bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GiB"
+
+
+def _tensor_table(state: Mapping[str, Any]) -> list[str]:
+    rows = [(key, "x".join(map(str, value.shape)) or "scalar", str(value.dtype).replace("torch.", ""),
+             _bytes(value.numel() * value.element_size())) if isinstance(value, torch.Tensor) else (key, "-", type(value).__name__, "-")
+            for key, value in state.items()]
+    widths = [max(len(row[i]) for row in rows + [("key", "shape", "dtype", "size")]) for i in range(4)]
+    lines = [("  " + "  ".join(c.ljust(w) for c, w in zip(row, widths))).rstrip() for row in [("key", "shape", "dtype", "size")] + rows]
+    tensors = [v for v in state.values() if isinstance(v, torch.Tensor)]
+    lines.append(f"  {len(tensors)} tensors, {sum(t.numel() for t in tensors):,} values, "
+                 f"{_bytes(sum(t.numel() * t.element_size() for t in tensors))}")
+    return lines
+
+
+def _integrity(path: Path) -> str:
+    if _is_safetensors(path):
+        return "safetensors, dpkit SHA-256 verified" if safetensors_has_checksum(path) else "safetensors without a dpkit checksum"
+    return "dpkit SHA-256 verified" if verify_file(path) else "no dpkit checksum (a torch file from elsewhere); zip CRC-32s verified"
+
+
+def _describe_state(shared: dict, folder: Path | None) -> list[str]:
+    lines = [f"training state: step {shared.get('step')}, strategy {shared.get('strategy')} on {shared.get('world_size')} "
+             f"process(es) ({', '.join(shared.get('devices', []))}), precision {shared.get('precision')}, "
+             f"accumulate {shared.get('accumulate')}"]
+    if folder is not None:
+        files = sorted(p for p in folder.iterdir() if p.is_file())
+        lines.append("files: " + ", ".join(f"{p.name} {_bytes(p.stat().st_size)} ({_integrity(p)})" for p in files))
+    for index, optimizer in enumerate(shared.get("optimizers", [])):
+        groups = optimizer.get("param_groups", [])
+        lrs = ", ".join(f"{g.get('lr')}" for g in groups)
+        lines.append(f"optimizer {index}: {len(groups)} param group(s), lr {lrs}, state for {len(optimizer.get('state', {}))} parameter(s)")
+    if shared.get("scaler"):
+        lines.append(f"grad scaler: scale {shared['scaler'].get('scale')}")
+    for index, position in enumerate(shared.get("loaders", [])):
+        lines.append(f"loader {index}: epoch {position['epoch']}, next batch {position['next_batch']} of {position['batches_per_epoch']}")
+    extras = shared.get("extra", {})
+    if extras:
+        lines.append("extras: " + ", ".join(f"{k} ({v['kind'].replace('_', ' ')})" for k, v in extras.items()))
+    lines.append("model:")
+    lines += _tensor_table(shared.get("model", {}))
+    return lines
+
+
+def inspect(path: Path) -> int:
+    if path.is_dir():
+        folder = find_state(path)
+        shared = read_checked(folder / STATE_FILE)
+        print(f"{folder}")
+        print("\n".join(_describe_state(shared, folder)))
+        return 0
+    integrity = _integrity(path)
+    loaded = read_checked(path)
+    print(f"{path}: {_bytes(path.stat().st_size)}, {integrity}")
+    if isinstance(loaded, dict) and loaded.get("format") == STATE_FORMAT:
+        print("\n".join(_describe_state(loaded, None)))
+        return 0
+    state = unpack_state_dict(loaded, path)
+    if isinstance(loaded, dict) and state is not loaded and set(loaded) - set(state):
+        others = [k for k in loaded if not isinstance(loaded[k], torch.Tensor) and loaded.get(k) is not state]
+        print(f"container entries: {', '.join(map(str, others))}")
+    print("\n".join(_tensor_table(state)))
+    return 0
+
+
+def convert(source: Path, out: Path, to_safetensors: bool) -> int:
+    if out.is_dir():
+        raise ValueError(f"OUT: {out} is a directory; give a file name such as {out / ('model.safetensors' if to_safetensors else 'model.pt')}")
+    if out.resolve() == source.resolve():
+        raise ValueError(f"OUT: {out} is the source file; write the converted checkpoint to another file")
+    loaded = read_checked(source)
+    state = unpack_state_dict(loaded, source)
+    clean = strip_prefixes(state)
+    removed = len(set(state) - set(clean))
+    if not clean:
+        raise CheckpointMismatchError(f"SOURCE: {source} holds no tensors to convert")
+    if to_safetensors:
+        skipped = [k for k, v in clean.items() if not isinstance(v, torch.Tensor)]
+        if skipped:
+            print(f"dpkit ckpt convert: left out {len(skipped)} non-tensor entries safetensors cannot hold: {', '.join(skipped)}", file=sys.stderr)
+        written = write_safetensors({k: v for k, v in clean.items() if isinstance(v, torch.Tensor)}, out, {"converted_by": "dpkit"})
+    else:
+        written = atomic_save(dict(clean), out)
+    print(f"wrote {written} ({_bytes(written.stat().st_size)}): {len(clean)} entries, wrapper prefixes removed from {removed}")
+    return 0
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        if args.action == "inspect":
+            return inspect(Path(args.path))
+        return convert(Path(args.source), Path(args.out), args.safetensors)
+    except RuntimeError as error:  # a file dpkit will not unpickle; DpkitError subclasses pass to main
+        if isinstance(error, (CheckpointMismatchError,)) or type(error).__module__.startswith("dpkit"):
+            raise
+        print(f"dpkit ckpt: error: {error}", file=sys.stderr)
+        return 2
