@@ -441,6 +441,7 @@ class HangWatch:
             try:
                 if store.check([_heartbeat_key(str(attempt + 1), 0)]):  # the agent restarted the group
                     attempt, progress = attempt + 1, {}
+                    self.hung.clear()  # what failed the last attempt is history; this summary is about the new one
                 values = {}
                 for rank in range(self.world_size):
                     key = _heartbeat_key(str(attempt), rank)

@@ -171,3 +171,14 @@ def test_launch_refuses_more_processes_than_the_cores_carry(capsys):
     code = main(["launch", "--nproc-per-node", "1000", "script.py"])
     lines = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(lines) == 1 and "--nproc-per-node: 1000 processes on" in lines[0] and "--force" in lines[0]
+
+
+def test_resume_of_a_finished_run_names_steps(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main(["train", "--accelerator", "cpu", "--no-progress", "--steps", "2", "--checkpoint-every", "1", "--out", str(out)]) == 0
+    before = snapshot(out)
+    capsys.readouterr()
+    code, lines = train(tmp_path, capsys, "--checkpoint-every", "1", "--resume")
+    assert code == 2 and lines == [f"dpkit train: error: --steps: the run in {str(out)!r} has already taken 2 steps; "
+                                   "give more than 2 to continue it"]
+    assert snapshot(out) == before

@@ -134,6 +134,9 @@ def _check_out(args: argparse.Namespace) -> bool:
     if args.resume:
         if not saved_states(out):
             raise ValueError(f"--resume: no saved state in {str(out / STATE_FOLDER)!r}; a run saves one with --checkpoint-every K")
+        taken = max(int(path.name.split("-")[1]) for path in saved_states(out))
+        if taken >= args.steps:
+            raise ValueError(f"--steps: the run in {str(out)!r} has already taken {taken} steps; give more than {taken} to continue it")
         saved = json.loads((out / RUN_SETTINGS).read_text()) if (out / RUN_SETTINGS).exists() else {}
         for key in RESUME_MUST_MATCH:
             if key in saved and saved[key] != _settings(args)[key]:
