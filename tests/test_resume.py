@@ -74,6 +74,37 @@ def run(strategy: str, devices: int, state_dir: Path, *, stop_at: int | None = N
     return {k: v.clone() for k, v in clean_state_dict(model).items()}, losses
 
 
+GLOBAL_DRAWS: list[bool] = []  # module level: replicas are copies of the model, so not an attribute
+
+
+class DrawsInReplica(nn.Module):
+    """Records whether a random draw inside a replica moved torch's global CPU generator."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(FEATURES, CLASSES)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        before = torch.default_generator.get_state()
+        nn.functional.dropout(torch.ones(16), 0.5, training=True)
+        GLOBAL_DRAWS.append(not torch.equal(before, torch.default_generator.get_state()))
+        return self.linear(x)
+
+
+def replicas_draw_from_their_own_generators() -> bool:
+    """One replicated step: did any replica draw from the global generator (where threads race)?"""
+    engine = dpkit.Engine(strategy="replicated", accelerator="cpu", devices=2, progress=False)
+    model = DrawsInReplica()
+    model, optimizer = engine.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    criterion = engine.setup_criterion(nn.CrossEntropyLoss())
+    x, y = dataset()[:8]
+    GLOBAL_DRAWS.clear()
+    engine.backward(criterion(model(x), y))
+    engine.close()
+    assert len(GLOBAL_DRAWS) == 2
+    return not any(GLOBAL_DRAWS)
+
+
 def assert_bitwise(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], what: str) -> None:
     assert list(a) == list(b)
     for key in a:
@@ -84,11 +115,10 @@ def assert_bitwise(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], what:
 def test_resume_equals_uninterrupted_bitwise(tmp_path, strategy, devices):
     reference, reference_losses = run(strategy, devices, tmp_path / "unused")
     assert len(reference_losses) == STEPS
-    again, _ = run(strategy, devices, tmp_path / "unused")
-    if not all(torch.equal(again[k], reference[k]) for k in reference):
-        # the precondition, not the resume: dropout in replicas needs per-replica generators (issue 7's runner)
-        assert strategy == "replicated", f"{strategy}: two identical uninterrupted runs differ"
-        pytest.skip("replicated with dropout is not bitwise repeatable in this build (no per-replica generators yet)")
+    if strategy == "replicated" and not replicas_draw_from_their_own_generators():
+        # the precondition, not the resume: replicas that share torch's global generator race for it
+        pytest.skip("replicated's replicas draw dropout masks from the shared global generator in this build "
+                    "(per-replica generators come with issue 7's one replica runner)")
     for stop_at in (3, 6, 10):  # mid-epoch, the end of the first epoch, inside the second
         state_dir = tmp_path / f"stop-{stop_at}"
         _, first_losses = run(strategy, devices, state_dir, stop_at=stop_at)
@@ -170,14 +200,3 @@ def test_ddp_resume_equals_uninterrupted_bitwise(tmp_path):
     for key in reference:  # float32 rounding only: the replicas' sums run in another order (see above)
         torch.testing.assert_close(weights[key], reference[key], rtol=1e-5, atol=1e-6)
 
-
-def test_the_python_blocks_in_docs_resume_run(tmp_path, monkeypatch):
-    """docs/resume.md's example resumes a dp run bitwise; its assertions run here."""
-    import re
-
-    text = (Path(__file__).parent.parent / "docs" / "resume.md").read_text()
-    blocks = re.findall(r"```python\n(.*?)```", text, flags=re.S)
-    assert blocks
-    monkeypatch.chdir(tmp_path)
-    for block in blocks:
-        exec(compile(block, "docs/resume.md", "exec"), {"__name__": "docs_resume"})

@@ -191,3 +191,48 @@ def test_bad_arguments_name_themselves(tmp_path):
     (tmp_path / "file").write_text("x")
     with pytest.raises(NotADirectoryError, match="is a file"):
         engine.save_state(tmp_path / "file")
+
+
+class CountingSampler(torch.utils.data.Sampler):
+    """A sampler whose order comes from its own state (a counter advanced every epoch), saved by state_dict()."""
+
+    def __init__(self, n: int):
+        self.n, self.draws = n, 0
+
+    def __iter__(self):
+        self.draws += 1
+        return iter(torch.randperm(self.n, generator=torch.Generator().manual_seed(1000 + self.draws)).tolist())
+
+    def __len__(self) -> int:
+        return self.n
+
+    def state_dict(self) -> dict:
+        return {"draws": self.draws}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.draws = state["draws"]
+
+
+def test_a_sampler_with_state_resumes_its_epoch():
+    data = TensorDataset(torch.arange(10))
+    loader = ResumableLoader(DataLoader(data, batch_size=3, sampler=CountingSampler(10)))
+    [ids.tolist() for (ids,) in loader]  # epoch 0
+    iterator = iter(loader)
+    next(iterator)
+    position, order_state = loader.position(), loader.order_state()
+    rest = [ids.tolist() for (ids,) in iterator]
+    resumed = ResumableLoader(DataLoader(data, batch_size=3, sampler=CountingSampler(10)))
+    resumed.resume_from(position, order_state)
+    assert [ids.tolist() for (ids,) in resumed] == rest and len(rest) == 3
+
+
+def test_a_save_of_the_same_step_killed_between_its_renames_loses_nothing(tmp_path):
+    engine, model, optimizer, loader = make_engine()
+    train_steps(engine, model, optimizer, loader, 2)
+    engine.save_state(tmp_path, note="first")
+    # the moment between moving the old step-00000002 aside and renaming the new one into place
+    (tmp_path / "step-00000002").rename(tmp_path / ".step-00000002.old.tmp")
+    assert make_engine()[0].load_state(tmp_path) == {"note": "first"}
+    engine.save_state(tmp_path, note="second")  # puts the old copy back, then replaces it
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step-00000002"]
+    assert make_engine()[0].load_state(tmp_path) == {"note": "second"}

@@ -18,6 +18,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import secrets
 import zipfile
 from collections import OrderedDict
@@ -265,17 +266,19 @@ def read_checked(path: str | os.PathLike, *, map_location: Any = "cpu") -> Any:
     try:
         return torch.load(path, map_location=map_location, weights_only=True)
     except Exception as error:
-        if "weights_only" in str(error) or "Unsupported global" in str(error):
-            raise RuntimeError(
-                f"{path}: holds objects other than tensors and plain values, which dpkit does not unpickle "
-                f"(weights_only=True loading): {str(error).splitlines()[0]}. If you trust the file, convert it with "
-                "torch.load(path, weights_only=False) and save its state dict"
+        text = str(error)
+        unpickler = text.split("WeightsUnpickler error:", 1)[-1].strip().splitlines()
+        detail = unpickler[0].strip() if unpickler and unpickler[0].strip() else type(error).__name__
+        global_name = re.search(r"GLOBAL (\S+) was not an allowed global", text)
+        if global_name:
+            raise CheckpointCorruptError(
+                f"{path}: holds a Python object ({global_name.group(1)}) that dpkit does not unpickle (it loads with weights_only=True). "
+                "If you trust the file, load it with torch.load(path, weights_only=False) and save its state dict"
             ) from error
         if checked:
-            raise _corrupt(path, f"torch cannot read it ({type(error).__name__}: {str(error).splitlines()[0]})") from error
+            raise _corrupt(path, f"torch cannot read it ({detail})") from error
         raise CheckpointCorruptError(
-            f"{path}: not a PyTorch checkpoint ({type(error).__name__}: {str(error).splitlines()[0] if str(error) else 'unreadable'}); "
-            "give a file written by torch.save or dpkit"
+            f"{path}: not a PyTorch checkpoint (torch cannot read it: {detail}); give a file written by torch.save or dpkit"
         ) from error
 
 

@@ -194,3 +194,11 @@ def check_process_count(processes: int, *, argument: str = "--nproc-per-node", f
     if processes > limit and not force:
         raise ValueError(f"{argument}: {processes} processes on {available_cores()} CPU core(s) is past the limit of "
                          f"{limit} ({PROCESSES_PER_CORE} per core); ask for fewer, or pass --force to start them anyway")
+
+
+def tensor_device(tensor: torch.Tensor, virtual_cpu_device: DeviceLike) -> torch.device:
+    """The device a tensor belongs to: its own, except that a CPU tensor, which reports plain `cpu`
+    whatever virtual CPU device holds it, belongs to `virtual_cpu_device` (the one doing the work)."""
+    if tensor.device.type == "cpu":
+        return parse_device(virtual_cpu_device)
+    return parse_device(tensor.device)

@@ -181,9 +181,11 @@ def resumable(loader: Any) -> bool:
 class ResumableLoader:
     """A DataLoader's global batches (this process's share of each), with a position that can be saved.
 
-    `state_dict()` gives the epoch and the next batch in it; after `load_state_dict()`, the next
-    iteration continues that epoch from that batch, in the same order. Every other iteration starts a
-    new epoch, as a DataLoader does; samplers with `set_epoch` are told the epoch.
+    `position()` gives the epoch and its next batch (the same in every process) and `order_state()` this
+    process's generator states from the epoch's start; after `resume_from(position, order_state)`, the
+    next iteration continues that epoch from that batch, in the same order. Every other iteration starts
+    a new epoch, as a DataLoader does; samplers with `set_epoch` are told the epoch. `last_batch` is the
+    record of the batch yielded last.
     """
 
     def __init__(self, loader: DataLoader, *, batch_sampler: Any = None, rank: int = 0, world_size: int = 1):
@@ -326,6 +328,11 @@ def step_directories(root: Path) -> list[Path]:
     return [p for _, p in sorted(found)]
 
 
+def _aside(root: Path, name: str) -> Path:
+    """Where a state directory waits while a new save of the same step takes its place."""
+    return root / f".{name}.old.tmp"
+
+
 def find_state(directory: str | os.PathLike) -> Path:
     """The step directory to load: `directory` itself if it is one, else the one `latest` names (or the newest)."""
     directory = Path(directory)
@@ -334,17 +341,27 @@ def find_state(directory: str | os.PathLike) -> Path:
     if not directory.is_dir():
         raise FileNotFoundError(f"directory: no saved state at {directory}")
     chosen = read_latest(directory)
+    if chosen is not None and not (chosen / STATE_FILE).is_file():
+        # a save of the same step was killed between its two renames: the previous copy waits aside
+        if (_aside(directory, chosen.name) / STATE_FILE).is_file():
+            log.warning("%s: %s was being replaced when a save stopped; loading its previous copy", directory, chosen.name)
+            return _aside(directory, chosen.name)
+        log.warning("%s: %s names %s, which is gone; loading the newest step directory", directory, LATEST, chosen.name)
+        chosen = None
     if chosen is None:
-        candidates = step_directories(directory)
+        candidates = [p for p in step_directories(directory) if (p / STATE_FILE).is_file()]
         if not candidates:
             raise FileNotFoundError(f"directory: {directory} holds no saved state (no {LATEST} pointer, no step-* directory)")
         chosen = candidates[-1]
-    if not (chosen / STATE_FILE).is_file():
-        raise FileNotFoundError(f"directory: {directory / LATEST} names {chosen.name}, which holds no {STATE_FILE}; pass an existing step directory")
     return chosen
 
 
 def remove_stale_state_temporaries(root: Path) -> None:
+    for aside in root.glob(".step-*.old.tmp"):  # a replaced state whose replacement never arrived: put it back
+        final = root / aside.name[1:-len(".old.tmp")]
+        if not final.exists() and (aside / STATE_FILE).is_file():
+            os.rename(aside, final)
+            log.info("restored %s, which an interrupted save had moved aside", final)
     for stale in itertools.chain(root.glob(".step-*.tmp"), root.glob(f".{LATEST}.*.tmp")):
         shutil.rmtree(stale, ignore_errors=True) if stale.is_dir() else stale.unlink(missing_ok=True)
         log.debug("removed %s, left by an interrupted save", stale)
@@ -373,7 +390,7 @@ def write_state_directory(root: str | os.PathLike, step: int, shared: dict[str, 
         fsync_directory(temporary)
         replaced = None
         if final.exists():  # the same step saved again: move the old one aside, then drop it
-            replaced = root / f".{name}.old.tmp"
+            replaced = _aside(root, name)
             os.rename(final, replaced)
         os.rename(temporary, final)
         fsync_directory(root)

@@ -134,12 +134,6 @@ def convert(source: Path, out: Path, to_safetensors: bool) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    try:
-        if args.action == "inspect":
-            return inspect(Path(args.path))
-        return convert(Path(args.source), Path(args.out), args.safetensors)
-    except RuntimeError as error:  # a file dpkit will not unpickle; DpkitError subclasses pass to main
-        if isinstance(error, (CheckpointMismatchError,)) or type(error).__module__.startswith("dpkit"):
-            raise
-        print(f"dpkit ckpt: error: {error}", file=sys.stderr)
-        return 2
+    if args.action == "inspect":
+        return inspect(Path(args.path))
+    return convert(Path(args.source), Path(args.out), args.safetensors)

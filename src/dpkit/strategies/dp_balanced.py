@@ -16,7 +16,8 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from dpkit.parallel import DataParallel
+from dpkit.observe.calibration import DataParallel  # balance= needs a planner that measures
+from dpkit.parallel import hooks
 from dpkit.parallel.balance import LinearCost
 from dpkit.strategies.base import DeferredOutput, Strategy, defers
 
@@ -70,6 +71,10 @@ class DPBalanced(Strategy):
 
         return loss_in_replicas
 
+    def backward(self, loss: torch.Tensor, *, scale: float, sync: bool) -> None:
+        with hooks.phase("backward", self.root_device):
+            super().backward(loss, scale=scale, sync=sync)
+
     # --- resumable state (engine.save_state): the balancer's measurements and chosen splits, so that a
     # resumed run splits its batches, and so rounds and draws dropout masks, as the saved run did
     _BALANCER_FIELDS = ("points", "_sizes", "measured_steps", "calibration_calls", "_warm_up_recorded")
@@ -78,7 +83,8 @@ class DPBalanced(Strategy):
         balancer = getattr(getattr(self, "data_parallel", None), "balancer", None)
         if balancer is None:
             return {}
-        self.data_parallel.finish_measurement()  # a step being measured ends here rather than at the next forward
+        if callable(getattr(balancer, "finish", None)):
+            balancer.finish()  # a step being measured ends here rather than at the next forward
         state = {name: getattr(balancer, name) for name in self._BALANCER_FIELDS if hasattr(balancer, name)}
         cost = getattr(balancer, "cost", None)
         state["cost"] = None if cost is None else {"fixed": list(cost.fixed), "per_row": list(cost.per_row)}
