@@ -400,6 +400,7 @@ class _RankProgress:
     pid: int
     node: int
     since: float  # monotonic time the count last changed, by the launcher's clock
+    behind_since: float | None = None  # when another rank first got past this count
 
 
 class HangWatch:
@@ -462,8 +463,14 @@ class HangWatch:
             return
         ahead = max(p.count for p in live.values())
         for rank, p in live.items():
-            stalled = now - p.since
-            if p.count >= ahead or stalled < self.hang_timeout_seconds or rank in self.hung:
+            if p.count >= ahead:
+                p.behind_since = None
+                continue
+            if p.behind_since is None:
+                p.behind_since = now
+            # the clock runs from when the others got ahead: a slow start is not a hang
+            stalled = now - max(p.since, p.behind_since)
+            if stalled < self.hang_timeout_seconds or rank in self.hung:
                 continue
             waiting = sorted(r for r, q in live.items() if q.count > p.count)
             message = (f"worker rank {rank} (pid {p.pid}, node {p.node}) made no progress for {stalled:.0f} s "
