@@ -61,3 +61,42 @@ def test_cpu_tensors_are_on_every_virtual_device():
     t = torch.zeros(1)
     assert tensor_on(t, torch.device("cpu", 5))
     assert not tensor_on(t, torch.device("cuda", 0))
+
+
+@pytest.mark.parametrize("count", [129, 257, 1000])
+def test_counts_past_torchs_8_bit_index_are_refused(count):
+    # torch.device("cpu", 128) is cpu:-128 and torch.device("cpu", 256) is cpu:0: two replicas would share a device
+    assert torch.device("cpu", 256) == torch.device("cpu", 0)
+    with pytest.raises(ValueError, match=f"devices: {count} devices is past torch's limit of 128") as error:
+        resolve_devices("cpu", count)
+    assert "appears twice" not in str(error.value)
+    assert len(resolve_devices("cpu", 128)) == 128 and resolve_devices("cpu", 128)[-1] == torch.device("cpu", 127)
+
+
+@pytest.mark.parametrize("spec", ["cpu:128", "cpu:300", 300, torch.device("cpu", 200)])
+def test_indices_past_the_limit_are_refused_not_wrapped(spec):
+    with pytest.raises(ValueError, match="past torch's limit of 127|negative index"):
+        parse_device(spec)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU message")
+@pytest.mark.parametrize("device_ids", [[0], ["cuda:0"], [0, 1]])
+def test_gpus_this_machine_lacks_are_an_error_at_construction(device_ids):
+    with pytest.raises(ValueError, match=r"device_ids\[0\]: cuda:0 does not exist on this machine \(no GPU is visible\); "
+                                         r"for virtual CPU devices use 'cpu:0'.*dpkit.cpu_devices\(n\).*--accelerator cpu"):
+        dpkit.DataParallel(torch.nn.Linear(2, 2), device_ids)
+
+
+@pytest.mark.parametrize("devices", ["0,1", "cuda:0,cuda:1", [0, 1]])
+def test_cuda_devices_with_the_cpu_accelerator_is_one_clear_error(devices):
+    with pytest.raises(ValueError, match="names cuda devices but accelerator is 'cpu'"):
+        resolve_devices("cpu", devices)
+
+
+def test_process_count_is_capped_by_the_cores_unless_forced():
+    from dpkit.devices import PROCESSES_PER_CORE, available_cores, check_process_count
+    limit = PROCESSES_PER_CORE * available_cores()
+    check_process_count(limit)
+    with pytest.raises(ValueError, match=f"{limit + 1} processes on {available_cores()} CPU core"):
+        check_process_count(limit + 1)
+    check_process_count(limit + 1, force=True)

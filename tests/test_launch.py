@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import re
+import signal
 import socket
+import subprocess
+import sys
 import textwrap
+import time
 
 import pytest
 
@@ -95,3 +101,146 @@ def test_max_restarts_restarts_the_group_after_a_failure(tmp_path):
     with pytest.raises(LaunchError):
         (tmp_path / "failed-once").unlink()
         launch(str(script), nproc_per_node=2, max_restarts=0)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # a zombie waiting for a dead parent to reap it counts as gone
+    with open(f"/proc/{pid}/stat") as handle:
+        return handle.read().split(")")[-1].split()[0] != "Z"
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the parent-death signal is Linux's prctl")
+def test_kill_9_of_the_launcher_leaves_no_worker_behind(tmp_path):
+    script = tmp_path / "sleeps.py"
+    script.write_text(textwrap.dedent(f"""
+        import os, time
+        open({str(tmp_path)!r} + f"/pid-{{os.environ['RANK']}}", "w").write(str(os.getpid()))
+        time.sleep(120)
+    """))
+    launcher = subprocess.Popen([sys.executable, "-m", "dpkit.cli.main", "launch", "--nproc-per-node", "2", str(script)],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 60
+        while not all((tmp_path / f"pid-{rank}").exists() and (tmp_path / f"pid-{rank}").read_text() for rank in range(2)):
+            assert time.monotonic() < deadline and launcher.poll() is None, "the workers never started"
+            time.sleep(0.1)
+        pids = [int((tmp_path / f"pid-{rank}").read_text()) for rank in range(2)]
+        assert all(_alive(pid) for pid in pids)
+        launcher.kill()
+        launcher.wait()
+        deadline = time.monotonic() + 10
+        while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        survivors = [pid for pid in pids if _alive(pid)]
+    finally:
+        launcher.kill()
+        for rank in range(2):
+            with contextlib.suppress(Exception):
+                os.kill(int((tmp_path / f"pid-{rank}").read_text()), signal.SIGKILL)
+    assert survivors == [], f"workers {survivors} outlived their launcher"
+
+
+HANGS = textwrap.dedent("""
+    import time, torch
+    from dpkit.engine import Engine
+
+    engine = Engine(strategy="ddp", accelerator="cpu", devices=2, timeout_seconds=120)
+    model = torch.nn.Linear(4, 1)
+    model, optimizer = engine.setup(model, torch.optim.SGD(model.parameters(), lr=0.01))
+    for step in range(1000):
+        if engine.rank == 1 and step == 3:
+            time.sleep(600)  # stuck: alive, but no collective ever comes
+        optimizer.zero_grad()
+        engine.backward(model(torch.randn(8, 4)).pow(2).mean())
+        optimizer.step()
+""")
+
+
+def test_a_rank_that_stops_making_progress_is_named_within_the_hang_timeout(tmp_path):
+    script = tmp_path / "hangs.py"
+    script.write_text(HANGS)
+    began = time.monotonic()
+    with pytest.raises(LaunchError) as error:
+        launch(str(script), nproc_per_node=2, hang_timeout_seconds=5)
+    elapsed = time.monotonic() - began
+    message = str(error.value)
+    # the culprit comes first and is the one named as making no progress; rank 0 only waited
+    assert re.match(r"worker rank 1 \(pid \d+, node 0\) made no progress for \d+ s \(--hang-timeout 5\)", message), message
+    assert "rank(s) 0 waited" in message and "worker rank 0" not in message
+    assert elapsed < 60, f"took {elapsed:.0f} s"  # far below the 120 s collective timeout
+
+
+def test_hang_timeout_must_be_positive():
+    with pytest.raises(ValueError, match="--hang-timeout: expected a positive number of seconds, got 0"):
+        launch("script.py", hang_timeout_seconds=0)
+
+
+def test_too_many_processes_for_the_cores_need_force():
+    from dpkit.devices import PROCESSES_PER_CORE, available_cores
+    too_many = PROCESSES_PER_CORE * available_cores() + 1
+    with pytest.raises(ValueError, match=f"--nproc-per-node: {too_many} processes on .* pass --force"):
+        launch("script.py", nproc_per_node=too_many)
+
+
+NO_PEERS = textwrap.dedent("""
+    import sys, time
+    from dpkit.engine import Engine
+    print("waiting", flush=True)
+    try:
+        Engine(strategy="ddp", accelerator="cpu", devices=1, init_timeout_seconds=float(sys.argv[1]))
+    except KeyboardInterrupt:
+        print("interrupted", flush=True)
+        sys.exit(130)
+    except RuntimeError as error:
+        print("error:", error, flush=True)
+        sys.exit(3)
+""")
+
+
+def _no_peer_env() -> dict:
+    return {**os.environ, "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(free_port())}
+
+
+def test_an_engine_without_its_peers_gives_up_after_the_init_timeout(tmp_path):
+    script = tmp_path / "alone.py"
+    script.write_text(NO_PEERS)
+    began = time.monotonic()
+    result = subprocess.run([sys.executable, str(script), "2"], env=_no_peer_env(), capture_output=True, text=True, timeout=60)
+    assert result.returncode == 3, result.stdout + result.stderr
+    assert "rank(s) 1 of 2 did not join the rendezvous" in result.stdout
+    assert time.monotonic() - began < 30
+
+
+def test_ctrl_c_stops_an_engine_waiting_for_its_peers(tmp_path):
+    script = tmp_path / "alone.py"
+    script.write_text(NO_PEERS)
+    process = subprocess.Popen([sys.executable, str(script), "300"], env=_no_peer_env(), stdout=subprocess.PIPE, text=True)
+    assert process.stdout.readline().strip() == "waiting"
+    time.sleep(2)  # inside the rendezvous by now
+    process.send_signal(signal.SIGINT)
+    try:
+        output, _ = process.communicate(timeout=10)
+    finally:
+        process.kill()
+    assert process.returncode == 130 and "interrupted" in output
+
+
+def test_the_hang_rule_names_only_a_rank_left_behind_for_the_timeout():
+    from dpkit.launch import HangWatch
+    watch = HangWatch("127.0.0.1", 1, world_size=3, node_rank=1, hang_timeout_seconds=10)  # node 1: kills nobody here
+    progress = {}
+    watch._check(progress, {0: (5, 100, 0), 1: (5, 101, 0), 2: (5, 102, 0)}, now=0)
+    watch._check(progress, {0: (5, 100, 0), 1: (5, 101, 0), 2: (5, 102, 0)}, now=50)
+    assert watch.hung == {}  # all equally busy for 50 s: one long step, nobody to blame
+    watch._check(progress, {0: (6, 100, 0), 1: (5, 101, 0), 2: (6, 102, 0)}, now=55)
+    watch._check(progress, {0: (6, 100, 0), 1: (5, 101, 0), 2: (6, 102, 0)}, now=64)
+    assert watch.hung == {}  # behind for 9 s only: the clock starts when the others got ahead, not at its last change
+    watch._check(progress, {0: (6, 100, 0), 1: (5, 101, 0), 2: (6, 102, 0)}, now=66)
+    assert list(watch.hung) == [1] and "worker rank 1 (pid 101, node 0) made no progress for 11 s" in watch.hung[1]
+    assert "rank(s) 0, 2 waited at collective 6" in watch.hung[1]
+    watch._check(progress, {0: (-1, 100, 0), 1: (5, 101, 0), 2: (-1, 102, 0)}, now=70)  # finished ranks are not compared

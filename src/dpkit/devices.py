@@ -8,11 +8,27 @@ runs on a machine without a GPU.
 from __future__ import annotations
 
 import os
+import re
 from typing import Iterable, Sequence, Union
 
 import torch
 
 DeviceLike = Union[int, str, torch.device]
+
+# torch stores a device index in 8 signed bits: torch.device("cpu", 128) silently becomes cpu:-128 and
+# torch.device("cpu", 256) becomes cpu:0, so two replicas would share one device
+MAX_DEVICE_INDEX = 127
+MAX_DEVICES = MAX_DEVICE_INDEX + 1
+_DEVICE_SPEC = re.compile(r"^([a-z_]+)(?::(-?\d+))?$")
+_HOW_TO_ASK_FOR_CPU = "for virtual CPU devices use 'cpu:0', 'cpu:1', … (dpkit.cpu_devices(n), or --accelerator cpu --devices n)"
+
+
+def _check_index(index: int, spec: object, argument: str) -> None:
+    if index < 0:
+        raise ValueError(f"{argument}: device index must be >= 0, got {spec!r}")
+    if index > MAX_DEVICE_INDEX:
+        raise ValueError(f"{argument}: device index {index} in {spec!r} is past torch's limit of {MAX_DEVICE_INDEX} "
+                         f"(a device index is 8 bits); use indices 0 … {MAX_DEVICE_INDEX}")
 
 
 def parse_device(spec: DeviceLike, *, argument: str = "device") -> torch.device:
@@ -22,14 +38,22 @@ def parse_device(spec: DeviceLike, *, argument: str = "device") -> torch.device:
     if isinstance(spec, int):
         if spec < 0:
             raise ValueError(f"{argument}: CUDA index must be >= 0, got {spec}")
+        _check_index(spec, spec, argument)
         return torch.device("cuda", spec)
     if isinstance(spec, str):
+        # read the index before torch does: torch.device("cpu:300") wraps around to cpu:44 without a word
+        match = _DEVICE_SPEC.match(spec.strip())
+        if match and match.group(2) is not None:
+            _check_index(int(match.group(2)), spec, argument)
         try:
-            device = torch.device(spec)
+            device = torch.device(spec.strip())
         except RuntimeError as error:
             raise ValueError(f"{argument}: {spec!r} is not a device; use 'cuda:1', 'cpu:0' or an int") from error
     elif isinstance(spec, torch.device):
         device = spec
+        if device.index is not None and device.index < 0:  # made by torch.device(type, 128 … 255)
+            raise ValueError(f"{argument}: {device} has a negative index (torch wrapped an index past "
+                             f"{MAX_DEVICE_INDEX} around); use indices 0 … {MAX_DEVICE_INDEX}")
     else:
         raise TypeError(f"{argument}: expected an int, a string like 'cuda:1' or 'cpu:0', or a torch.device; got {type(spec).__name__}")
     if device.index is None:
@@ -60,7 +84,22 @@ def parse_device_list(device_ids: Iterable[DeviceLike] | None, *, argument: str 
     types = sorted({device.type for device in devices})
     if len(types) > 1:
         raise ValueError(f"{argument}: mixed device types {types}; use only CUDA devices or only virtual CPU devices")
+    check_devices_exist(devices, argument=argument)
     return devices
+
+
+def check_devices_exist(devices: Sequence[torch.device], *, argument: str = "device_ids") -> None:
+    """A device list may only name GPUs this machine has (virtual CPU devices always exist)."""
+    if len(devices) > MAX_DEVICES:
+        raise ValueError(f"{argument}: {len(devices)} devices is past torch's limit of {MAX_DEVICES} per process "
+                         f"(a device index is 8 bits)")
+    for i, device in enumerate(devices):
+        if device.type != "cuda":
+            continue
+        visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if device.index >= visible:
+            have = "no GPU is visible" if visible == 0 else f"only cuda:0 … cuda:{visible - 1} are visible"
+            raise ValueError(f"{argument}[{i}]: {device} does not exist on this machine ({have}); {_HOW_TO_ASK_FOR_CPU}")
 
 
 def default_devices(*, argument: str = "device_ids") -> list[torch.device]:
@@ -94,35 +133,67 @@ def detect_accelerator() -> str:
     return "cuda" if torch.cuda.is_available() and torch.cuda.device_count() > 0 else "cpu"
 
 
-def resolve_devices(accelerator: str = "auto", devices: int | Sequence[DeviceLike] | str = "auto") -> list[torch.device]:
-    """The devices a command-line run or an Engine asks for, e.g. ("cpu", 2) -> [cpu:0, cpu:1]."""
+def resolve_devices(accelerator: str = "auto", devices: int | Sequence[DeviceLike] | str = "auto", *,
+                    argument: str = "devices", accelerator_argument: str = "accelerator") -> list[torch.device]:
+    """The devices a command-line run or an Engine asks for, e.g. ("cpu", 2) -> [cpu:0, cpu:1].
+
+    A count is bounded by torch's 8-bit device index (at most 128 devices); a list must name devices of
+    the accelerator asked for (a list of CUDA devices with accelerator="cpu" is an error, not a guess).
+    """
     if accelerator not in ("auto", "cpu", "cuda"):
-        raise ValueError(f"accelerator: expected 'auto', 'cpu' or 'cuda', got {accelerator!r}")
+        raise ValueError(f"{accelerator_argument}: expected 'auto', 'cpu' or 'cuda', got {accelerator!r}")
+    asked = accelerator
     if accelerator == "auto":
         accelerator = detect_accelerator()
     if accelerator == "cuda" and not torch.cuda.is_available():
-        raise ValueError("accelerator='cuda' but no GPU is visible; use accelerator='cpu' for virtual CPU devices")
+        raise ValueError(f"{accelerator_argument}='cuda' but no GPU is visible; use {accelerator_argument}='cpu' for virtual CPU devices")
     if isinstance(devices, str):
-        if devices != "auto":
-            if devices.isdigit():
-                devices = int(devices)
-            else:
-                return parse_device_list(devices.split(","), argument="devices")
-        else:
+        if devices == "auto":
             devices = torch.cuda.device_count() if accelerator == "cuda" else 2
+        elif devices.strip().lstrip("-").isdigit():
+            devices = int(devices)
+        else:
+            # "0,1" names CUDA indices, as the ints of a device list do
+            items = [int(item) if item.strip().isdigit() else item.strip() for item in devices.split(",")]
+            devices = items
     if isinstance(devices, int) and not isinstance(devices, bool):
         if devices < 1:
-            raise ValueError(f"devices: expected a positive count, got {devices}")
+            raise ValueError(f"{argument}: expected a positive count, got {devices}")
+        if devices > MAX_DEVICES:
+            raise ValueError(f"{argument}: {devices} devices is past torch's limit of {MAX_DEVICES} per process "
+                             f"(a device index is 8 bits: cpu:0 … cpu:{MAX_DEVICE_INDEX}); ask for at most {MAX_DEVICES}")
         if accelerator == "cuda" and devices > torch.cuda.device_count():
-            raise ValueError(f"devices={devices} but only {torch.cuda.device_count()} GPU(s) are visible")
+            raise ValueError(f"{argument}={devices} but only {torch.cuda.device_count()} GPU(s) are visible")
         return [torch.device(accelerator, i) for i in range(devices)]
-    return parse_device_list(devices, argument="devices")
+    parsed = [parse_device(spec, argument=f"{argument}[{i}]") for i, spec in enumerate(devices)] if isinstance(devices, (list, tuple)) else None
+    if parsed and asked != "auto" and any(device.type != asked for device in parsed):
+        listed = ",".join(str(spec) for spec in devices)
+        raise ValueError(f"{argument}: {listed!r} names {parsed[0].type} devices but {accelerator_argument} is {asked!r}; "
+                         + ("give a count (e.g. 2) or cpu:0,cpu:1" if asked == "cpu" else "give a count or cuda:0,cuda:1"))
+    return parse_device_list(devices, argument=argument)
+
+
+def available_cores() -> int:
+    """CPU cores this process may run on (its affinity mask where the OS has one)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
 def cpu_threads_per_device(n_devices: int) -> int:
     """torch intra-op threads for each of n virtual CPU devices, so they share the cores fairly."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(1, cores // max(1, n_devices))
+    return max(1, available_cores() // max(1, n_devices))
+
+
+# more worker processes than this per core only thrash (each holds a copy of the model, a gloo mesh and
+# the interpreter); a deliberate oversubscription is still possible with force
+PROCESSES_PER_CORE = 4
+
+
+def check_process_count(processes: int, *, argument: str = "--nproc-per-node", force: bool = False) -> None:
+    """Refuse a worker count far past the cores (ddp: one process per device) unless forced."""
+    limit = PROCESSES_PER_CORE * available_cores()
+    if processes > limit and not force:
+        raise ValueError(f"{argument}: {processes} processes on {available_cores()} CPU core(s) is past the limit of "
+                         f"{limit} ({PROCESSES_PER_CORE} per core); ask for fewer, or pass --force to start them anyway")
 
 
 def tensor_device(tensor: torch.Tensor, virtual_cpu_device: DeviceLike) -> torch.device:

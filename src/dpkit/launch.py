@@ -5,32 +5,64 @@ hosts the store), RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR / MASTER_PORT for
 monitoring: when a worker exits with an error, the agent stops the others on its node and reports the
 failure (or restarts the group, up to max_restarts). dpkit adds a free port when none is given, a clear
 error when a given port is taken, a fair share of CPU threads per process, and a readable failure
-summary.
+summary, and three guards against faults torchrun leaves open:
+
+- workers die with their launcher: each worker asks the kernel for SIGKILL when the launcher process
+  dies (prctl PR_SET_PDEATHSIG on Linux), so `kill -9` of the launcher leaves no worker behind (torchrun
+  starts each worker in a session of its own, out of reach of the terminal and of the launcher's group);
+- a rank that stops making progress is named: with hang_timeout_seconds, every ddp worker publishes the
+  sequence number of its last collective in the rendezvous store, and the launcher stops a rank that
+  has stayed behind the others for that long, naming it (not the ranks that were waiting for it);
+- a worker's rendezvous is bounded and Ctrl-C works while it waits (`rendezvous_store`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import errno
 import ipaddress
 import logging
 import os
+import runpy
 import signal
 import socket
+import sys
 import threading
-from typing import Iterator, Sequence
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Iterator, Sequence
 
-from dpkit.devices import cpu_threads_per_device
+from dpkit.devices import check_process_count, cpu_threads_per_device
 from dpkit.errors import DpkitError
 
 log = logging.getLogger("dpkit")
 
 
 class LaunchError(DpkitError):
-    """A worker process failed; the message names its rank, exit code and error."""
+    """A worker process failed; the message names its rank, exit code and error. `exit_codes` maps each
+    failed worker's rank to its exit code (negative: killed by that signal)."""
+
+    def __init__(self, message: str, exit_codes: "dict[int, int] | None" = None):
+        super().__init__(message)
+        self.exit_codes = dict(exit_codes or {})
+
+
+class StoppedBySignal(DpkitError):
+    """The run was stopped by SIGINT or SIGTERM; `exit_code` is 128 + the signal number, as a shell reports it."""
+
+    def __init__(self, message: str, signum: int):
+        super().__init__(message)
+        self.signum = signum
+        self.exit_code = 128 + signum
 
 
 LAUNCH_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+# set by the launcher for its workers: its pid (the parent-death check) and the hang timeout
+LAUNCHER_PID_VARIABLE = "DPKIT_LAUNCHER_PID"
+HANG_TIMEOUT_VARIABLE = "DPKIT_HANG_TIMEOUT_SECONDS"
+HEARTBEAT_PREFIX = "dpkit/heartbeat"
 
 
 def launched() -> bool:
@@ -81,11 +113,13 @@ def is_loopback(host: str) -> bool:
 
 
 @contextlib.contextmanager
-def _launcher_state(threads_per_process: int, master_addr: str) -> Iterator[None]:
+def _launcher_state(threads_per_process: int, master_addr: str, worker_env: "dict[str, str] | None" = None) -> Iterator[None]:
     """Environment for the workers, and this process restored afterwards: torchrun's agent sets
     OMP_NUM_THREADS and signal handlers here."""
-    names = ("OMP_NUM_THREADS", "GLOO_SOCKET_IFNAME")
+    worker_env = worker_env or {}
+    names = ("OMP_NUM_THREADS", "GLOO_SOCKET_IFNAME", *worker_env)
     saved_env = {name: os.environ.get(name) for name in names}
+    os.environ.update(worker_env)
     os.environ.setdefault("OMP_NUM_THREADS", str(threads_per_process))
     if is_loopback(master_addr) and loopback_interface():
         # a loopback rendezvous means one host: keep gloo's connections on loopback too (by default gloo
@@ -106,13 +140,17 @@ def _launcher_state(threads_per_process: int, master_addr: str) -> Iterator[None
             signal.signal(getattr(signal, name), handler)
 
 
-def _failure_summary(error: BaseException) -> str:
-    """The failed workers first, then the ones the agent stopped (SIGTERM) because of them."""
+def _failure_summary(error: BaseException, hung: "dict[int, str] | None" = None) -> str:
+    """The failed workers first (a rank the hang watch stopped, named with why), then the ones the agent
+    stopped (SIGTERM) because of them."""
     failures = getattr(error, "failures", {}) or {}
-    failed, stopped = [], []
+    hung = hung or {}
+    failed, stopped = [hung[rank] for rank in sorted(hung)], []
     for rank, failure in sorted(failures.items()):
-        if failure.exitcode is not None and failure.exitcode == -signal.SIGTERM:
-            stopped.append(str(rank))
+        if rank in hung:
+            continue
+        if (failure.exitcode is not None and failure.exitcode == -signal.SIGTERM) or hung:
+            stopped.append(str(rank))  # with a hung rank found, the others failed because of it
             continue
         how = (f"was killed by signal {failure.signal_name()}" if failure.exitcode is not None and failure.exitcode < 0
                else f"exited with code {failure.exitcode}")
@@ -129,12 +167,21 @@ def _failure_summary(error: BaseException) -> str:
 
 def launch(script: str, script_args: Sequence[str] = (), *, nproc_per_node: int = 1, nnodes: int = 1, node_rank: int = 0,
            master_addr: str | None = None, master_port: int | None = None, max_restarts: int = 0,
-           module: bool = False, monitor_interval_seconds: float = 0.1) -> None:
+           module: bool = False, monitor_interval_seconds: float = 0.1, hang_timeout_seconds: float | None = None,
+           force: bool = False) -> None:
     """Run `python script args…` (or `python -m script args…` with module=True) once per process.
 
-    Returns when every worker has exited with 0; raises LaunchError naming the first failed worker.
+    Returns when every worker has exited with 0; raises LaunchError naming the first failed worker (or
+    the rank that stopped making progress for hang_timeout_seconds), StoppedBySignal when SIGTERM stopped
+    the launcher, and KeyboardInterrupt on SIGINT (Ctrl-C), after the workers were stopped. More than
+    PROCESSES_PER_CORE processes per core are refused unless force=True.
     """
     _positive("--nproc-per-node", nproc_per_node)
+    check_process_count(nproc_per_node, argument="--nproc-per-node", force=force)
+    if hang_timeout_seconds is not None:
+        if isinstance(hang_timeout_seconds, bool) or not isinstance(hang_timeout_seconds, (int, float)) or not hang_timeout_seconds > 0 \
+                or hang_timeout_seconds == float("inf"):
+            raise ValueError(f"--hang-timeout: expected a positive number of seconds, got {hang_timeout_seconds!r}")
     _positive("--nnodes", nnodes)
     _positive("--max-restarts", max_restarts, minimum=0)
     if isinstance(node_rank, bool) or not isinstance(node_rank, int) or not 0 <= node_rank < nnodes:
@@ -157,6 +204,7 @@ def launch(script: str, script_args: Sequence[str] = (), *, nproc_per_node: int 
                 "or leave --master-port out on a single node and dpkit picks a free one"
             )
 
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import elastic_launch
     from torch.distributed.run import config_from_args, parse_args
@@ -170,9 +218,266 @@ def launch(script: str, script_args: Sequence[str] = (), *, nproc_per_node: int 
         argv.append("--module")
     argv += [script, *script_args]
     log.info("launch: %d process(es) on node %d of %d, rendezvous at %s:%d", nproc_per_node, node_rank, nnodes, master_addr, master_port)
-    with _launcher_state(cpu_threads_per_device(nproc_per_node), master_addr):
-        config, entrypoint, entry_args = config_from_args(parse_args(argv))
+    worker_env = {LAUNCHER_PID_VARIABLE: str(os.getpid())}
+    if hang_timeout_seconds is not None:
+        worker_env[HANG_TIMEOUT_VARIABLE] = repr(float(hang_timeout_seconds))
+    watch = None
+    with _launcher_state(cpu_threads_per_device(nproc_per_node), master_addr, worker_env), _quiet_torch_elastic():
+        config, _, _ = config_from_args(parse_args(argv))
+        # every worker starts in run_worker (parent-death signal first), which then runs the script
+        entry_args = ["-u", "-c", "from dpkit.launch import run_worker; run_worker()", "module" if module else "script",
+                      script, *script_args]
+        if hang_timeout_seconds is not None:
+            watch = HangWatch(master_addr, master_port, nnodes * nproc_per_node, node_rank, float(hang_timeout_seconds))
+            watch.start()
         try:
-            elastic_launch(config=config, entrypoint=entrypoint)(*entry_args)
+            elastic_launch(config=config, entrypoint=sys.executable)(*entry_args)
         except ChildFailedError as error:
-            raise LaunchError(_failure_summary(error)) from None
+            exit_codes = {rank: failure.exitcode for rank, failure in (getattr(error, "failures", {}) or {}).items()}
+            raise LaunchError(_failure_summary(error, watch.hung if watch else None), exit_codes) from None
+        except SignalException as error:
+            if error.sigval == signal.SIGINT:
+                raise KeyboardInterrupt from None
+            raise StoppedBySignal(f"stopped by {signal.Signals(error.sigval).name}; the workers were stopped", int(error.sigval)) from None
+        finally:
+            if watch is not None:
+                watch.stop()
+
+
+@contextlib.contextmanager
+def _quiet_torch_elastic() -> Iterator[None]:
+    """torchrun's agent logs each step of a shutdown as warnings; dpkit's summary says what matters, so
+    they show only with dpkit's DEBUG logging (-v). Each of its modules' loggers has its own level."""
+    if log.isEnabledFor(logging.DEBUG):
+        yield
+        return
+    loggers = [logging.getLogger(name) for name in list(logging.root.manager.loggerDict)
+               if name.startswith("torch.distributed.elastic") or name.startswith("torch.distributed.launcher")]
+    saved = [(logger, logger.level) for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        for logger, level in saved:
+            logger.setLevel(level)
+
+
+# --- workers die with their launcher -----------------------------------------------------------------
+
+PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
+
+
+def die_with_parent(parent_pid: int | None = None) -> bool:
+    """Ask the kernel to SIGKILL this process when its parent dies (Linux); exit now if it already has.
+
+    Returns whether the request was made (False off Linux).
+    """
+    if not sys.platform.startswith("linux"):
+        return False
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+        log.warning("launch: prctl(PR_SET_PDEATHSIG) failed (errno %d); this worker may outlive its launcher", ctypes.get_errno())
+        return False
+    if parent_pid is not None and os.getppid() != parent_pid:
+        os._exit(1)  # the launcher died before the request took effect: nobody will ever wait for us
+    return True
+
+
+def run_worker(argv: Sequence[str] | None = None) -> None:
+    """A launched worker's first code: die with the launcher, then run `script args…` or `-m module args…`
+    as `python` itself would."""
+    mode, target, *args = list(sys.argv[1:] if argv is None else argv)
+    launcher_pid = os.environ.get(LAUNCHER_PID_VARIABLE)
+    die_with_parent(int(launcher_pid) if launcher_pid else None)
+    if mode == "module":
+        sys.argv = [target, *args]
+        runpy.run_module(target, run_name="__main__", alter_sys=True)
+    else:
+        sys.argv = [target, *args]
+        sys.path.insert(0, os.path.dirname(os.path.abspath(target)))
+        runpy.run_path(target, run_name="__main__")
+
+
+# --- bounded, interruptible rendezvous -----------------------------------------------------------------
+
+def rendezvous_store(rank: int, world_size: int, *, wait_seconds: float, timeout_seconds: float) -> Any:
+    """The store for init_process_group, once every rank has arrived; at most `wait_seconds` of waiting.
+
+    torch's env:// rendezvous blocks in C++ for the whole process-group timeout while a peer is missing,
+    deaf to Ctrl-C. Here every wait is short and in Python (so KeyboardInterrupt arrives), and a missing
+    peer is named. Under torchrun's agent the agent hosts the store; otherwise rank 0 does, as with env://.
+    """
+    import torch.distributed as dist
+
+    host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    deadline = time.monotonic() + wait_seconds
+    store = None
+    while store is None:
+        try:
+            store = dist.TCPStore(host, port, is_master=(rank == 0 and not agent_store), wait_for_workers=False,
+                                  timeout=timedelta(seconds=1))
+        except (RuntimeError, TimeoutError) as error:  # DistStoreError / DistNetworkError: nobody listens yet
+            if rank == 0 and not agent_store:
+                raise RuntimeError(f"ddp: rank 0 cannot host the rendezvous at {host}:{port} ({error}); "
+                                   "pick another MASTER_PORT") from None
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"ddp: rank {rank} found no rendezvous at {host}:{port} after {wait_seconds:g} s; "
+                                   "start rank 0 (or launch with `dpkit launch`)") from None
+            time.sleep(0.1)
+    store.set_timeout(timedelta(seconds=timeout_seconds))
+    # keys of an earlier attempt (torchrun restarts the group on the same store) must not be read as this one's
+    store = dist.PrefixStore(f"dpkit/attempt_{attempt}", store)
+    store.set(f"arrived/{rank}", "1")
+    while True:
+        missing = [r for r in range(world_size) if not store.check([f"arrived/{r}"])]
+        if not missing:
+            return store
+        if time.monotonic() > deadline:
+            raise RuntimeError(
+                f"ddp: rank(s) {', '.join(map(str, missing))} of {world_size} did not join the rendezvous at {host}:{port} "
+                f"within {wait_seconds:g} s; start every rank (dpkit launch --nproc-per-node N does), or unset "
+                f"{', '.join(LAUNCH_VARIABLES)} to run without a launcher"
+            )
+        time.sleep(0.05)
+
+
+# --- naming a rank that stopped making progress ----------------------------------------------------------
+
+def _heartbeat_key(attempt: str, rank: int) -> str:
+    return f"{HEARTBEAT_PREFIX}/{attempt}/{rank}"
+
+
+class ProgressHeartbeat:
+    """A worker's side of the hang watch: publishes (collectives issued, pid, node) to the launcher's store.
+
+    The count comes from the process group's own sequence number, so it moves exactly when this rank
+    issues a collective; a rank stuck anywhere (Python loop, sleep, C code) leaves it where it is.
+    """
+
+    def __init__(self, rank: int, interval_seconds: float):
+        import torch.distributed as dist
+
+        self.rank = rank
+        self.interval_seconds = interval_seconds
+        self.attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        self.node = os.environ.get("GROUP_RANK", "0")
+        self.group = dist.distributed_c10d._get_default_group()
+        self.store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                                   wait_for_workers=False, timeout=timedelta(seconds=10))
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="dpkit-heartbeat", daemon=True)
+
+    def start(self) -> "ProgressHeartbeat":
+        self._publish()
+        self._thread.start()
+        return self
+
+    def _publish(self, done: bool = False) -> None:
+        count = -1 if done else self.group._get_sequence_number_for_group()
+        self.store.set(_heartbeat_key(self.attempt, self.rank), f"{count} {os.getpid()} {self.node}")
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_seconds):
+            try:
+                self._publish()
+            except Exception:  # the store went away: the launcher is gone or the run is ending
+                return
+
+    def stop(self) -> None:
+        """Mark this rank finished (the watch stops looking at it) and end the thread."""
+        self._stop.set()
+        self._thread.join(timeout=5)
+        with contextlib.suppress(Exception):
+            self._publish(done=True)
+
+
+@dataclass
+class _RankProgress:
+    count: int
+    pid: int
+    node: int
+    since: float  # monotonic time the count last changed, by the launcher's clock
+    behind_since: float | None = None  # when another rank first got past this count
+
+
+class HangWatch:
+    """The launcher's side: a rank whose collective count stays below another rank's for hang_timeout
+    seconds is the culprit; the launcher on the culprit's node kills it, so the agent ends the group
+    (or restarts it, with max_restarts) and the summary names it."""
+
+    def __init__(self, host: str, port: int, world_size: int, node_rank: int, hang_timeout_seconds: float):
+        self.host, self.port, self.world_size, self.node_rank = host, port, world_size, node_rank
+        self.hang_timeout_seconds = hang_timeout_seconds
+        self.hung: dict[int, str] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="dpkit-hang-watch", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+    def _connect(self) -> Any:
+        import torch.distributed as dist
+
+        while not self._stop.is_set():  # the agent creates the store when it starts; wait for it
+            try:
+                return dist.TCPStore(self.host, self.port, is_master=False, wait_for_workers=False, timeout=timedelta(seconds=2))
+            except (RuntimeError, TimeoutError):
+                self._stop.wait(0.2)
+        return None
+
+    def _run(self) -> None:
+        store = self._connect()
+        if store is None:
+            return
+        interval = min(1.0, self.hang_timeout_seconds / 4)
+        attempt, progress = 0, {}
+        while not self._stop.wait(interval):
+            try:
+                if store.check([_heartbeat_key(str(attempt + 1), 0)]):  # the agent restarted the group
+                    attempt, progress = attempt + 1, {}
+                    self.hung.clear()  # what failed the last attempt is history; this summary is about the new one
+                values = {}
+                for rank in range(self.world_size):
+                    key = _heartbeat_key(str(attempt), rank)
+                    if store.check([key]):
+                        count, pid, node = store.get(key).decode().split()
+                        values[rank] = (int(count), int(pid), int(node))
+            except Exception:  # the agent closed the store: the run is over
+                return
+            self._check(progress, values, time.monotonic())
+
+    def _check(self, progress: dict[int, _RankProgress], values: dict[int, tuple[int, int, int]], now: float) -> None:
+        for rank, (count, pid, node) in values.items():
+            seen = progress.get(rank)
+            if seen is None or seen.count != count or seen.pid != pid:
+                progress[rank] = _RankProgress(count, pid, node, now)
+        live = {rank: p for rank, p in progress.items() if p.count >= 0}
+        if len(live) < 2:
+            return
+        ahead = max(p.count for p in live.values())
+        for rank, p in live.items():
+            if p.count >= ahead:
+                p.behind_since = None
+                continue
+            if p.behind_since is None:
+                p.behind_since = now
+            # the clock runs from when the others got ahead: a slow start is not a hang
+            stalled = now - max(p.since, p.behind_since)
+            if stalled < self.hang_timeout_seconds or rank in self.hung:
+                continue
+            waiting = sorted(r for r, q in live.items() if q.count > p.count)
+            message = (f"worker rank {rank} (pid {p.pid}, node {p.node}) made no progress for {stalled:.0f} s "
+                       f"(--hang-timeout {self.hang_timeout_seconds:g}): it is at collective {p.count} while rank(s) "
+                       f"{', '.join(map(str, waiting))} waited at collective {ahead}")
+            self.hung[rank] = message + ("; it was stopped" if p.node == self.node_rank else "")
+            log.warning("launch: %s", message)
+            if p.node == self.node_rank:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(p.pid, signal.SIGKILL)

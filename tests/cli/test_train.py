@@ -58,3 +58,91 @@ def test_a_user_model_factory(tmp_path, monkeypatch):
 def test_errors_name_the_argument(tmp_path, capsys, argv, message):
     assert main(["train", "--accelerator", "cpu", "--out", str(tmp_path), "--no-progress", *argv]) == 2
     assert message in capsys.readouterr().err
+
+
+# --- checkpoints, signals and resume --------------------------------------------------------------------
+
+import re
+import signal
+import subprocess
+import sys
+import time
+
+
+def _train_process(out, *argv):
+    return subprocess.Popen([sys.executable, "-m", "dpkit.cli.main", "train", "--accelerator", "cpu", "--no-progress",
+                             "--out", str(out), *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _wait_for_state(out, process, timeout_seconds=120):
+    deadline = time.monotonic() + timeout_seconds
+    while not (out / "state" / "latest").exists():
+        assert process.poll() is None, process.communicate()
+        assert time.monotonic() < deadline, "no state was saved"
+        time.sleep(0.05)
+
+
+def _dpkit_lines(stderr):
+    """What the command said, without the log records (INFO dpkit: …)."""
+    return [line for line in stderr.strip().splitlines() if not line.startswith(("INFO ", "DEBUG "))]
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_saves_the_state_and_resume_ends_with_the_uninterrupted_weights(tmp_path, signum):
+    flags = ["--strategy", "replicated", "--devices", "2", "--batch-size", "32", "--momentum", "0.9", "--seed", "5"]
+    steps = 400  # far more than the run gets to before the signal
+    process = _train_process(tmp_path / "stopped", "--steps", str(steps), "--checkpoint-every", "4", *flags)
+    _wait_for_state(tmp_path / "stopped", process)
+    process.send_signal(signum)
+    _, stderr = process.communicate(timeout=60)
+    assert process.returncode == 128 + signum
+    lines = _dpkit_lines(stderr)
+    assert len(lines) == 1 and "Traceback" not in stderr, stderr
+    stopped_at = int(lines[0].split(" at step ")[1].split()[0])
+    assert lines[0].startswith("dpkit train: stopped by ") and f"state saved in {tmp_path / 'stopped' / 'state'}" in lines[0]
+    assert lines[0].endswith("--resume") and "resume with: dpkit train " in lines[0]
+
+    # resume to a few steps past the stop, and an uninterrupted run of as many steps: the same, bitwise
+    total = stopped_at + 3
+    assert main(["train", "--accelerator", "cpu", "--no-progress", "--out", str(tmp_path / "stopped"), "--steps", str(total),
+                 "--checkpoint-every", "4", "--resume", *flags]) == 0
+    assert main(["train", "--accelerator", "cpu", "--no-progress", "--out", str(tmp_path / "whole"), "--steps", str(total),
+                 *flags]) == 0
+    resumed, whole = (torch.load(tmp_path / name / "model.pt", weights_only=True) for name in ("stopped", "whole"))
+    assert all(torch.equal(resumed[key], whole[key]) for key in whole)
+    resumed_metrics, whole_metrics = (json.loads((tmp_path / name / "metrics.json").read_text()) for name in ("stopped", "whole"))
+    assert resumed_metrics["loss"] == whole_metrics["loss"] and len(whole_metrics["loss"]) == total
+    assert resumed_metrics["resumed"] is True
+
+
+def test_ctrl_c_without_checkpoints_is_one_line_and_130(tmp_path):
+    process = _train_process(tmp_path / "run", "--steps", "100000", "--strategy", "dp", "--devices", "2")
+    assert process.stdout.readline().startswith("dpkit train: digits with strategy dp")  # training has begun
+    time.sleep(0.5)
+    process.send_signal(signal.SIGINT)
+    _, stderr = process.communicate(timeout=60)
+    assert process.returncode == 130
+    lines = _dpkit_lines(stderr)
+    assert len(lines) == 1 and "Traceback" not in stderr, stderr
+    assert re.fullmatch(r"dpkit train: stopped by Ctrl-C \(SIGINT\) at step \d+ of 100000; nothing saved yet "
+                        r"\(--checkpoint-every K saves state to resume from\)", lines[0]), lines[0]
+    assert not (tmp_path / "run" / "model.pt").exists()
+
+
+def test_ctrl_c_under_ddp_is_one_line_130_and_resumable(tmp_path):
+    out = tmp_path / "run"
+    process = _train_process(out, "--strategy", "ddp", "--devices", "2", "--steps", "100000", "--checkpoint-every", "3")
+    _wait_for_state(out, process)
+    process.send_signal(signal.SIGINT)  # the terminal's Ctrl-C reaches the launching process; it stops the workers
+    _, stderr = process.communicate(timeout=90)
+    assert process.returncode == 130
+    lines = _dpkit_lines(stderr)
+    assert len(lines) == 1 and "Traceback" not in stderr and "SignalException" not in stderr, stderr
+    assert lines[0].startswith("dpkit train: stopped by Ctrl-C (SIGINT); state saved in ") and lines[0].endswith("--resume")
+    # the state a ddp run saved continues under another strategy
+    saved = json.loads((out / "run.json").read_text())
+    assert saved["steps"] == 100000
+    steps_saved = max(int(p.name.split("-")[1]) for p in (out / "state").glob("step-*"))
+    assert main(["train", "--accelerator", "cpu", "--no-progress", "--out", str(out), "--strategy", "replicated", "--devices", "2",
+                 "--steps", str(steps_saved + 2), "--checkpoint-every", "3", "--resume"]) == 0
+    assert len(json.loads((out / "metrics.json").read_text())["loss"]) == steps_saved + 2

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import json
+import os
 import subprocess
 import sys
 import textwrap
 import time
+
+import torch
 
 WORKER = textwrap.dedent("""
     import os
@@ -37,3 +41,50 @@ def test_a_dead_process_stops_the_others_with_a_clear_error(tmp_path):
     assert "dpkit launch: error: worker rank 1" in result.stderr, result.stderr[-3000:]
     assert "exited with code 7" in result.stderr
     assert elapsed < 60, f"took {elapsed:.1f} s to stop"
+
+
+KILLED_ONCE = textwrap.dedent("""
+    import os, signal
+    from torch import nn
+
+    class DiesOnce(nn.Sequential):
+        \"\"\"The digits MLP; on the first attempt, rank 1 is SIGKILLed in its 6th training forward.\"\"\"
+
+        forwards = 0
+
+        def forward(self, x):
+            if self.training:
+                DiesOnce.forwards += 1
+                if (os.environ.get("RANK") == "1" and os.environ.get("TORCHELASTIC_RESTART_COUNT") == "0"
+                        and DiesOnce.forwards == 6):
+                    os.kill(os.getpid(), signal.SIGKILL)
+            return super().forward(x)
+
+    def build():
+        return DiesOnce(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 10))
+""")
+
+
+def test_a_worker_killed_mid_run_restarts_resumes_and_ends_with_the_uninterrupted_weights(tmp_path, monkeypatch):
+    (tmp_path / "dies_once.py").write_text(KILLED_ONCE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
+    flags = ["--model", "dies_once:build", "--accelerator", "cpu", "--steps", "9", "--batch-size", "50", "--momentum", "0.9",
+             "--seed", "2", "--no-progress"]
+    result = subprocess.run([sys.executable, "-m", "dpkit.cli.main", "launch", "--nproc-per-node", "2", "--max-restarts", "1",
+                             "-m", "dpkit.cli.main", "train", "--strategy", "ddp", "--devices", "2", "--checkpoint-every", "2",
+                             "--out", str(tmp_path / "restarted"), *flags], env=env, capture_output=True, text=True, timeout=240)
+    assert result.returncode == 0, result.stderr[-3000:]
+    # the group restarted from the state of step 4 (rank 1 died in step 6) and finished the 9 steps
+    assert "resuming at step 4" in result.stdout, result.stdout
+    metrics = json.loads((tmp_path / "restarted" / "metrics.json").read_text())
+    assert metrics["resumed"] is True and len(metrics["loss"]) == 9
+
+    from dpkit.cli.main import main
+    assert main(["train", "--strategy", "single", "--out", str(tmp_path / "whole"), *flags]) == 0
+    restarted = torch.load(tmp_path / "restarted" / "model.pt", weights_only=True)
+    whole = torch.load(tmp_path / "whole" / "model.pt", weights_only=True)
+    # ddp against one device: equal up to float rounding of the gradient all-reduce (as the equivalence tests)
+    assert max((restarted[key] - whole[key]).abs().max().item() for key in whole) <= 1e-5
+    whole_losses = json.loads((tmp_path / "whole" / "metrics.json").read_text())["loss"]
+    assert max(abs(a - b) for a, b in zip(metrics["loss"], whole_losses)) < 1e-5

@@ -9,7 +9,7 @@ import os
 import sys
 
 from dpkit.errors import DpkitError
-from dpkit.launch import launched
+from dpkit.launch import StoppedBySignal, launched
 
 # subcommand name -> module under dpkit.cli; each module defines add_parser(subparsers) and run(args) -> int
 COMMANDS = {
@@ -37,12 +37,22 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # a command that relaunches itself reuses its own command line
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     try:
         return int(args._run(args) or 0)
+    except KeyboardInterrupt:
+        # Ctrl-C: one line, the shell's 130, no traceback (a launched worker stays quiet: its launcher speaks)
+        if not launched():
+            print(f"dpkit {args.command}: interrupted (Ctrl-C)", file=sys.stderr)
+        return 130
+    except StoppedBySignal as stopped:
+        if str(stopped):
+            print(f"dpkit {args.command}: {stopped}", file=sys.stderr)
+        return stopped.exit_code
     except (ValueError, TypeError, FileNotFoundError, DpkitError) as error:
         print(f"dpkit {args.command}: error: {error}", file=sys.stderr)
-        return 2
+        return getattr(error, "exit_code", 2)
 
 
 def exit_worker(code: int) -> None:

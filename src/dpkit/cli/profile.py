@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, RandomSampler, TensorDataset
 
+from dpkit.cli.arguments import output_file
 from dpkit.devices import resolve_devices
 from dpkit.engine import Engine
 from dpkit.examples import get_example, load_factory
@@ -61,6 +62,8 @@ def criterion_for(target: torch.Tensor) -> Callable[[torch.Tensor, torch.Tensor]
 
 
 def check_args(args: argparse.Namespace) -> None:
+    for flag in ("--json", "--png", "--trace"):  # a folder or an unwritable place is found now, not after profiling
+        output_file(flag, getattr(args, flag[2:]))
     if args.strategy not in available_strategies():
         raise ValueError(f"--strategy: unknown strategy {args.strategy!r}; use one of {', '.join(available_strategies())}")
     for flag, value, low in (("--steps", args.steps, 1), ("--warmup", args.warmup, 0), ("--batch-size", args.batch_size, 1)):

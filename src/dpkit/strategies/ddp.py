@@ -30,7 +30,7 @@ from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, Rando
 
 from dpkit.arguments import check_int
 from dpkit.devices import cpu_threads_per_device
-from dpkit.launch import LAUNCH_VARIABLES, launched
+from dpkit.launch import HANG_TIMEOUT_VARIABLE, LAUNCH_VARIABLES, ProgressHeartbeat, launched, rendezvous_store
 from dpkit.parallel import hooks
 from dpkit.state import ResumableLoader
 from dpkit.strategies.base import Strategy
@@ -74,7 +74,7 @@ class DDP(Strategy):
     name = "ddp"
 
     def __init__(self, devices: Sequence[torch.device], *, timeout_seconds: float = 300.0, seed: int = 0,
-                 threads_per_device: int | None = None):
+                 threads_per_device: int | None = None, init_timeout_seconds: float = 60.0):
         if not launched():
             raise RuntimeError(
                 "strategy='ddp' runs one process per device, and this process was not started by a launcher "
@@ -96,6 +96,7 @@ class DDP(Strategy):
             check_int(threads_per_device, "threads_per_device", meaning="intra-op threads per process")
         self.threads_per_device = threads_per_device
         self.timeout_seconds = timeout_seconds
+        self.init_timeout_seconds = init_timeout_seconds  # how long to wait for every rank to join
         self.seed = seed
         self.ddp: nn.parallel.DistributedDataParallel | None = None
         self.bucket_seconds: list[tuple[float, float]] = []  # (launched, reduced) per bucket, while observed
@@ -109,10 +110,19 @@ class DDP(Strategy):
             torch.set_num_threads(self.threads_per_device or cpu_threads_per_device(self.local_world_size))
         else:
             torch.cuda.set_device(self.device)
+        self._heartbeat = None
         if not dist.is_initialized():
             backend = "gloo" if self.device.type == "cpu" else "nccl"
+            # every rank's arrival is awaited in short, interruptible waits, at most init_timeout_seconds
+            store = rendezvous_store(self.rank, self.world_size, wait_seconds=min(self.init_timeout_seconds, self.timeout_seconds),
+                                     timeout_seconds=self.timeout_seconds)
             # a bounded timeout: a collective whose peer died fails instead of waiting for the default 30 minutes
-            dist.init_process_group(backend, timeout=timedelta(seconds=self.timeout_seconds))
+            dist.init_process_group(backend, store=store, rank=self.rank, world_size=self.world_size,
+                                    timeout=timedelta(seconds=self.timeout_seconds))
+        if os.environ.get(HANG_TIMEOUT_VARIABLE):
+            # the launcher watches for a rank that stops making progress; tell it how far this one is
+            hang_timeout_seconds = float(os.environ[HANG_TIMEOUT_VARIABLE])
+            self._heartbeat = ProgressHeartbeat(self.rank, interval_seconds=min(1.0, hang_timeout_seconds / 4)).start()
         if self.rank != 0 and not any(isinstance(f, _BelowWarning) for f in log.filters):
             log.addFilter(_BelowWarning())
 
@@ -201,6 +211,9 @@ class DDP(Strategy):
         dist.barrier()
 
     def teardown(self) -> None:
+        if getattr(self, "_heartbeat", None) is not None:
+            self._heartbeat.stop()
+            self._heartbeat = None
         if dist.is_initialized():
             # every rank arrives before any closes its connections: a rank that tears gloo down while a
             # peer is still finishing its last collective can abort at exit ("terminate called ...")
