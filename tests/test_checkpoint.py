@@ -18,7 +18,7 @@ def wrappers():
         "dpkit": lambda m: dpkit.DataParallel(m, dpkit.cpu_devices(2)),
         "torch-dp": lambda m: nn.DataParallel(m),
         "compiled": lambda m: torch.compile(m),
-        "compiled-dp": lambda m: dpkit.DataParallel(torch.compile(m), dpkit.cpu_devices(2)),
+        "dp-compiled": lambda m: torch.compile(dpkit.DataParallel(m, dpkit.cpu_devices(2))),  # wrap first, then compile
     }
 
 
