@@ -55,3 +55,37 @@ def test_mismatched_structures_name_path_and_replica():
         gather([(torch.ones(1), torch.ones(1)), (torch.ones(1),)], CPU)
     with pytest.raises(ValueError, match="replica 1 returned None"):
         gather([torch.ones(1), None], CPU)
+
+
+def test_negative_dim_and_torch_style_target_devices():
+    a, b = torch.ones(2, 3), torch.zeros(2, 1)
+    assert gather([a, b], CPU, dim=-1).shape == (2, 4)
+    assert gather([a, a], -1).shape == (4, 3) and gather([a, a], "cpu").shape == (4, 3)
+    with pytest.raises(ValueError, match="no dimension -3"):
+        gather([a, a], CPU, dim=-3)
+
+
+def test_flattened_batch_is_warned_about():
+    # an LSTM LM: input (seq=6, batch) split on dim 1 into 4 + 4 rows, output flattened to (seq*rows, vocab)
+    outputs = [torch.zeros(24, 100), torch.zeros(24, 100)]
+    with pytest.warns(UserWarning, match=r"flattened into dim 0"):
+        gather(outputs, CPU, dim=1, rows=[4, 4], input_sizes=[6])
+    # uneven rows cannot be concatenated at all; the error says why
+    with pytest.raises(ValueError, match=r"outside dim 1; dim 0 \[18, 12\] follows the rows .* flattened into dim 0"):
+        gather([torch.zeros(18, 100), torch.zeros(12, 100)], CPU, dim=1, rows=[3, 2])
+
+
+@pytest.mark.parametrize("outputs, dim, rows, input_sizes", [
+    ([torch.zeros(6, 4, 100), torch.zeros(6, 4, 100)], 1, [4, 4], [6]),      # batch kept on dim 1
+    ([torch.zeros(24, 100), torch.zeros(24, 100)], 0, [4, 4], [6]),          # (batch*seq, vocab) on dim 0: fine
+    ([torch.zeros(18, 100), torch.zeros(12, 100)], 0, [3, 2], []),           # the same, uneven
+    ([torch.zeros(8, 8), torch.zeros(8, 8)], 0, [4, 4], [5]),                # a fixed-size output, even rows
+    ([torch.zeros(3), torch.zeros(3)], 0, [4, 4], [6]),                       # a per-replica summary
+    ([torch.zeros(4, 12), torch.zeros(4, 12)], 0, [4, 4], [12]),             # ordinary (batch, features)
+])
+def test_ordinary_outputs_raise_no_false_alarm(outputs, dim, rows, input_sizes):
+    import warnings as warnings_module
+
+    with warnings_module.catch_warnings():
+        warnings_module.simplefilter("error")
+        gather(outputs, CPU, dim=dim, rows=rows, input_sizes=input_sizes)

@@ -106,3 +106,62 @@ def test_scatter_along_another_dim():
 def test_broadcast_rejects_non_tensors():
     with pytest.raises(TypeError, match="Broadcast"):
         Broadcast(3)
+
+
+def test_negative_dim_counts_from_each_tensors_end():
+    x = torch.arange(12).reshape(2, 6)
+    assert batch_size_of((x,), {}, -1) == 6
+    with pytest.raises(ValueError, match="no batch dimension -3"):
+        batch_size_of((x,), {}, -3)
+
+
+def test_torch_signature_scatter_splits_like_torch():
+    from dpkit.parallel import scatter as torch_style_scatter, scatter_kwargs
+
+    x = torch.arange(10).reshape(5, 2)
+    parts = torch_style_scatter((x, "tag", {"y": x + 1}), [0, 1] if False else ["cpu:0", "cpu:1"])
+    assert len(parts) == 2 and parts[0][1] == "tag"
+    assert torch.equal(parts[0][0], x[:3]) and torch.equal(parts[1][2]["y"], x[3:] + 1)
+    assert [p.shape[0] for p in torch_style_scatter(x, dpkit_devices(3), dim=0)] == [2, 2, 1]
+    assert [p.shape[1] for p in torch_style_scatter(x, dpkit_devices(2), dim=-1)] == [1, 1]
+    assert len(torch_style_scatter(torch.zeros(1, 2), dpkit_devices(3))) == 1  # fewer rows than devices
+    assert torch_style_scatter(("a", 1), dpkit_devices(2)) == [("a", 1), ("a", 1)]
+    args, kwargs = scatter_kwargs((x,), {"mask": x > 3, "flag": True}, dpkit_devices(2))
+    assert len(args) == len(kwargs) == 2 and kwargs[1]["flag"] is True
+    assert torch.equal(kwargs[1]["mask"], x[3:] > 3)
+    assert scatter_kwargs((), None, dpkit_devices(2)) == ((), ())
+    with pytest.raises(ValueError, match=r"inputs\[1\]=4"):  # dpkit's strictness stays on
+        torch_style_scatter((x, torch.zeros(4)), dpkit_devices(2))
+
+
+def dpkit_devices(n):
+    return [torch.device("cpu", i) for i in range(n)]
+
+
+def test_chunk_sizes_are_validated_once_with_one_line_messages():
+    from dpkit.parallel.scatter import check_chunk_sizes
+
+    assert check_chunk_sizes(None, 2) is None and check_chunk_sizes((0, 3), 2) == [0, 3]
+    with pytest.raises(ValueError, match="chunk_sizes: has 3 entries where 2 are needed"):
+        check_chunk_sizes([1, 2, 3], 2)
+    with pytest.raises(ValueError, match=r"chunk_sizes\[1\]: expected a non-negative int, got -2"):
+        check_chunk_sizes([1, -2], 2)
+    with pytest.raises(TypeError, match=r"chunk_sizes\[0\]"):
+        check_chunk_sizes([1.5, 2], 2)
+    with pytest.raises(ValueError, match="all entries are 0"):
+        check_chunk_sizes([0, 0], 2)
+    with pytest.raises(TypeError, match="chunk_sizes: expected a list"):
+        check_chunk_sizes("12", 2)
+
+
+class Features(dict):
+    """A dict subclass nobody registered with torch.utils._pytree: still walked into and rebuilt."""
+
+
+def test_unregistered_container_subclasses_are_split_and_rebuilt():
+    x = torch.arange(6).reshape(3, 2)
+    chunks = scatter((Features(ids=x, name="n", missing=None),), {}, plan_split(3, 2), dpkit_devices(2), 0)
+    first = chunks[0][1][0]
+    assert type(first) is Features and torch.equal(first["ids"], x[:2]) and first["name"] == "n" and first["missing"] is None
+    with pytest.raises(ValueError, match=r"args\[0\]\['ids'\]=3, args\[1\]=2"):
+        batch_size_of((Features(ids=x), torch.zeros(2)), {}, 0)

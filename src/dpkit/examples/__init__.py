@@ -31,10 +31,6 @@ EXAMPLES: dict[str, Example] = {
 }
 
 
-def register_example(example: Example) -> None:
-    EXAMPLES[example.name] = example
-
-
 def get_example(name: str) -> Example:
     if name not in EXAMPLES:
         raise ValueError(f"--example: unknown example {name!r}; choose one of {', '.join(sorted(EXAMPLES))}")

@@ -2,12 +2,20 @@
 
 Scatter and gather both need to visit every leaf of a nested structure with a readable path
 (`args[1]`, `kwargs['mask']`, `args[0].features`) and rebuild the same structure around new leaves.
+torch.utils._pytree does the walking and writes the paths for the containers it knows (tuples, lists,
+dicts, namedtuples, OrderedDict, and what libraries register, such as transformers' ModelOutput). Two kinds
+it would treat as opaque leaves are opened here instead, so their tensors are still split: dataclasses
+(registering a user's class with pytree would change it for the whole process) and subclasses of
+tuple/list/dict that nobody registered. `children`/`rebuild` describe those, and gather compares replicas'
+outputs level by level with them.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from typing import Any, Callable, Iterator
+
+from torch.utils import _pytree as pytree
 
 
 def is_namedtuple(obj: Any) -> bool:
@@ -53,19 +61,43 @@ def rebuild(template: Any, values: list[Any]) -> Any:
     raise TypeError(f"not a container: {type(template).__name__}")
 
 
-def leaves(obj: Any, path: str, is_leaf: Callable[[Any], bool] = lambda _: False) -> Iterator[tuple[str, Any]]:
-    """Every leaf with its path; `is_leaf` stops the descent early (for marker objects)."""
-    parts = None if is_leaf(obj) else children(obj)
-    if parts is None:
-        yield path, obj
-        return
-    for suffix, child in parts:
-        yield from leaves(child, path + suffix, is_leaf)
+def _opened_here(obj: Any) -> bool:
+    """A container pytree does not know, which dpkit still walks into."""
+    if is_dataclass_instance(obj):
+        return True
+    return isinstance(obj, (tuple, list, dict)) and pytree._get_node_type(obj) not in pytree.SUPPORTED_NODES
 
 
-def map_leaves(fn: Callable[[str, Any], Any], obj: Any, path: str, is_leaf: Callable[[Any], bool] = lambda _: False) -> Any:
+def _never(_: Any) -> bool:
+    return False
+
+
+def leaves(obj: Any, path: str, is_leaf: Callable[[Any], bool] = _never) -> Iterator[tuple[str, Any]]:
+    """Every leaf with its path; `is_leaf` stops the descent early (for marker objects). None is an empty
+    container, as in pytree: it has no leaves."""
+
+    def stop(x: Any) -> bool:
+        return is_leaf(x) or _opened_here(x)
+
+    for key_path, leaf in pytree.tree_flatten_with_path(obj, is_leaf=stop)[0]:
+        leaf_path = path + pytree.keystr(key_path)
+        if not is_leaf(leaf) and _opened_here(leaf):
+            for suffix, child in children(leaf):
+                yield from leaves(child, leaf_path + suffix, is_leaf)
+        else:
+            yield leaf_path, leaf
+
+
+def map_leaves(fn: Callable[[str, Any], Any], obj: Any, path: str, is_leaf: Callable[[Any], bool] = _never) -> Any:
     """The same structure with every leaf replaced by fn(path, leaf)."""
-    parts = None if is_leaf(obj) else children(obj)
-    if parts is None:
-        return fn(path, obj)
-    return rebuild(obj, [map_leaves(fn, child, path + suffix, is_leaf) for suffix, child in parts])
+
+    def stop(x: Any) -> bool:
+        return is_leaf(x) or _opened_here(x)
+
+    def visit(key_path: tuple, leaf: Any) -> Any:
+        leaf_path = path + pytree.keystr(key_path)
+        if not is_leaf(leaf) and _opened_here(leaf):
+            return rebuild(leaf, [map_leaves(fn, child, leaf_path + suffix, is_leaf) for suffix, child in children(leaf)])
+        return fn(leaf_path, leaf)
+
+    return pytree.tree_map_with_path(visit, obj, is_leaf=stop)

@@ -1,55 +1,212 @@
 """Copies of a module on each device, differentiable back to the original parameters.
 
-The replica on the primary device is the module itself: its parameters are the originals and buffers
-it updates in place (BatchNorm running statistics) persist, as in torch's DataParallel. On every other
-device the parameters are differentiable copies, so backward sums each replica's gradient onto the
-original parameter. Buffers are copied without gradient unless they require one.
+Every replica is a replica, the first included, as in torch's DataParallel:
+- its parameters are differentiable views (on the source device) or copies (elsewhere) of the user's
+  parameters, so backward sums each replica's gradient onto them, and `zero_grad()` in a forward does
+  nothing to them (it warns, as torch does);
+- they are visible: `self.parameters()`, `named_parameters()` and `next(self.parameters())` inside a
+  replica's forward yield the replica's own tensors (torch's replicas yield nothing);
+- on the source device the buffers are the user's own tensors, so what the first replica updates in place
+  (BatchNorm running statistics) persists; elsewhere they are copies;
+- nothing set inside a replica reaches the user's module: each replica module has its own attribute dict
+  (flags and caches assigned in forward stay there) and its own hook dicts, so a library that installs
+  hooks lazily on first forward (transformers' output capturing) installs them on the replica.
+
+A replica is built without calling the module's `__setattr__`: wrappers that forward attribute writes to an
+inner module (torch.compile's OptimizedModule) would otherwise write into the user's model.
 """
 
 from __future__ import annotations
 
-from typing import Sequence
+import copy
+import sys
+import weakref
+from collections import OrderedDict
+from typing import Any, Sequence, TypeVar
 
 import torch
 from torch import nn
 
+from dpkit.devices import DeviceLike, parse_device
 
-def _copy_to(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
-    if device.type == "cpu":
-        # a virtual CPU device still gets its own copy: the replica may update it in place
-        return tensor.clone()
-    return tensor.to(device, non_blocking=True, copy=True)
+ModuleT = TypeVar("ModuleT", bound=nn.Module)
+
+# The containers nn.Module keeps per instance (hook dicts, the non-persistent buffer set, ...): a replica gets
+# its own copy of each, so hooks registered inside a replica stay there. The user's own lists and dicts stay
+# shared, as in torch (a forward that appends to self.records reaches the original, as it does there).
+_MODULE_CONTAINERS = frozenset(name for name, value in nn.Module().__dict__.items() if isinstance(value, (dict, list, set)))
+_RNN_CONTAINERS = frozenset({"_flat_weights", "_flat_weights_names", "_flat_weight_refs", "_all_weights"})
 
 
-def replicate_to(module: nn.Module, device: torch.device) -> nn.Module:
-    """One replica of `module` on `device` whose parameters flow gradients back to the originals."""
-    copies: dict[int, torch.Tensor] = {}
+def check_replicable(module: nn.Module, argument: str = "module") -> None:
+    """Raise a one-line error for a module that cannot be replicated, saying what to do instead.
 
-    def copy_of(tensor: torch.Tensor, *, keep_grad: bool) -> torch.Tensor:
+    A torch.compile'd module (an OptimizedModule, or one after `module.compile()`) runs a compiled function
+    bound to the user's own module, so a replica would run the original instead of itself. Lazy modules
+    have no parameters to copy yet; a ScriptModule cannot hold Python replicas.
+    """
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"{argument}: expected a torch.nn.Module, got {type(module).__name__}")
+    for name, sub in module.named_modules(remove_duplicate=True):
+        path = f"{argument}.{name}" if name else argument
+        if _is_compiled_wrapper(sub):
+            raise TypeError(
+                f"{path}: is a torch.compile'd module, which cannot be replicated (its compiled forward is bound to "
+                f"your original module); pass the uncompiled model (torch.compile(m)._orig_mod) to dpkit, "
+                f"e.g. dpkit.DataParallel(model), and compile outside it if you need to: torch.compile(dpkit.DataParallel(model))"
+            )
+        if sub.__dict__.get("_compiled_call_impl") is not None:
+            raise TypeError(
+                f"{path}: was compiled in place with .compile(), which cannot be replicated (the compiled call is bound to "
+                f"your original module); replicate an uncompiled model and compile outside the wrapper: "
+                f"torch.compile(dpkit.DataParallel(model))"
+            )
+        if isinstance(sub, torch.jit.ScriptModule):
+            raise TypeError(f"{path}: is a TorchScript module, which dpkit cannot replicate; pass the Python module it was scripted from")
+        if any(isinstance(p, nn.parameter.UninitializedParameter) for p in sub._parameters.values()):
+            raise RuntimeError(f"{path}: Modules with uninitialized parameters (lazy modules) cannot be replicated; "
+                               "run one forward pass on a sample batch first")
+
+
+def _is_compiled_wrapper(module: nn.Module) -> bool:
+    # torch._dynamo is imported by torch.compile; if it never was, no OptimizedModule exists (and importing
+    # it here would cost a second)
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+    return eval_frame is not None and isinstance(module, eval_frame.OptimizedModule)
+
+
+def _own_copy(name: str, value: Any) -> Any:
+    """Module-internal containers copied (the replica changes its own), everything else shared."""
+    if (name in _MODULE_CONTAINERS or name in _RNN_CONTAINERS) and isinstance(value, (dict, list, set)):
+        return copy.copy(value)
+    return value
+
+
+class _ZeroGradInReplica:
+    """`zero_grad` of a replica: torch's warning that it has no effect, and nothing else. The replica's
+    parameters are not leaves and hold no gradient, and the user's gradients are not the replica's to clear."""
+
+    _stand_in: nn.Module | None = None
+
+    def __call__(self, set_to_none: bool = True) -> None:
+        if _ZeroGradInReplica._stand_in is None:
+            stand_in = nn.Module()
+            stand_in._is_replica = True
+            _ZeroGradInReplica._stand_in = stand_in
+        # torch's own Module.zero_grad on a parameterless replica emits torch's warning, text and category
+        nn.Module.zero_grad(_ZeroGradInReplica._stand_in, set_to_none)
+
+
+_ZERO_GRAD_IN_REPLICA = _ZeroGradInReplica()
+
+
+def _shallow_replica(module: nn.Module) -> nn.Module:
+    """A new module object of the same class whose state dict is a copy of the original's, containers
+    copied, parameters/buffers/children to be filled in. No __init__, no __setattr__ of the module runs."""
+    replica = object.__new__(type(module))
+    state = {name: _own_copy(name, value) for name, value in module.__dict__.items()}
+    state["_parameters"] = {}
+    state["_buffers"] = {}
+    state["_modules"] = {}
+    state["_is_replica"] = True
+    state["_former_parameters"] = OrderedDict()  # where torch's replicas expose their parameters
+    state["zero_grad"] = _ZERO_GRAD_IN_REPLICA
+    object.__setattr__(replica, "__dict__", state)
+    return replica
+
+
+class _TensorCopier:
+    """Each tensor of the original once per device: an alias on the source device, a copy elsewhere;
+    differentiable unless `detach` (tied weights stay tied: the same tensor maps to the same copy)."""
+
+    def __init__(self, device: torch.device, is_source: bool, detach: bool):
+        self.device = device
+        self.is_source = is_source
+        self.detach = detach
+        self.copies: dict[int, torch.Tensor] = {}
+
+    def parameter(self, tensor: torch.Tensor) -> torch.Tensor:
+        return self._once(tensor, differentiable=not self.detach)
+
+    def buffer(self, tensor: torch.Tensor) -> torch.Tensor:
+        # a buffer that requires grad flows back like a parameter; the rest are plain data
+        return self._once(tensor, differentiable=tensor.requires_grad and not self.detach)
+
+    def _once(self, tensor: torch.Tensor, *, differentiable: bool) -> torch.Tensor:
         key = id(tensor)
-        if key not in copies:
-            source = tensor if keep_grad else tensor.detach()
-            copies[key] = _copy_to(source, device)
-        return copies[key]
+        if key not in self.copies:
+            self.copies[key] = self._make(tensor, differentiable)
+        return self.copies[key]
 
-    originals = list(module.modules())
-    # torch's own hook keeps module-specific replica state right (e.g. RNN flat weights)
-    replicas = {id(m): m._replicate_for_data_parallel() for m in originals}
+    def _make(self, tensor: torch.Tensor, differentiable: bool) -> torch.Tensor:
+        on_source = self.is_source and (self.device.type == "cpu" and tensor.device.type == "cpu"
+                                        or tensor.device == self.device)
+        if on_source:
+            if not differentiable:
+                # a buffer: the tensor itself, so in-place updates (running statistics) persist
+                return tensor if not isinstance(tensor, nn.Parameter) else tensor.detach()
+            # a non-leaf alias: gradients reach the original (sparse ones too: alias passes the gradient
+            # through unchanged, where view_as would reshape it), and in grad mode the replica cannot write into it
+            return torch.ops.aten.alias.default(tensor)
+        source = tensor if differentiable else tensor.detach()
+        if self.device.type == "cpu":
+            # a virtual CPU device gets its own copy: its replica may update buffers in place
+            return source.clone() if source.device.type == "cpu" else source.to("cpu", copy=True)
+        return source.to(self.device, non_blocking=True, copy=True)
+
+
+def _replicate_one(module: nn.Module, device: torch.device, is_source: bool, detach: bool) -> nn.Module:
+    copier = _TensorCopier(device, is_source, detach)
+    originals = list(module.modules())  # each shared submodule once, so sharing is kept
+    replicas = {id(m): _shallow_replica(m) for m in originals}
     for original in originals:
         replica = replicas[id(original)]
+        parameters, buffers, children = replica._parameters, replica._buffers, replica._modules
         for name, child in original._modules.items():
-            replica._modules[name] = None if child is None else replicas[id(child)]
+            children[name] = None if child is None else replicas[id(child)]
         for name, param in original._parameters.items():
-            if param is not None:
-                setattr(replica, name, copy_of(param, keep_grad=param.requires_grad))
-            else:
-                setattr(replica, name, None)
+            parameters[name] = None if param is None else copier.parameter(param)
+            replica._former_parameters[name] = parameters[name]
         for name, buffer in original._buffers.items():
-            if buffer is not None:
-                replica._buffers[name] = copy_of(buffer, keep_grad=buffer.requires_grad)
+            buffers[name] = None if buffer is None else copier.buffer(buffer)
+        if isinstance(original, nn.RNNBase):
+            _point_rnn_at_replica_weights(replica)
     return replicas[id(module)]
 
 
-def replicate(module: nn.Module, devices: Sequence[torch.device], primary: torch.device) -> list[nn.Module]:
-    """A replica per device; the primary device's replica is `module` itself."""
-    return [module if device == primary else replicate_to(module, device) for device in devices]
+def _point_rnn_at_replica_weights(replica: nn.RNNBase) -> None:
+    # RNNs keep a list of their weights beside _parameters; it must hold the replica's, not the original's
+    weights = [replica._parameters.get(name) for name in replica._flat_weights_names]
+    replica.__dict__["_flat_weights"] = weights
+    replica.__dict__["_flat_weight_refs"] = [weakref.ref(w) if w is not None else None for w in weights]
+
+
+def replicate_to(module: nn.Module, device: torch.device, *, is_source: bool = False, detach: bool = False) -> nn.Module:
+    """One replica of `module` on `device` (see the module docstring). `is_source`: `device` is where the
+    module lives and the replica aliases its tensors there."""
+    return _replicate_one(module, device, is_source, detach)
+
+
+def replicate(network: ModuleT, devices: Sequence[DeviceLike], detach: bool = False) -> list[ModuleT]:
+    """torch.nn.parallel.replicate's verb: one replica of `network` per device, in device order.
+
+    `devices` are dpkit device specs (ints are CUDA indices, "cpu:3", torch.device). As in torch the first
+    device is the source: its replica aliases the module's tensors (buffer updates persist), the others
+    get copies. `detach=True` makes replicas whose parameters are cut from autograd.
+
+    For dpkit's own callers, a torch.device in place of `detach` names the source device explicitly (the
+    device whose replica aliases the module); devices without it all get copies.
+    """
+    if isinstance(detach, torch.device):
+        source, detach = detach, False
+    elif isinstance(detach, bool):
+        source = None
+    else:
+        raise TypeError(f"detach: expected a bool, got {detach!r} ({type(detach).__name__})")
+    check_replicable(network, "network")
+    if not devices:
+        return []
+    parsed = [parse_device(d, argument=f"devices[{i}]") for i, d in enumerate(devices)]
+    if source is None:
+        source = parsed[0]
+    return [_replicate_one(network, device, device == source, detach) for device in parsed]

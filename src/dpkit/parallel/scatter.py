@@ -15,6 +15,7 @@ from typing import Any, Sequence
 
 import torch
 
+from dpkit.arguments import check_int, check_int_list
 from dpkit.parallel.nested import leaves, map_leaves
 
 
@@ -40,7 +41,6 @@ def _is_broadcast(obj: Any) -> bool:
 class SplitPlan:
     """How one call is split: rows per device (aligned with the device list; 0 = no replica there)."""
 
-    batch_size: int
     sizes: tuple[int, ...]
 
     @property
@@ -57,20 +57,24 @@ def split_sizes(batch_size: int, n_devices: int) -> list[int]:
 
     10 rows on 4 devices -> [3, 3, 2, 2]; 36 on 7 -> [6, 5, 5, 5, 5, 5, 5]; 2 on 4 -> [1, 1, 0, 0].
     """
-    if n_devices < 1:
-        raise ValueError(f"n_devices: expected at least 1, got {n_devices}")
+    check_int(n_devices, "n_devices", meaning="number of devices")
     base, extra = divmod(batch_size, n_devices)
     return [base + (1 if i < extra else 0) for i in range(n_devices)]
 
 
 def batch_size_of(inputs: Sequence[Any], kwargs: dict[str, Any], dim: int) -> int | None:
     """The common size along `dim` of every tensor to split, or None when there is nothing to split."""
+    return common_batch_size((("args", tuple(inputs)), ("kwargs", kwargs)), dim)
+
+
+def common_batch_size(trees: Sequence[tuple[str, Any]], dim: int) -> int | None:
+    """batch_size_of for any (root name, nested structure) pairs; the root names start the error paths."""
     found: list[tuple[str, int]] = []
-    for root, tree in (("args", tuple(inputs)), ("kwargs", kwargs)):
+    for root, tree in trees:
         for path, leaf in leaves(tree, root, _is_broadcast):
             if not isinstance(leaf, torch.Tensor):
                 continue
-            if leaf.dim() <= dim:
+            if not -leaf.dim() <= dim < leaf.dim():  # a negative dim counts from each tensor's end, as in torch
                 raise ValueError(
                     f"{path}: a {leaf.dim()}-dim tensor has no batch dimension {dim} to split; "
                     f"wrap it in dpkit.Broadcast(...) to pass it whole to every replica"
@@ -91,18 +95,36 @@ def batch_size_of(inputs: Sequence[Any], kwargs: dict[str, Any], dim: int) -> in
     return batch_size
 
 
+def other_sizes(trees: Sequence[Any], dim: int) -> set[int]:
+    """The sizes of every split tensor's dimensions other than `dim` (sequence lengths, features, ...)."""
+    sizes: set[int] = set()
+    for _, leaf in leaves(tuple(trees), "", _is_broadcast):
+        if isinstance(leaf, torch.Tensor) and leaf.dim() > 0:
+            batch_dim = dim % leaf.dim()
+            sizes.update(size for k, size in enumerate(leaf.shape) if k != batch_dim)
+    return sizes
+
+
+def check_chunk_sizes(chunk_sizes: Sequence[int] | None, n_devices: int) -> list[int] | None:
+    """chunk_sizes as given by a user: None, or one non-negative row count per device, not all 0."""
+    if chunk_sizes is None:
+        return None
+    sizes = check_int_list(chunk_sizes, "chunk_sizes", length=n_devices, meaning="one row count per device")
+    if sum(sizes) == 0:
+        raise ValueError("chunk_sizes: all entries are 0; at least one device must receive rows")
+    return sizes
+
+
 def plan_split(batch_size: int, n_devices: int, chunk_sizes: Sequence[int] | None = None) -> SplitPlan:
     if chunk_sizes is None:
-        return SplitPlan(batch_size, tuple(split_sizes(batch_size, n_devices)))
-    sizes = tuple(int(s) for s in chunk_sizes)
-    if len(sizes) != n_devices:
-        raise ValueError(f"chunk_sizes: has {len(sizes)} entries for {n_devices} devices; give one row count per device")
+        return SplitPlan(tuple(split_sizes(batch_size, n_devices)))
+    sizes = tuple(check_chunk_sizes(chunk_sizes, n_devices))
     if sum(sizes) != batch_size:
         raise ValueError(
             f"chunk_sizes: {list(sizes)} sum to {sum(sizes)} but the batch has {batch_size} rows; "
             "the sizes must add up to the batch size (or pass chunk_sizes=None for a balanced split)"
         )
-    return SplitPlan(batch_size, sizes)
+    return SplitPlan(sizes)
 
 
 def _move(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:

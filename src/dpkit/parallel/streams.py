@@ -23,8 +23,3 @@ def device_context(device: torch.device, stream: Any = None) -> ContextManager:
     stack.enter_context(torch.cuda.device(device))
     stack.enter_context(torch.cuda.stream(stream if stream is not None else torch.cuda.current_stream(device)))
     return stack
-
-
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
