@@ -34,7 +34,7 @@ def bare_forward(dp: dpkit.DataParallel, x: torch.Tensor) -> torch.Tensor:
     chunks = scatter((x,), {}, plan, dp.device_ids, 0)
     devices = [device for device, _, _ in chunks]
     replicas = replicate(dp.module, devices, dp.primary_device)
-    outputs = parallel_apply(replicas, devices, [a for _, a, _ in chunks], [k for _, _, k in chunks])
+    outputs = parallel_apply(replicas, [a for _, a, _ in chunks], [k for _, _, k in chunks], devices)
     return gather(outputs, dp.output_device, 0)
 
 

@@ -1,16 +1,20 @@
 """Throughput of dpkit's strategies against the loops they compete with, measured side by side.
 
-On 2 virtual CPU devices with one intra-op thread each and a compute-bound MLP:
+On 2 virtual CPU devices with one intra-op thread each and a compute-bound MLP (1536 wide, global batch
+512):
 
-    replicated  vs  a hand-written torch DDP loop over gloo, 2 processes   (target >= 1.05x)
-    dpkit ddp   vs  that same hand-written DDP loop                      (target >= 0.97x)
-    single      vs  a bare PyTorch loop on one device                    (target >= 0.97x)
+    replicated  vs  the same plain loop with the 2 cores as intra-op threads   (target >= 0.95x)
+    replicated  vs  a hand-written torch DDP loop over gloo, 2 processes        (target >= 1.05x)
+    dpkit ddp   vs  that same hand-written DDP loop                           (target >= 0.97x)
+    single      vs  a bare PyTorch loop on one device                         (target >= 0.97x)
+    dp, dp-balanced: shown for their per-step cost
 
 Every contender trains the same model on the same global batch with SGD, side by side: two processes
 are started through dpkit's launcher (torchrun underneath); the DDP loops run on both, the one-process
-contenders (bare, single, replicated, dp, dp-balanced) on rank 0 while rank 1 waits in a barrier, and
-all contenders time their windows of steps in turn (A B C … A B C …), so changing machine load hits
-them alike. The medians over the windows are compared.
+contenders (bare loops, single, replicated, dp, dp-balanced) on rank 0 while rank 1 waits in a barrier,
+and all contenders time their windows of steps in turn (A B C … A B C …, rotating), so changing machine
+load hits them alike. The medians over the windows are compared. Afterwards `replicated` runs once more
+in this process with a listener on dpkit's hooks seam, which prints where its step time goes per phase.
 
     python benchmarks/strategies_throughput.py            # make bench
     python benchmarks/strategies_throughput.py --windows 15 --batch-size 512
@@ -19,7 +23,10 @@ them alike. The medians over the windows are compared.
 from __future__ import annotations
 
 import argparse
+import collections
+import contextlib
 import json
+import threading
 import os
 import statistics
 import sys
@@ -51,12 +58,16 @@ def make_batch(batch_size: int, width: int) -> tuple[torch.Tensor, torch.Tensor]
     return torch.randn(batch_size, width, generator=generator), torch.randint(0, 10, (batch_size,), generator=generator)
 
 
-def time_window(step, steps: int, samples_per_step: int) -> float:
-    """samples/s over `steps` consecutive steps."""
-    began = time.perf_counter()
-    for _ in range(steps):
-        step()
-    return samples_per_step * steps / (time.perf_counter() - began)
+def time_window(step, steps: int, samples_per_step: int, threads: int = THREADS_PER_DEVICE) -> float:
+    """samples/s over `steps` consecutive steps, run with `threads` intra-op threads on this thread."""
+    torch.set_num_threads(threads)
+    try:
+        began = time.perf_counter()
+        for _ in range(steps):
+            step()
+        return samples_per_step * steps / (time.perf_counter() - began)
+    finally:
+        torch.set_num_threads(THREADS_PER_DEVICE)
 
 
 # --- the loops ---------------------------------------------------------------------------------------
@@ -130,6 +141,7 @@ def worker(args: argparse.Namespace) -> dict[str, list[float]]:
     if rank == 0:
         steps.update({
             BARE: bare_step(args),
+            BARE_CORES: bare_step(args),
             SINGLE: engine_step(args, "single", 1),
             REPLICATED: engine_step(args, "replicated", DEVICES, threads_per_device=THREADS_PER_DEVICE),
             DP: engine_step(args, "dp", DEVICES),
@@ -139,7 +151,7 @@ def worker(args: argparse.Namespace) -> dict[str, list[float]]:
     def run(name: str, count: int) -> float | None:
         rate = None
         if name in (TORCH_DDP, DPKIT_DDP) or rank == 0:
-            rate = time_window(steps[name], count, args.batch_size)
+            rate = time_window(steps[name], count, args.batch_size, DEVICES * THREADS_PER_DEVICE if name == BARE_CORES else THREADS_PER_DEVICE)
         if name not in (TORCH_DDP, DPKIT_DDP):
             dist.barrier()
         return rate
@@ -154,17 +166,102 @@ def worker(args: argparse.Namespace) -> dict[str, list[float]]:
     return rates
 
 
+class PhaseClock:
+    """A listener on dpkit.parallel.hooks: wall and CPU seconds per phase, on the calling thread and in
+    each replica's thread (CPU time leaves out waiting, e.g. for the other replica's backward)."""
+
+    def __init__(self):
+        self.wall: dict[str, float] = collections.defaultdict(float)
+        self.cpu: dict[str, float] = collections.defaultdict(float)
+        self.local = threading.local()
+        self.lock = threading.Lock()
+
+    @staticmethod
+    def now() -> tuple[float, float]:
+        return time.perf_counter(), time.thread_time()
+
+    def _add(self, key: str, began: tuple[float, float]) -> tuple[float, float]:
+        now = self.now()
+        with self.lock:
+            self.wall[key] += now[0] - began[0]
+            self.cpu[key] += now[1] - began[1]
+        return now
+
+    @contextlib.contextmanager
+    def phase(self, name, device=None):
+        began = self.now()
+        try:
+            yield
+        finally:
+            self._add(f"caller {name}", began)
+
+    @contextlib.contextmanager
+    def replica(self, index, device):
+        self.local.where = (f"replica {index}", "forward", self.now())
+        try:
+            yield
+        finally:
+            who, name, began = self.local.where
+            self._add(f"{who} {name}", began)
+            del self.local.where
+
+    @contextlib.contextmanager
+    def replica_phase(self, name):
+        who, previous, began = self.local.where
+        self.local.where = (who, name, self._add(f"{who} {previous}", began))
+        try:
+            yield
+        finally:
+            who, current, began = self.local.where
+            self.local.where = (who, previous, self._add(f"{who} {current}", began))
+
+
+def phase_split(args: argparse.Namespace) -> dict[str, dict[str, float]]:
+    """replicated's step in this process with a PhaseClock listening, beside the bare 1-thread loop:
+    ms per step by phase, wall and CPU."""
+    from dpkit.parallel import hooks
+
+    torch.set_num_threads(THREADS_PER_DEVICE)
+    replicated, bare = engine_step(args, "replicated", DEVICES, threads_per_device=THREADS_PER_DEVICE), bare_step(args)
+    for _ in range(args.warmup):
+        replicated(), bare()
+    clock = PhaseClock()
+    bare_seconds = []
+    with hooks.listening_to(clock):
+        began = time.perf_counter()
+        for _ in range(args.phase_steps):
+            replicated()
+        wall = time.perf_counter() - began
+    for _ in range(args.phase_steps):
+        started = time.perf_counter()
+        bare()
+        bare_seconds.append(time.perf_counter() - started)
+    split = {key: {"wall_ms": 1e3 * clock.wall[key] / args.phase_steps, "cpu_ms": 1e3 * clock.cpu[key] / args.phase_steps}
+             for key in sorted(clock.wall)}
+    split["step"] = {"wall_ms": 1e3 * wall / args.phase_steps, "cpu_ms": float("nan")}
+    ideal_ms = 1e3 * statistics.median(bare_seconds) / DEVICES
+    split["ideal (bare 1-thread step / devices)"] = {"wall_ms": ideal_ms, "cpu_ms": float("nan")}
+    print(f"\nreplicated, ms per step by phase ({args.phase_steps} steps, this process alone; "
+          "replica rows: time in each replica's thread):")
+    print(f"  {'phase':38s} {'wall':>8s} {'cpu':>8s}")
+    for key, value in split.items():
+        print(f"  {key:38s} {value['wall_ms']:8.1f} {value['cpu_ms']:8.1f}")
+    return split
+
+
 def shape_argv(args: argparse.Namespace) -> list[str]:
     return ["--width", str(args.width), "--depth", str(args.depth), "--batch-size", str(args.batch_size),
             "--steps", str(args.steps), "--windows", str(args.windows), "--warmup", str(args.warmup)]
 
 
 BARE, SINGLE = "bare torch loop (1 device)", "dpkit single"
+BARE_CORES = f"bare torch loop, {DEVICES} intra-op threads"
 TORCH_DDP, DPKIT_DDP = "torch DDP loop (gloo, 2 procs)", "dpkit ddp (2 procs)"
 REPLICATED, DP, DP_BALANCED = "dpkit replicated (2 devices)", "dpkit dp (2 devices)", "dpkit dp-balanced (2 devices)"
-ORDER = [BARE, SINGLE, TORCH_DDP, DPKIT_DDP, REPLICATED, DP, DP_BALANCED]
+ORDER = [BARE, BARE_CORES, SINGLE, TORCH_DDP, DPKIT_DDP, REPLICATED, DP, DP_BALANCED]
 
 TARGETS = [  # (contender, reference, at least)
+    (REPLICATED, BARE_CORES, 0.95),
     (REPLICATED, TORCH_DDP, 1.05),
     (DPKIT_DDP, TORCH_DDP, 0.97),
     (SINGLE, BARE, 0.97),
@@ -173,12 +270,13 @@ TARGETS = [  # (contender, reference, at least)
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--width", type=int, default=1024, help="MLP width (default 1024)")
+    parser.add_argument("--width", type=int, default=1536, help="MLP width (default 1536)")
     parser.add_argument("--depth", type=int, default=3, help="hidden layers (default 3)")
-    parser.add_argument("--batch-size", type=int, default=256, help="global batch (default 256)")
+    parser.add_argument("--batch-size", type=int, default=512, help="global batch (default 512)")
     parser.add_argument("--steps", type=int, default=10, help="steps per timed window (default 10)")
     parser.add_argument("--windows", type=int, default=15, help="timed windows per contender (default 15)")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps per contender first (default 3)")
+    parser.add_argument("--phase-steps", type=int, default=10, help="steps of the per-phase split of replicated (0: skip)")
     parser.add_argument("--json", default=None, help="also write the medians and ratios to this file")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--result", help=argparse.SUPPRESS)
@@ -211,8 +309,10 @@ def main() -> int:
         ok &= passed
         results.append({"contender": contender, "reference": reference, "ratio": ratio, "target": at_least, "passed": passed})
         print(f"{contender} / {reference}: {ratio:.3f}x (target >= {at_least}) {'ok' if passed else 'BELOW TARGET'}")
+    phases = phase_split(args) if args.phase_steps > 0 else None
     if args.json:
-        Path(args.json).write_text(json.dumps({"medians": medians, "rates": rates, "ratios": results, "config": vars(args)}, indent=2))
+        Path(args.json).write_text(json.dumps({"medians": medians, "rates": rates, "ratios": results, "phases": phases,
+                                               "config": vars(args)}, indent=2))
     return 0 if ok else 1
 
 

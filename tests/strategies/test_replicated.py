@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import _thread
+import threading
+import time
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -9,6 +13,7 @@ from torch import nn
 
 from dpkit.checkpoint import clean_state_dict
 from dpkit.engine import Engine
+from dpkit.parallel import apply
 from dpkit.strategies.base import DeferredOutput
 
 
@@ -95,13 +100,43 @@ def test_eval_returns_outputs_and_training_returns_a_deferred_output():
         assert torch.allclose(model(x), mlp()(x), atol=1e-6)
 
 
-def test_a_changed_loss_is_refused_with_the_fix():
+def test_arithmetic_on_the_loss_reaches_every_replica():
+    x, y = data(7)
+    engine, model, _ = replicated(devices=3)
+    criterion = engine.setup_criterion(F.cross_entropy)
+    engine.backward(criterion(model(x), y) * 2 + 5.0)  # a factor and a constant term, outside the criterion
+    reference = mlp()
+    (F.cross_entropy(reference(x), y) * 2).backward()
+    for replica in engine.strategy.replicas:
+        for mine, theirs in zip(replica.parameters(), reference.parameters()):
+            assert torch.allclose(mine.grad, theirs.grad, atol=1e-6)
+
+
+def test_a_plain_loss_backward_runs_the_replicas_and_the_sum():
+    x, y = data(9)
+    engine, model, _ = replicated(devices=3)
+    criterion = engine.setup_criterion(F.cross_entropy)
+    criterion(model(x), y).backward()  # no engine.backward: the loss node does the work
+    reference = mlp()
+    F.cross_entropy(reference(x), y).backward()
+    for replica in engine.strategy.replicas:
+        for mine, theirs in zip(replica.parameters(), reference.parameters()):
+            assert torch.allclose(mine.grad, theirs.grad, atol=1e-6)
+
+
+def test_a_loss_without_grad_is_refused_with_the_fix():
+    engine, _, _ = replicated(devices=2)
+    with pytest.raises(RuntimeError, match="setup_criterion"):
+        engine.backward(torch.tensor(1.0))
+
+
+def test_a_second_backward_through_the_same_loss_says_why_it_fails():
     x, y = data(6)
     engine, model, _ = replicated(devices=2)
-    criterion = engine.setup_criterion(F.cross_entropy)
-    loss = criterion(model(x), y)
-    with pytest.raises(RuntimeError, match="inside that criterion"):
-        engine.backward(loss * 2)
+    loss = engine.setup_criterion(F.cross_entropy)(model(x), y)
+    engine.backward(loss)
+    with pytest.raises(RuntimeError, match="ran twice"):
+        engine.backward(loss)
 
 
 def test_learning_rate_changes_reach_every_replica():
@@ -183,3 +218,107 @@ def test_adamw_with_a_scheduler_on_the_users_optimizer_equals_one_device():
     engine, _ = train(3)
     _, reference = train(None)
     assert_replicas_equal(engine, reference, atol=1e-5)
+
+
+class DropoutNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(6, 32), nn.ReLU(), nn.Dropout(0.5), nn.Linear(32, 3))
+
+    def forward(self, x):
+        return self.body(x)
+
+
+def seeded_dropout_run(steps: int = 5) -> list[torch.Tensor]:
+    torch.manual_seed(0)
+    engine = Engine(strategy="replicated", accelerator="cpu", devices=4)
+    model = DropoutNet()
+    model, optimizer = engine.setup(model, torch.optim.SGD(model.parameters(), lr=0.3))
+    criterion = engine.setup_criterion(F.cross_entropy)
+    x, y = data(32)
+    torch.manual_seed(7)
+    for _ in range(steps):
+        optimizer.zero_grad()
+        engine.backward(criterion(model(x), y))
+        optimizer.step()
+    return [p.detach().clone() for p in engine.strategy.replicas[0].parameters()]
+
+
+def test_seeded_runs_with_dropout_on_four_devices_are_bitwise_equal():
+    first, again = seeded_dropout_run(), seeded_dropout_run()
+    assert all(torch.equal(a, b) for a, b in zip(first, again))
+    torch.manual_seed(0)
+    assert not all(torch.equal(a, b) for a, b in zip(first, DropoutNet().parameters())), "the run must have trained"
+
+
+class SlowOnReplicaOne(nn.Module):
+    """Replica 1's forward sleeps, so a step is in flight when Ctrl-C arrives."""
+
+    sleep_seconds = 2.0
+    first_weight = None
+
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(6, 3)
+
+    def forward(self, x):
+        if self.linear.weight.data_ptr() != SlowOnReplicaOne.first_weight:
+            time.sleep(SlowOnReplicaOne.sleep_seconds)
+        return self.linear(x)
+
+
+def test_ctrl_c_during_a_replicated_step_stops_within_a_second_and_the_next_step_works():
+    engine = Engine(strategy="replicated", accelerator="cpu", devices=2)
+    model = SlowOnReplicaOne()
+    model, optimizer = engine.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    SlowOnReplicaOne.first_weight = engine.strategy.replicas[0].linear.weight.data_ptr()
+    criterion = engine.setup_criterion(F.cross_entropy)
+    x, y = data(8)
+    timer = threading.Timer(0.2, _thread.interrupt_main)  # what Ctrl-C does to the main thread
+    began = time.monotonic()
+    timer.start()
+    with pytest.raises(KeyboardInterrupt):
+        engine.backward(criterion(model(x), y))
+    assert time.monotonic() - began < 1.2  # 0.2 s until the interrupt, then well under a second
+    SlowOnReplicaOne.sleep_seconds = 0.0
+    # the next step waits for the interrupted replica's forward to end, then runs normally
+    optimizer.zero_grad()
+    engine.backward(criterion(model(x), y))
+    optimizer.step()
+    first, second = (list(r.parameters()) for r in engine.strategy.replicas)
+    assert all(torch.equal(a, b) for a, b in zip(first, second))
+
+
+class SleepInBackwardOnReplicaOne(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        if threading.current_thread().name.startswith("dpkit-cpu:1"):
+            time.sleep(1.5)
+        return grad
+
+
+class SlowBackwardNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(6, 3)
+
+    def forward(self, x):
+        return SleepInBackwardOnReplicaOne.apply(self.linear(x))
+
+
+def test_ctrl_c_during_the_replicas_backward_stops_within_a_second():
+    engine = Engine(strategy="replicated", accelerator="cpu", devices=2)
+    model = SlowBackwardNet()
+    model, _ = engine.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    x, y = data(8)
+    loss = engine.setup_criterion(F.cross_entropy)(model(x), y)
+    timer = threading.Timer(0.2, _thread.interrupt_main)
+    began = time.monotonic()
+    timer.start()
+    with pytest.raises(KeyboardInterrupt):
+        engine.backward(loss)
+    assert time.monotonic() - began < 1.2

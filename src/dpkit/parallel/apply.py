@@ -1,32 +1,59 @@
-"""Run replicas side by side, one persistent worker thread per device.
+"""Run one job per replica side by side, one persistent worker thread per device.
 
-Each replica's thread inherits the caller's grad mode, inference mode and full autocast state (enabled
-and dtype), gets its device and stream made current, and on virtual CPU devices a fair share of torch's
-intra-op threads and its own generator. An error in a replica is re-raised in the caller with its type,
-the replica index and device in the message, and the original chained; every replica is waited for, so
-nothing hangs and the wrapper stays usable.
+`run_replicas(devices, job)` is dpkit's one replica runner: DataParallel (through `parallel_apply`) and
+the `replicated` strategy run every forward, loss, backward, gradient sum and optimizer step through it.
+Each job runs in its device's worker thread with
+
+- the caller's grad mode, inference mode and autocast state (enabled, dtype, cache) re-entered;
+- its device made current and the caller's stream on it (CUDA);
+- on virtual CPU devices a fair share of torch's intra-op threads and, unless asked not to, its own
+  torch.Generator seeded from the default CPU generator *in the calling thread*, so
+  `torch.manual_seed` fixes dropout in every replica (threads would otherwise race on the one CPU
+  generator);
+- `dpkit.parallel.hooks.replica(i, device)` entered around it, for whoever observes.
+
+Results come back in replica order after every job has finished. An error is re-raised in the caller
+with its type, the replica index and the device in the message and the original chained.
+
+KeyboardInterrupt and SystemExit are never held back: the caller waits in short slices, so Ctrl-C in
+the main thread returns control within a fraction of a second even while a replica is stuck. Python
+cannot stop a running thread, so the jobs of an interrupted call run on. The next call that needs a
+worker still busy with such an abandoned job waits for it (still interruptible) for up to
+ABANDONED_WAIT_SECONDS and then raises a RuntimeError naming the device, rather than starting a second
+thread on a replica whose tensors the old job may still be writing, or hanging silently.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import threading
-from concurrent.futures import ThreadPoolExecutor
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Callable, ContextManager, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
-from torch import nn
+import torch.utils._pytree
 
-from dpkit.devices import cpu_threads_per_device
-from dpkit.parallel.replica_rng import ReplicaGenerator, generator_for, replica_seeds
+from dpkit.devices import DeviceLike, cpu_threads_per_device, parse_device
+from dpkit.parallel import hooks
+from dpkit.parallel.replica_rng import ReplicaGenerator, replica_seeds
 from dpkit.parallel.streams import current_stream, device_context
 
+# how long the caller sleeps between checks for Ctrl-C while it waits for replicas
+WAIT_SLICE_SECONDS = 0.05
+# how long a call waits for a worker still running a job of an earlier, interrupted call
+ABANDONED_WAIT_SECONDS = 10.0
+
 _workers: dict[str, ThreadPoolExecutor] = {}
+_abandoned: dict[str, Future] = {}  # device -> the unfinished job of an interrupted call
 _workers_lock = threading.Lock()
 
-# A factory the observer (dpkit.observe) may pass: entered in the replica's thread around its forward.
-ReplicaWrapper = Callable[[int, torch.device], ContextManager]
+
+class PeerFailed(RuntimeError):
+    """Raised inside a replica's job that stops because another replica failed; the runner reports the
+    other replica's error, not this one."""
 
 
 def worker_for(device: torch.device) -> ThreadPoolExecutor:
@@ -44,18 +71,14 @@ class CallerContext:
 
     grad_enabled: bool
     inference_mode: bool
-    autocast: tuple[tuple[str, bool, torch.dtype], ...]
+    autocast: tuple[tuple[str, torch.dtype], ...]
     autocast_cache: bool
 
     @classmethod
     def capture(cls) -> "CallerContext":
-        states = []
-        for device_type in ("cpu", "cuda"):
-            enabled = torch.is_autocast_enabled(device_type)
-            if enabled:
-                states.append((device_type, True, torch.get_autocast_dtype(device_type)))
-        return cls(torch.is_grad_enabled(), torch.is_inference_mode_enabled(), tuple(states),
-                   torch.is_autocast_cache_enabled())
+        autocast = tuple((device_type, torch.get_autocast_dtype(device_type))
+                         for device_type in ("cpu", "cuda") if torch.is_autocast_enabled(device_type))
+        return cls(torch.is_grad_enabled(), torch.is_inference_mode_enabled(), autocast, torch.is_autocast_cache_enabled())
 
     def enter(self) -> contextlib.ExitStack:
         stack = contextlib.ExitStack()
@@ -63,8 +86,8 @@ class CallerContext:
             stack.enter_context(torch.inference_mode())
         else:
             stack.enter_context(torch.set_grad_enabled(self.grad_enabled))
-        for device_type, enabled, dtype in self.autocast:
-            stack.enter_context(torch.autocast(device_type, dtype=dtype, enabled=enabled, cache_enabled=self.autocast_cache))
+        for device_type, dtype in self.autocast:
+            stack.enter_context(torch.autocast(device_type, dtype=dtype, cache_enabled=self.autocast_cache))
         return stack
 
 
@@ -77,49 +100,139 @@ def _rethrow(index: int, device: torch.device, error: BaseException) -> None:
     raise wrapped from error
 
 
-def _run_one(index: int, replica: nn.Module, device: torch.device, args: tuple, kwargs: dict,
-             context: CallerContext, stream: Any, seed: int | None, threads: int | None,
-             wrap: ReplicaWrapper | None) -> Any:
+def _passes_through(error: BaseException | None) -> bool:
+    """Errors that end the program rather than the step: re-raised as they are, at once."""
+    return isinstance(error, (KeyboardInterrupt, SystemExit))
+
+
+def _run_job(job: Callable[[int], Any], index: int, device: torch.device, context: CallerContext, stream: Any,
+             seed: int | None, threads: int | None) -> Any:
     if threads is not None and torch.get_num_threads() != threads:
         torch.set_num_threads(threads)
     with contextlib.ExitStack() as stack:
         stack.enter_context(device_context(device, stream))
         stack.enter_context(context.enter())
         if seed is not None:
-            stack.enter_context(ReplicaGenerator(generator_for(seed)))
-        if wrap is not None:
-            stack.enter_context(wrap(index, device))
-        return replica(*args, **kwargs)
+            stack.enter_context(ReplicaGenerator(seed))
+        stack.enter_context(hooks.replica(index, device))
+        return job(index)
 
 
-def parallel_apply(replicas: Sequence[nn.Module], devices: Sequence[torch.device],
-                   inputs: Sequence[tuple], kwargs: Sequence[dict], *, wrap: ReplicaWrapper | None = None) -> list[Any]:
-    """Outputs of replica i on inputs[i], kwargs[i], in replica order."""
-    if not (len(replicas) == len(devices) == len(inputs) == len(kwargs)):
-        raise ValueError(f"parallel_apply: {len(replicas)} replicas, {len(devices)} devices, {len(inputs)} inputs, {len(kwargs)} kwargs; they must match")
+def _wait_for_abandoned(devices: Sequence[torch.device]) -> None:
+    """Before reusing a worker, let a job left running by an interrupted call finish (or say so)."""
+    with _workers_lock:
+        busy = [(str(d), _abandoned[str(d)]) for d in devices if str(d) in _abandoned]
+    deadline = time.monotonic() + ABANDONED_WAIT_SECONDS
+    for key, future in busy:
+        while not future.done():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise RuntimeError(
+                    f"device {key}: its worker thread is still running a replica job of an earlier call that was "
+                    f"interrupted (waited {ABANDONED_WAIT_SECONDS:g} s); Python cannot stop it, so wait for it to "
+                    "finish and call again, or restart the process")
+            concurrent.futures.wait([future], timeout=min(WAIT_SLICE_SECONDS, left))
+        with _workers_lock:
+            if _abandoned.get(key) is future:
+                del _abandoned[key]
+
+
+def _abandon(devices: Sequence[torch.device], futures: Sequence[Future]) -> None:
+    """The caller leaves (Ctrl-C): drop jobs not started yet, remember the ones still running."""
+    with _workers_lock:
+        for device, future in zip(devices, futures):
+            if not future.cancel() and not future.done():
+                _abandoned[str(device)] = future
+
+
+def run_replicas(devices: Sequence[torch.device], job: Callable[[int], Any], *, generators: bool = True,
+                 threads: int | None = None) -> list[Any]:
+    """[job(0), …, job(n-1)], job(i) run in the worker thread of devices[i], all side by side.
+
+    Args:
+        devices: one torch.device per replica, no two the same (each device has one worker thread).
+        job: called with the replica index; whatever it returns is that replica's result.
+        generators: give each replica on a virtual CPU device its own seeded generator for random
+            operators (dropout). Jobs that draw no random numbers (backward, optimizer steps) pass False:
+            it saves drawing seeds and the per-operator dispatch.
+        threads: intra-op threads per replica on virtual CPU devices (default: the cores shared evenly).
+
+    With one device the job runs in the calling thread (nothing to run beside it).
+    """
+    devices = list(devices)
     context = CallerContext.capture()
     streams = [current_stream(device) for device in devices]
-    on_cpu = all(device.type == "cpu" for device in devices)
-    n = len(replicas)
+    n = len(devices)
     if n == 1:
         try:
-            return [_run_one(0, replicas[0], devices[0], inputs[0], kwargs[0], context, streams[0], None, None, wrap)]
+            return [_run_job(job, 0, devices[0], context, streams[0], None, None)]
         except Exception as error:
             _rethrow(0, devices[0], error)
-    seeds = replica_seeds(n) if on_cpu else [None] * n
-    threads = cpu_threads_per_device(n) if on_cpu else None
-    futures = [
-        worker_for(device).submit(_run_one, i, replica, device, args, kw, context, stream, seed, threads, wrap)
-        for i, (replica, device, args, kw, stream, seed) in enumerate(zip(replicas, devices, inputs, kwargs, streams, seeds))
-    ]
-    outputs, first_error = [], None
-    for i, future in enumerate(futures):  # wait for all, so no replica is left running
-        try:
-            outputs.append(future.result())
-        except BaseException as error:
-            outputs.append(None)
-            if first_error is None:
-                first_error = (i, error)
-    if first_error is not None:
-        _rethrow(first_error[0], devices[first_error[0]], first_error[1])
-    return outputs
+    if len({str(d) for d in devices}) != n:
+        raise ValueError(f"devices: {[str(d) for d in devices]} names a device twice; each replica needs its own device")
+    on_cpu = all(device.type == "cpu" for device in devices)
+    seeds = replica_seeds(n) if (on_cpu and generators) else [None] * n
+    if on_cpu and threads is None:
+        threads = cpu_threads_per_device(n)
+    elif not on_cpu:
+        threads = None
+    if _abandoned:
+        _wait_for_abandoned(devices)
+    futures: list[Future] = []
+    try:
+        for i, (device, stream, seed) in enumerate(zip(devices, streams, seeds)):
+            futures.append(worker_for(device).submit(_run_job, job, i, device, context, stream, seed, threads))
+        pending = set(futures)
+        while pending:  # short slices: a signal in the caller is handled within one slice
+            done, pending = concurrent.futures.wait(pending, timeout=WAIT_SLICE_SECONDS)
+            for future in done:
+                if _passes_through(future.exception()):
+                    raise future.exception()
+    except BaseException:
+        _abandon(devices, futures)
+        raise
+    failures = [(i, f.exception()) for i, f in enumerate(futures) if f.exception() is not None]
+    if failures:
+        first = next(((i, e) for i, e in failures if not isinstance(e, PeerFailed)), failures[0])
+        _rethrow(first[0], devices[first[0]], first[1])
+    return [future.result() for future in futures]
+
+
+def _as_device_list(devices: Sequence[DeviceLike] | None, inputs: Sequence[Any], n: int) -> list[torch.device]:
+    if devices is not None:
+        if isinstance(devices, (str, bytes)) or not hasattr(devices, "__len__"):
+            raise TypeError(f"devices: expected a list of devices (ints, 'cuda:1', 'cpu:3', torch.device), got {devices!r}")
+        if len(devices) != n:
+            raise ValueError(f"devices: has {len(devices)} entries for {n} modules; give one device per module")
+        return [parse_device(d, argument=f"devices[{i}]") for i, d in enumerate(devices)]
+    # as torch: the device of the first tensor in each input; CPU inputs get the virtual devices cpu:0..n-1
+    found = []
+    for i, item in enumerate(inputs):
+        tensor = next((t for t in torch.utils._pytree.tree_leaves(item) if isinstance(t, torch.Tensor)), None)
+        found.append(tensor.device if tensor is not None and tensor.device.type != "cpu" else torch.device("cpu", i))
+    return found
+
+
+def parallel_apply(modules: Sequence[Callable], inputs: Sequence[Any], kwargs_tup: Sequence[dict] | None = None,
+                   devices: Sequence[DeviceLike] | None = None) -> list[Any]:
+    """torch.nn.parallel.parallel_apply on dpkit's runner: modules[i](*inputs[i], **kwargs_tup[i]) on devices[i].
+
+    As in torch, an input that is a tuple or a list is the argument list and anything else (a bare tensor)
+    is one argument. Devices accept dpkit's specs: ints (CUDA indices), "cuda:1", "cpu:3", torch.device;
+    without devices, each module runs on its input's device (CPU inputs on cpu:0, cpu:1, …). Outputs come
+    in module order; an error names the replica and device.
+    """
+    n = len(modules)
+    if len(inputs) != n:
+        raise ValueError(f"inputs: has {len(inputs)} entries for {n} modules; give one input per module")
+    if kwargs_tup is None:
+        kwargs_tup = ({},) * n
+    elif len(kwargs_tup) != n:
+        raise ValueError(f"kwargs_tup: has {len(kwargs_tup)} entries for {n} modules; give one dict per module")
+    device_list = _as_device_list(devices, inputs, n)
+    arguments = [tuple(item) if isinstance(item, (list, tuple)) else (item,) for item in inputs]
+
+    def job(i: int) -> Any:
+        return modules[i](*arguments[i], **(kwargs_tup[i] or {}))
+
+    return run_replicas(device_list, job)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from typing import Any, Callable, Sequence
 
@@ -11,7 +12,8 @@ from torch import nn
 from dpkit import observe
 from dpkit.devices import DeviceLike, parse_device, parse_device_list, tensor_on
 from dpkit.observe.memory import device_key
-from dpkit.observe.observer import phases, replica_wrap
+from dpkit.observe.observer import phases
+from dpkit.parallel import hooks
 from dpkit.parallel.apply import parallel_apply
 from dpkit.parallel.balance import BALANCE_MODES, Balancer
 from dpkit.parallel.gather import gather
@@ -171,7 +173,10 @@ class DataParallel(nn.Module):
             chunks = scatter(inputs, kwargs, plan, self.device_ids, self.dim)
         devices = self.last_devices = [device for device, _, _ in chunks]
         replicas = self.replicate_observed(devices, observers, with_loss)
-        outputs = parallel_apply(replicas, devices, [a for _, a, _ in chunks], [k for _, _, k in chunks], wrap=replica_wrap(observers))
+        with contextlib.ExitStack() as listening:  # until observers listen on the hooks seam themselves
+            for observer in observers:
+                listening.enter_context(hooks.listening_to(observer))
+            outputs = parallel_apply(replicas, [a for _, a, _ in chunks], [k for _, _, k in chunks], devices)
         self.mark_backward(observers, outputs, chunks)
         return self.combine(outputs, plan.sizes, observers, with_loss)
 

@@ -25,15 +25,21 @@ def _takes_generator(func: Any) -> bool:
 
 
 class ReplicaGenerator(TorchDispatchMode):
-    """Routes random operators that use the default generator to `generator` instead."""
+    """Routes random operators that use the default CPU generator to a generator seeded with `seed`.
 
-    def __init__(self, generator: torch.Generator):
+    The generator is made on the first random operator, so replicas that draw nothing pay nothing for it.
+    """
+
+    def __init__(self, seed: int):
         super().__init__()
-        self.generator = generator
+        self.seed = seed
+        self.generator: torch.Generator | None = None
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if _takes_generator(func) and kwargs.get("generator") is None:
+            if self.generator is None:
+                self.generator = generator_for(self.seed)
             kwargs = dict(kwargs, generator=self.generator)
         return func(*args, **kwargs)
 

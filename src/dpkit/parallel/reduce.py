@@ -1,0 +1,280 @@
+"""The gradient sum among replicas in one process: afterwards every replica's .grad holds the sum.
+
+Replicas that apply the same summed gradient with the same optimizer stay equal, so this is the
+exchange that DDP's all-reduce does between processes, done here between threads.
+
+Parameters are grouped into buckets in reverse registration order (the order backward produces their
+gradients), each up to `bucket_cap_bytes`, as DDP's reducer does.
+
+On virtual CPU devices `backward(...)` runs every replica's backward in its own worker thread. A
+post-accumulate-grad hook on each replica's parameters marks its bucket; a bucket whose gradients are
+final in every replica is queued, split in one slice per thread. A replica thread that has finished its
+own backward sums queued slices while the others are still in theirs, then every thread helps with what
+is left. So the sum fills time that would otherwise be idle (replicas with fewer rows, or with nothing to
+do), and never delays a backward on the cores a busy replica uses. Each element is summed in replica
+order (0 + 1 + …), whatever thread sums it, so the result is bitwise the same with or without buckets.
+
+On GPUs torch's own CUDA collectives (torch.cuda.comm, NCCL where available) sum each bucket onto the
+first device and broadcast it back, after the backward, which the autograd engine has already run on
+every GPU side by side.
+
+A parameter that has a gradient in some replicas but not in others gets zeros in the others first (its
+sum is the others' sum); one that has none anywhere keeps None.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+from typing import Any, Sequence
+
+import torch
+
+from dpkit.parallel import hooks
+from dpkit.parallel.apply import PeerFailed, run_replicas
+
+DEFAULT_BUCKET_CAP_BYTES = 4 * 1024 * 1024
+
+
+def plan_buckets(params: Sequence[torch.Tensor], bucket_cap_bytes: int) -> list[list[int]]:
+    """Parameter positions grouped in reverse order, each group up to bucket_cap_bytes (at least one)."""
+    buckets: list[list[int]] = []
+    current: list[int] = []
+    size_bytes = 0
+    for position in reversed(range(len(params))):
+        nbytes = params[position].numel() * params[position].element_size()
+        if current and size_bytes + nbytes > bucket_cap_bytes:
+            buckets.append(current)
+            current, size_bytes = [], 0
+        current.append(position)
+        size_bytes += nbytes
+    if current:
+        buckets.append(current)
+    return buckets
+
+
+def fill_missing_grads(group: Sequence[torch.Tensor]) -> bool:
+    """Zeros where a replica lacks a gradient that another has; False when none has one."""
+    present = [p.grad is not None for p in group]
+    if not any(present):
+        return False
+    if not all(present):
+        for p in group:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+    return True
+
+
+def sum_slice(group: Sequence[torch.Tensor], k: int, slices: int) -> None:
+    """Slice k (of `slices`) of one parameter's gradient, summed over replicas in replica order and
+    written back to every replica."""
+    grads = [p.grad for p in group]
+    if grads[0] is None:
+        return
+    with torch.no_grad():
+        if not all(g.is_contiguous() for g in grads):  # rare layouts: whole tensors, by slice 0
+            if k == 0:
+                total = grads[0].clone()
+                for g in grads[1:]:
+                    total.add_(g.to(total.device))
+                for g in grads:
+                    g.copy_(total)
+            return
+        numel = grads[0].numel()
+        lo, hi = numel * k // slices, numel * (k + 1) // slices
+        if lo == hi:
+            return
+        parts = [g.view(-1)[lo:hi] for g in grads]
+        total = parts[0]  # replica 0's slice becomes the sum in place
+        for part in parts[1:]:
+            total.add_(part)
+        for part in parts[1:]:
+            part.copy_(total)
+
+
+class _Round:
+    """One overlapped backward-and-sum on CPU: which buckets are final, and the slices left to sum."""
+
+    def __init__(self, gradient_sum: "GradientSum", active: Sequence[int]):
+        self.gradient_sum = gradient_sum
+        self.condition = threading.Condition()
+        trainable = [p.requires_grad for p in gradient_sum.params[0]]  # frozen ones never fire a hook
+        self.pending_hooks = [sum(trainable[position] for position in bucket) * len(active) for bucket in gradient_sum.buckets]
+        self.queued = [False] * len(gradient_sum.buckets)
+        self.work: collections.deque = collections.deque()
+        self.backwards_left = len(active)
+        self.failed = False
+
+    def grad_ready(self, bucket: int) -> None:
+        with self.condition:
+            self.pending_hooks[bucket] -= 1
+            if self.pending_hooks[bucket] == 0:
+                self._queue(bucket)
+                self.condition.notify_all()
+
+    def _queue(self, bucket: int) -> None:  # under the lock
+        if self.queued[bucket]:
+            return
+        self.queued[bucket] = True
+        slices = self.gradient_sum.slices
+        for position in self.gradient_sum.buckets[bucket]:
+            group = self.gradient_sum.groups[position]
+            if fill_missing_grads(group):
+                self.work.extend((group, k, slices) for k in range(slices))
+
+    def backward_done(self) -> None:
+        with self.condition:
+            self.backwards_left -= 1
+            if self.backwards_left == 0:  # gradients nobody produced this time are final as they are
+                for bucket in range(len(self.queued)):
+                    self._queue(bucket)
+            self.condition.notify_all()
+
+    def abort(self) -> None:
+        with self.condition:
+            self.failed = True
+            self.condition.notify_all()
+
+    def help_sum(self) -> None:
+        """Sum queued slices until every bucket is queued and the queue is empty."""
+        while True:
+            with self.condition:
+                while not self.work and self.backwards_left > 0 and not self.failed:
+                    self.condition.wait()
+                if self.failed:
+                    raise PeerFailed("stopped: another replica failed during backward")
+                if not self.work:
+                    return
+                item = self.work.popleft()
+            sum_slice(*item)
+
+
+class GradientSum:
+    """The gradient sum of n replicas whose parameters correspond position by position.
+
+    Args:
+        params: params[i] is replica i's parameter list; all replicas list them in the same order.
+        devices: devices[i] is replica i's device.
+        bucket_cap_bytes: the largest bucket (a parameter larger than it is a bucket of its own).
+        overlap: on virtual CPU devices, sum buckets while other replicas are still in backward
+            (False: backward everywhere first, then the sum; kept for measuring the difference).
+        threads: intra-op threads per replica thread on virtual CPU devices (default: a fair share).
+    """
+
+    def __init__(self, params: Sequence[Sequence[torch.Tensor]], devices: Sequence[torch.device], *,
+                 bucket_cap_bytes: int = DEFAULT_BUCKET_CAP_BYTES, overlap: bool = True, threads: int | None = None):
+        if len(params) != len(devices):
+            raise ValueError(f"params: has {len(params)} replicas' lists for {len(devices)} devices; give one list per device")
+        counts = {len(p) for p in params}
+        if len(counts) > 1:
+            raise ValueError(f"params: replicas have different parameter counts {sorted(counts)}; replicas must have the same parameters")
+        if isinstance(bucket_cap_bytes, bool) or not isinstance(bucket_cap_bytes, int) or bucket_cap_bytes < 1:
+            raise ValueError(f"bucket_cap_bytes: expected a positive int, got {bucket_cap_bytes!r}")
+        self.devices = list(devices)
+        self.params = [list(p) for p in params]
+        self.groups = list(zip(*self.params))  # groups[position]: that parameter in every replica
+        self.on_cpu = all(d.type == "cpu" for d in self.devices)
+        self.overlap = overlap
+        self.threads = threads
+        self.slices = len(self.devices)
+        self.buckets = plan_buckets(self.params[0], bucket_cap_bytes) if self.params else []
+        self._thread = threading.local()  # .round: the round the backward in this thread belongs to
+        self._handles: list[Any] = []
+        if self.on_cpu and len(self.devices) > 1 and overlap:
+            bucket_of = {position: b for b, bucket in enumerate(self.buckets) for position in bucket}
+            for replica_params in self.params:
+                for position, p in enumerate(replica_params):
+                    if p.requires_grad:
+                        self._handles.append(p.register_post_accumulate_grad_hook(self._hook(bucket_of[position])))
+
+    def _hook(self, bucket: int):
+        def grad_ready(_: torch.Tensor) -> None:
+            # hooks fire in the thread running the replica's backward: only backward(..., sync=True) has a
+            # round there; other backwards (accumulating, or on the caller's thread) are summed later
+            round_ = getattr(self._thread, "round", None)
+            if round_ is not None:
+                round_.grad_ready(bucket)
+        return grad_ready
+
+    def remove_hooks(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    # --- after backward ------------------------------------------------------------------------------
+    def sum_now(self) -> None:
+        """Every replica's gradient becomes the sum over replicas (gradients already computed)."""
+        if len(self.devices) < 2 or not self.groups:
+            return
+        if not self.on_cpu:
+            with hooks.phase("all_reduce", self.devices[0]):
+                self._sum_cuda()
+            return
+        for group in self.groups:
+            fill_missing_grads(group)
+
+        def job(k: int) -> None:
+            with hooks.replica_phase("all_reduce"):
+                for group in self.groups:
+                    sum_slice(group, k, self.slices)
+
+        run_replicas(self.devices, job, generators=False, threads=self.threads)
+
+    def _sum_cuda(self) -> None:
+        from torch.cuda import comm
+
+        with torch.no_grad():
+            for bucket in self.buckets:
+                groups = [self.groups[position] for position in bucket if fill_missing_grads(self.groups[position])]
+                if not groups:
+                    continue
+                per_device = [[p.grad for p in replica_params] for replica_params in zip(*groups)]
+                summed = comm.reduce_add_coalesced(per_device, destination=self.devices[0].index)
+                copies = comm.broadcast_coalesced(summed, [d.index for d in self.devices])
+                for grads, new in zip(per_device, copies):
+                    for g, value in zip(grads, new):
+                        g.copy_(value)
+
+    # --- backward, then or while summing ---------------------------------------------------------------
+    def backward(self, roots: Sequence[tuple[int, torch.Tensor, torch.Tensor]], *, sync: bool) -> None:
+        """Run the backward of every (replica index, loss, grad_output) and, with sync, the sum.
+
+        On virtual CPU devices each replica's backward runs in its worker thread; with sync and more than
+        one device, buckets are summed as they become final (see the module doc). On GPUs one autograd
+        call runs them all (torch's engine runs each GPU's part in its own thread).
+        """
+        if not self.on_cpu:
+            torch.autograd.backward([loss for _, loss, _ in roots], [grad for _, _, grad in roots])
+            if sync:
+                self.sum_now()
+            return
+        by_replica = {i: (loss, grad) for i, loss, grad in roots}
+        if not (sync and self.overlap and len(self.devices) > 1 and self.groups):
+            def backward_only(i: int) -> None:
+                with hooks.replica_phase("backward"):
+                    loss, grad = by_replica[i]
+                    torch.autograd.backward(loss, grad)
+            active = sorted(by_replica)
+            run_replicas([self.devices[i] for i in active], lambda k: backward_only(active[k]), generators=False, threads=self.threads)
+            if sync:
+                self.sum_now()
+            return
+        round_ = _Round(self, list(by_replica))
+
+        def backward_then_sum(i: int) -> None:
+            self._thread.round = round_
+            try:
+                if i in by_replica:
+                    with hooks.replica_phase("backward"):
+                        loss, grad = by_replica[i]
+                        torch.autograd.backward(loss, grad)
+                    round_.backward_done()
+                with hooks.replica_phase("all_reduce"):
+                    round_.help_sum()
+            except BaseException:
+                round_.abort()
+                raise
+            finally:
+                self._thread.round = None
+
+        run_replicas(self.devices, backward_then_sum, generators=False, threads=self.threads)
