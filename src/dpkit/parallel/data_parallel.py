@@ -13,7 +13,7 @@ from dpkit import observe
 from dpkit.devices import DeviceLike, parse_device, parse_device_list, tensor_on
 from dpkit.observe.memory import device_key
 from dpkit.observe.observer import phases
-from dpkit.parallel import hooks
+from dpkit.parallel import hooks, sync_batchnorm
 from dpkit.parallel.apply import parallel_apply
 from dpkit.parallel.balance import BALANCE_MODES, Balancer
 from dpkit.parallel.gather import gather
@@ -173,6 +173,7 @@ class DataParallel(nn.Module):
             chunks = scatter(inputs, kwargs, plan, self.device_ids, self.dim)
         devices = self.last_devices = [device for device, _, _ in chunks]
         replicas = self.replicate_observed(devices, observers, with_loss)
+        replicas = sync_batchnorm.synced_replicas(self.module, replicas)  # SyncBatchNorm layers meet across replicas
         with contextlib.ExitStack() as listening:  # until observers listen on the hooks seam themselves
             for observer in observers:
                 listening.enter_context(hooks.listening_to(observer))
