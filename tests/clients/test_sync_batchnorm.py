@@ -118,6 +118,17 @@ def test_engine_strategies_give_whole_batch_gradients(strategy, rows, devices):
     assert_matches_single_device(model, reference, loss, single_device_step(reference, x, y))
 
 
+def test_replicated_without_setup_criterion_gathers_and_still_matches():
+    model = bn_cnn()
+    reference = copy.deepcopy(model)
+    x, y = batch(7)
+    engine = dpkit.Engine(strategy="replicated", accelerator="cpu", devices=2)
+    wrapped, _ = engine.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    loss = nn.functional.cross_entropy(wrapped(x), y)  # outputs gathered, backward on this thread
+    engine.backward(loss)
+    assert_matches_single_device(model, reference, loss, single_device_step(reference, x, y))
+
+
 def test_replicated_keeps_replicas_equal_over_steps():
     model = bn_cnn()
     reference = copy.deepcopy(model)
