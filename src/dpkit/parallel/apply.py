@@ -146,7 +146,7 @@ def _abandon(devices: Sequence[torch.device], futures: Sequence[Future]) -> None
 
 
 def run_replicas(devices: Sequence[torch.device], job: Callable[[int], Any], *, generators: bool = True,
-                 threads: int | None = None) -> list[Any]:
+                 threads: int | None = None, on_interrupt: Callable[[], None] | None = None) -> list[Any]:
     """[job(0), …, job(n-1)], job(i) run in the worker thread of devices[i], all side by side.
 
     Args:
@@ -156,6 +156,8 @@ def run_replicas(devices: Sequence[torch.device], job: Callable[[int], Any], *, 
             operators (dropout). Jobs that draw no random numbers (backward, optimizer steps) pass False:
             it saves drawing seeds and the per-operator dispatch.
         threads: intra-op threads per replica on virtual CPU devices (default: the cores shared evenly).
+        on_interrupt: called when the caller stops waiting (KeyboardInterrupt, SystemExit), before those
+            jobs that have not started are dropped: jobs that wait for each other use it to give up.
 
     With one device the job runs in the calling thread (nothing to run beside it).
     """
@@ -189,6 +191,8 @@ def run_replicas(devices: Sequence[torch.device], job: Callable[[int], Any], *, 
                 if _passes_through(future.exception()):
                     raise future.exception()
     except BaseException:
+        if on_interrupt is not None:
+            on_interrupt()
         _abandon(devices, futures)
         raise
     failures = [(i, f.exception()) for i, f in enumerate(futures) if f.exception() is not None]

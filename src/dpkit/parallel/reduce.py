@@ -277,4 +277,5 @@ class GradientSum:
             finally:
                 self._thread.round = None
 
-        run_replicas(self.devices, backward_then_sum, generators=False, threads=self.threads)
+        # on Ctrl-C the round is aborted, so replicas waiting for one that never starts give up
+        run_replicas(self.devices, backward_then_sum, generators=False, threads=self.threads, on_interrupt=round_.abort)

@@ -37,6 +37,9 @@ ModuleT = TypeVar("ModuleT", bound=nn.Module)
 # shared, as in torch (a forward that appends to self.records reaches the original, as it does there).
 _MODULE_CONTAINERS = frozenset(name for name, value in nn.Module().__dict__.items() if isinstance(value, (dict, list, set)))
 _RNN_CONTAINERS = frozenset({"_flat_weights", "_flat_weights_names", "_flat_weight_refs", "_all_weights"})
+# _parameters, _buffers and _modules are rebuilt for every replica, not copied
+_COPIED = (_MODULE_CONTAINERS | _RNN_CONTAINERS) - {"_parameters", "_buffers", "_modules"}
+_FAST_COPY = (dict, OrderedDict, list, set)
 
 
 def check_replicable(module: nn.Module, argument: str = "module") -> None:
@@ -76,13 +79,6 @@ def _is_compiled_wrapper(module: nn.Module) -> bool:
     return eval_frame is not None and isinstance(module, eval_frame.OptimizedModule)
 
 
-def _own_copy(name: str, value: Any) -> Any:
-    """Module-internal containers copied (the replica changes its own), everything else shared."""
-    if (name in _MODULE_CONTAINERS or name in _RNN_CONTAINERS) and isinstance(value, (dict, list, set)):
-        return copy.copy(value)
-    return value
-
-
 class _ZeroGradInReplica:
     """`zero_grad` of a replica: torch's warning that it has no effect, and nothing else. The replica's
     parameters are not leaves and hold no gradient, and the user's gradients are not the replica's to clear."""
@@ -105,7 +101,14 @@ def _shallow_replica(module: nn.Module) -> nn.Module:
     """A new module object of the same class whose state dict is a copy of the original's, containers
     copied, parameters/buffers/children to be filled in. No __init__, no __setattr__ of the module runs."""
     replica = object.__new__(type(module))
-    state = {name: _own_copy(name, value) for name, value in module.__dict__.items()}
+    state = dict(module.__dict__)
+    for name in _COPIED.intersection(state):
+        value = state[name]
+        # the containers' own copy() is C-fast and keeps an OrderedDict one; copy.copy for the rest
+        if type(value) in _FAST_COPY:
+            state[name] = value.copy()
+        elif isinstance(value, (dict, list, set)):
+            state[name] = copy.copy(value)
     state["_parameters"] = {}
     state["_buffers"] = {}
     state["_modules"] = {}
@@ -156,9 +159,25 @@ class _TensorCopier:
         return source.to(self.device, non_blocking=True, copy=True)
 
 
-def _replicate_one(module: nn.Module, device: torch.device, is_source: bool, detach: bool) -> nn.Module:
+def _needs_check(originals: Sequence[nn.Module]) -> bool:
+    """A quick look for what check_replicable refuses (it then finds and names the module)."""
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+    compiled_type = eval_frame.OptimizedModule if eval_frame is not None else ()
+    for module in originals:
+        if isinstance(module, compiled_type) or module.__dict__.get("_compiled_call_impl") is not None:
+            return True
+        if isinstance(module, torch.jit.ScriptModule):
+            return True
+        if any(isinstance(p, nn.parameter.UninitializedParameter) for p in module._parameters.values()):
+            return True
+    return False
+
+
+def _replicate_one(module: nn.Module, device: torch.device, is_source: bool, detach: bool,
+                   originals: Sequence[nn.Module] | None = None) -> nn.Module:
     copier = _TensorCopier(device, is_source, detach)
-    originals = list(module.modules())  # each shared submodule once, so sharing is kept
+    if originals is None:
+        originals = list(module.modules())  # each shared submodule once, so sharing is kept
     replicas = {id(m): _shallow_replica(m) for m in originals}
     for original in originals:
         replica = replicas[id(original)]
@@ -186,7 +205,10 @@ def _point_rnn_at_replica_weights(replica: nn.RNNBase) -> None:
 def replicate_to(module: nn.Module, device: torch.device, *, is_source: bool = False, detach: bool = False) -> nn.Module:
     """One replica of `module` on `device` (see the module docstring). `is_source`: `device` is where the
     module lives and the replica aliases its tensors there."""
-    return _replicate_one(module, device, is_source, detach)
+    originals = list(module.modules())
+    if _needs_check(originals):
+        check_replicable(module)
+    return _replicate_one(module, device, is_source, detach, originals)
 
 
 def replicate(network: ModuleT, devices: Sequence[DeviceLike], detach: bool = False) -> list[ModuleT]:
@@ -205,10 +227,15 @@ def replicate(network: ModuleT, devices: Sequence[DeviceLike], detach: bool = Fa
         source = None
     else:
         raise TypeError(f"detach: expected a bool, got {detach!r} ({type(detach).__name__})")
-    check_replicable(network, "network")
+    if not isinstance(network, nn.Module):
+        raise TypeError(f"network: expected a torch.nn.Module, got {type(network).__name__}")
+    originals = list(network.modules())  # each shared submodule once, so sharing is kept
+    if _needs_check(originals):
+        check_replicable(network, "network")
     if not devices:
         return []
-    parsed = [parse_device(d, argument=f"devices[{i}]") for i, d in enumerate(devices)]
+    parsed = [d if isinstance(d, torch.device) and d.index is not None else parse_device(d, argument=f"devices[{i}]")
+              for i, d in enumerate(devices)]
     if source is None:
         source = parsed[0]
-    return [_replicate_one(network, device, device == source, detach) for device in parsed]
+    return [_replicate_one(network, device, device == source, detach, originals) for device in parsed]
