@@ -99,9 +99,9 @@ class _WeightedLoss(nn.Module):
         items = kwargs.pop(_ITEMS_KEYWORD).sum()
         batch_items = kwargs.pop(_TOTAL_KEYWORD)
         count = kwargs.get(COUNT_KEYWORD)
-        if isinstance(count, torch.Tensor):
+        if count is not None:  # a 0-dim tensor from Trainer, or a plain number
             # a replica without counted items gets 1: its summed loss is 0, and 0 / 0 would be NaN
-            kwargs[COUNT_KEYWORD] = count * items / batch_items if items > 0 else torch.ones_like(count)
+            kwargs[COUNT_KEYWORD] = count * items / batch_items if items > 0 else torch.ones((), device=items.device)
         output = self.model(*args, **kwargs)
         loss = _loss_of(output)
         if loss is None:
