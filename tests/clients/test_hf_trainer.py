@@ -56,7 +56,7 @@ def language_model_rows():
 def make_trainer(model, rows, tmp_path, optim, learning_rate):
     args = transformers.TrainingArguments(
         output_dir=str(tmp_path), per_device_train_batch_size=BATCH, num_train_epochs=1, learning_rate=learning_rate,
-        optim=optim, seed=3, report_to=[], save_strategy="no", logging_strategy="no", use_cpu=True,
+        per_device_eval_batch_size=BATCH, optim=optim, seed=3, report_to=[], save_strategy="no", logging_strategy="no", use_cpu=True,
         dataloader_num_workers=0, disable_tqdm=True)
     return transformers.Trainer(model=model, args=args, train_dataset=rows)
 
@@ -74,11 +74,13 @@ class CountSpy:
 
 def train_both(model, rows, tmp_path, optim="sgd", learning_rate=0.1):
     reference = copy.deepcopy(model)
-    make_trainer(reference, rows, tmp_path / "single", optim, learning_rate).train()
+    reference_trainer = make_trainer(reference, rows, tmp_path / "single", optim, learning_rate)
+    reference_trainer.train()
     spy = CountSpy(model)
     trainer = make_trainer(model, rows, tmp_path / "dpkit", optim, learning_rate)
     dpkit.hf_trainer.data_parallel(trainer, dpkit.cpu_devices(2))
     trainer.train()
+    trainer.reference_trainer = reference_trainer
     worst = max((p - q).abs().max().item() for p, q in zip(model.parameters(), reference.parameters()))
     moved = max((p - q).abs().max().item() for p, q in zip(model.parameters(), tiny_copy_of(model, reference)))
     return worst, moved, spy, trainer
@@ -98,6 +100,9 @@ def test_bert_classifier_trains_to_the_single_device_weights(tmp_path):
     # 2 rows per replica, and the last batch split 2 + 1
     assert sorted(rows for rows, _ in spy.calls).count(1) == 1
     assert isinstance(trainer.model_wrapped, dpkit.hf_trainer.TrainerDataParallel)
+    rows = classification_rows()  # evaluation goes through the wrapper too: batches of 4, 4, 3
+    got, expected = trainer.evaluate(rows)["eval_loss"], trainer.reference_trainer.evaluate(rows)["eval_loss"]
+    assert abs(got - expected) <= TOLERANCE
 
 
 def test_gpt2_language_model_with_num_items_in_batch_trains_to_the_single_device_weights(tmp_path):
@@ -141,4 +146,7 @@ def test_the_documented_recipe_runs(tmp_path, monkeypatch):
     exec(compile(blocks[1], "docs/hf-trainer.md", "exec"), namespace)
     trainer = namespace["trainer"]
     assert isinstance(trainer.model_wrapped, dpkit.hf_trainer.TrainerDataParallel)
+    rows = classification_rows()  # evaluation goes through the wrapper too: batches of 4, 4, 3
+    got, expected = trainer.evaluate(rows)["eval_loss"], trainer.reference_trainer.evaluate(rows)["eval_loss"]
+    assert abs(got - expected) <= TOLERANCE
     assert trainer.state.global_step == 3
