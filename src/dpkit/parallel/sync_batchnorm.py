@@ -183,8 +183,8 @@ def _synced_batch_norm(layer: nn.SyncBatchNorm, x: torch.Tensor, group: StepGrou
     count = x.numel() // channels if channels else 0
     work = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x  # statistics in full precision
     if count:
-        mean = work.mean(dim=dims)
-        m2 = (work - _per_channel(mean, x.dim())).square().sum(dim=dims)
+        var, mean = torch.var_mean(work, dim=dims, correction=0)  # one pass over the chunk
+        m2 = var * count
     else:  # no rows: contributes nothing, and stays out of the combination below
         mean = m2 = work.new_zeros(channels)
     name = type(layer).__name__ + f"(num_features={layer.num_features})"
@@ -204,11 +204,12 @@ def _synced_batch_norm(layer: nn.SyncBatchNorm, x: torch.Tensor, group: StepGrou
     batch_var = m2_total / total
     if index == 0:
         _update_running_stats(layer, batch_mean.detach(), (m2_total / (total - 1)).detach())
-    invstd = torch.rsqrt(batch_var + layer.eps)
-    y = (work - _per_channel(batch_mean, x.dim())) * _per_channel(invstd, x.dim())
+    # per channel first, then one fused pass over the chunk: y = x * scale + shift, as torch's CPU kernel does
+    scale = torch.rsqrt(batch_var + layer.eps)
     if layer.weight is not None:
-        y = y * _per_channel(layer.weight, x.dim()) + _per_channel(layer.bias, x.dim())
-    return y.to(x.dtype)
+        scale = scale * layer.weight
+    shift = -batch_mean * scale if layer.bias is None else layer.bias - batch_mean * scale
+    return torch.addcmul(_per_channel(shift, x.dim()), work, _per_channel(scale, x.dim())).to(x.dtype)
 
 
 def _per_channel(values: torch.Tensor, ndim: int) -> torch.Tensor:
