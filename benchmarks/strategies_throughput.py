@@ -226,26 +226,32 @@ def phase_split(args: argparse.Namespace) -> dict[str, dict[str, float]]:
     for _ in range(args.warmup):
         replicated(), bare()
     clock = PhaseClock()
-    bare_seconds = []
+    bare_seconds, bare_cpu_seconds = [], []
     with hooks.listening_to(clock):
         began = time.perf_counter()
         for _ in range(args.phase_steps):
             replicated()
         wall = time.perf_counter() - began
     for _ in range(args.phase_steps):
-        started = time.perf_counter()
+        started, started_cpu = time.perf_counter(), time.thread_time()
         bare()
         bare_seconds.append(time.perf_counter() - started)
+        bare_cpu_seconds.append(time.thread_time() - started_cpu)
     split = {key: {"wall_ms": 1e3 * clock.wall[key] / args.phase_steps, "cpu_ms": 1e3 * clock.cpu[key] / args.phase_steps}
              for key in sorted(clock.wall)}
     split["step"] = {"wall_ms": 1e3 * wall / args.phase_steps, "cpu_ms": float("nan")}
-    ideal_ms = 1e3 * statistics.median(bare_seconds) / DEVICES
-    split["ideal (bare 1-thread step / devices)"] = {"wall_ms": ideal_ms, "cpu_ms": float("nan")}
+    split["ideal (bare 1-thread step / devices)"] = {"wall_ms": 1e3 * statistics.median(bare_seconds) / DEVICES,
+                                                     "cpu_ms": 1e3 * statistics.median(bare_cpu_seconds) / DEVICES}
     print(f"\nreplicated, ms per step by phase ({args.phase_steps} steps, this process alone; "
           "replica rows: time in each replica's thread):")
     print(f"  {'phase':38s} {'wall':>8s} {'cpu':>8s}")
     for key, value in split.items():
         print(f"  {key:38s} {value['wall_ms']:8.1f} {value['cpu_ms']:8.1f}")
+    # on idle cores a step takes about the busiest replica's CPU time; the ideal is half the bare loop's
+    busiest = max(sum(v["cpu_ms"] for k, v in split.items() if k.startswith(f"replica {i} ")) for i in range(DEVICES))
+    ideal = split["ideal (bare 1-thread step / devices)"]["cpu_ms"]
+    print(f"  busiest replica's CPU per step {busiest:.1f} ms vs ideal {ideal:.1f} ms: replicated at most "
+          f"{ideal / busiest:.3f}x the ideal {DEVICES}x speed-up on {DEVICES} idle cores")
     return split
 
 

@@ -61,7 +61,7 @@ def test_bert_with_hidden_states_and_attentions_matches_and_leaves_the_model_alo
 
 
 def tiny_gpt2():
-    config = transformers.GPT2Config(vocab_size=50, n_positions=16, n_embd=16, n_layer=2, n_head=2,
+    config = transformers.GPT2Config(vocab_size=50, n_positions=16, n_embd=16, n_layer=2, n_head=2, bos_token_id=49, eos_token_id=49,
                                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
     return transformers.GPT2LMHeadModel(config)
 

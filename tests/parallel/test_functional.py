@@ -86,3 +86,17 @@ def test_verbs_compose_like_torchs():
     assert torch.allclose(dp.gather(outputs, "cpu:0"), model(x), atol=1e-6)
     assert dp.parallel_apply is apply.parallel_apply
     assert set(dp.__all__) >= {"data_parallel", "replicate", "scatter", "gather", "parallel_apply", "DataParallel"}
+
+
+def test_data_parallel_calls_the_runner_with_torchs_argument_order(monkeypatch):
+    calls = []
+
+    def torch_style(modules, inputs, kwargs_tup=None, devices=None):
+        calls.append(devices)
+        return [module(*args, **kw) for module, args, kw in zip(modules, inputs, kwargs_tup)]
+
+    monkeypatch.setattr(apply, "parallel_apply", torch_style)
+    model = nn.Linear(3, 2)
+    x = torch.randn(4, 3)
+    assert torch.allclose(dp.data_parallel(model, x, DEVICES), model(x), atol=1e-6)
+    assert calls == [[torch.device("cpu", 0), torch.device("cpu", 1)]]

@@ -3,12 +3,16 @@
     with dpkit.observe.Observer() as obs:
         step()
     print(obs.report().format_table())
+
+A started Observer listens to the observation seam (dpkit.parallel.hooks), where DataParallel and every
+strategy announce their phases; calibration.py measures steps for DataParallel(balance=...).
 """
 
 from dpkit.observe.memory import CATEGORIES, AllocationTracker, MemoryLedger
-from dpkit.observe.observer import Observer, active, replica_phase
+from dpkit.observe.observer import Observer, active
 from dpkit.observe.report import DeviceReport, Report
 from dpkit.observe.timing import PHASES
+from dpkit.parallel.hooks import replica_phase  # inside a replica's job: switch its phase for every listener
 
 __all__ = ["CATEGORIES", "PHASES", "AllocationTracker", "DeviceReport", "MemoryLedger", "Observer", "Report",
            "active", "replica_phase"]

@@ -21,6 +21,7 @@ class DeviceReport:
     bytes_by_category: dict[str, int]  # live bytes at the moment of the peak; sums to peak_bytes
     seconds_by_phase: dict[str, float]
     peak_bytes_by_category: dict[str, int] = field(default_factory=dict)  # each category's own peak
+    hidden_seconds_by_phase: dict[str, float] = field(default_factory=dict)  # overlapped with other work (ddp's all-reduce behind backward)
 
 
 @dataclass
@@ -29,6 +30,20 @@ class Report:
     steps: int = 0
     spans: list[Span] = field(default_factory=list)
     meta: dict[str, Any] = field(default_factory=dict)
+    clock_origin_unix_seconds: float = 0.0  # wall-clock time of the spans' zero, to line up processes
+
+    @classmethod
+    def merged(cls, reports: list["Report"]) -> "Report":
+        """One report from several processes' (ddp: one per rank, in rank order): every device, spans on
+        one time axis, the steps of the first."""
+        if not reports:
+            return cls(devices=[])
+        origin = min(r.clock_origin_unix_seconds for r in reports)
+        devices = [device for r in reports for device in r.devices]
+        spans = sorted((Span(s.device, s.phase, s.start_seconds + r.clock_origin_unix_seconds - origin, s.seconds)
+                        for r in reports for s in r.spans), key=lambda s: s.start_seconds)
+        return cls(devices=devices, steps=reports[0].steps, spans=spans, meta=dict(reports[0].meta),
+                   clock_origin_unix_seconds=origin)
 
     @property
     def imbalance(self) -> float:
@@ -52,7 +67,7 @@ class Report:
             "devices": [
                 {"device": d.device, "rows": d.rows, "peak_bytes": d.peak_bytes,
                  "bytes_by_category": dict(d.bytes_by_category), "peak_bytes_by_category": dict(d.peak_bytes_by_category),
-                 "seconds_by_phase": dict(d.seconds_by_phase)}
+                 "seconds_by_phase": dict(d.seconds_by_phase), "hidden_seconds_by_phase": dict(d.hidden_seconds_by_phase)}
                 for d in self.devices
             ],
         }
@@ -67,14 +82,16 @@ class Report:
         """Per device: rows, peak and its breakdown (MiB), then milliseconds per phase."""
         mib = 1024 * 1024
         used_phases = [p for p in PHASES if any(p in d.seconds_by_phase for d in self.devices)]
+        hidden_phases = [p for p in PHASES if any(d.hidden_seconds_by_phase.get(p) for d in self.devices)]
         short = {"parameters": "params", "gradients": "grads", "optimizer_state": "optim", "activations": "activ",
                  "gathered_outputs": "gathered", "loss": "loss", "other": "other"}
-        header = ["device", "rows", "peak MiB"] + [short[c] for c in CATEGORIES] + [f"{p} ms" for p in used_phases]
+        header = ["device", "rows", "peak MiB"] + [short[c] for c in CATEGORIES] + [f"{p} ms" for p in used_phases] + [f"{p} hidden ms" for p in hidden_phases]
         lines = []
         for d in self.devices:
             row = [d.device, "-" if d.rows is None else str(d.rows), f"{d.peak_bytes / mib:.2f}"]
             row += [f"{d.bytes_by_category.get(c, 0) / mib:.2f}" for c in CATEGORIES]
             row += [f"{d.seconds_by_phase.get(p, 0.0) * 1e3:.1f}" for p in used_phases]
+            row += [f"{d.hidden_seconds_by_phase.get(p, 0.0) * 1e3:.1f}" for p in hidden_phases]
             lines.append(row)
         widths = [max(len(h), *(len(r[i]) for r in lines)) if lines else len(h) for i, h in enumerate(header)]
         out = ["  ".join(h.rjust(w) for h, w in zip(header, widths))]

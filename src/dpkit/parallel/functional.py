@@ -10,7 +10,6 @@ argument path, the replica and its device, and gather warns about a batch flatte
 
 from __future__ import annotations
 
-import inspect
 from typing import Any, Sequence
 
 import torch
@@ -28,16 +27,6 @@ from dpkit.parallel.scatter import (Broadcast, _is_broadcast, _move, common_batc
 __all__ = ["data_parallel", "gather", "parallel_apply", "replicate", "scatter", "scatter_kwargs"]
 
 parallel_apply = apply.parallel_apply
-
-
-def _run_replicas(replicas: Sequence[nn.Module], inputs: Sequence[tuple], kwargs: Sequence[dict],
-                  devices: Sequence[torch.device]) -> list[Any]:
-    # apply.parallel_apply takes torch's argument order (modules, inputs, kwargs_tup, devices); until every
-    # branch has it, the older (replicas, devices, inputs, kwargs) order is recognised by its parameter names
-    parameters = inspect.signature(apply.parallel_apply).parameters
-    if "kwargs_tup" in parameters:
-        return apply.parallel_apply(list(replicas), list(inputs), list(kwargs), list(devices))
-    return apply.parallel_apply(list(replicas), list(devices), list(inputs), list(kwargs))
 
 
 def _devices(target_gpus: Any, argument: str) -> list[torch.device]:
@@ -113,5 +102,5 @@ def data_parallel(module: nn.Module, inputs: Any, device_ids: Sequence[DeviceLik
     rows, parts = _split((("inputs", inputs), ("module_kwargs", kwargs)), devices, dim)
     used = devices[:len(parts)]
     replicas = replicate(module, used, source)
-    outputs = _run_replicas(replicas, [tuple(p[0]) for p in parts], [p[1] for p in parts], used)
+    outputs = apply.parallel_apply(replicas, [tuple(p[0]) for p in parts], [p[1] for p in parts], used)
     return gather(outputs, target, dim, rows=rows, input_sizes=sorted(other_sizes((inputs, kwargs), dim)))

@@ -2,12 +2,14 @@
 
 Scatter and gather both need to visit every leaf of a nested structure with a readable path
 (`args[1]`, `kwargs['mask']`, `args[0].features`) and rebuild the same structure around new leaves.
-torch.utils._pytree does the walking and writes the paths for the containers it knows (tuples, lists,
-dicts, namedtuples, OrderedDict, and what libraries register, such as transformers' ModelOutput). Two kinds
-it would treat as opaque leaves are opened here instead, so their tensors are still split: dataclasses
-(registering a user's class with pytree would change it for the whole process) and subclasses of
-tuple/list/dict that nobody registered. `children`/`rebuild` describe those, and gather compares replicas'
-outputs level by level with them.
+torch.utils._pytree's registry says how to open and rebuild each container it knows (tuples, lists, dicts,
+namedtuples, OrderedDict, and what libraries register, such as transformers' ModelOutput) and writes the
+path of each child. The recursion is dpkit's: pytree's own tree_flatten leaves a reference cycle behind on
+every call (its helper closes over itself), which a per-step walk must not. Two kinds pytree would treat
+as opaque leaves are opened here too, so their tensors are still split: dataclasses (registering a user's
+class with pytree would change it for the whole process) and subclasses of tuple/list/dict that nobody
+registered. None is a leaf. `children`/`rebuild` describe those, and gather compares replicas' outputs
+level by level with them.
 """
 
 from __future__ import annotations
@@ -72,32 +74,40 @@ def _never(_: Any) -> bool:
     return False
 
 
+def _open(obj: Any) -> tuple[list[str], list[Any], Callable[[list[Any]], Any]] | None:
+    """(path suffixes, children, rebuild from new children) of a container, or None for a leaf."""
+    if obj is None:
+        return None
+    if _opened_here(obj):
+        parts = children(obj)
+        return [suffix for suffix, _ in parts], [child for _, child in parts], lambda values: rebuild(obj, values)
+    handler = pytree.SUPPORTED_NODES.get(pytree._get_node_type(obj))
+    if handler is None:
+        return None
+    if handler.flatten_with_keys_fn is not None:
+        pairs, context = handler.flatten_with_keys_fn(obj)
+        suffixes, kids = [pytree.keystr((key,)) for key, _ in pairs], [child for _, child in pairs]
+    else:
+        kids, context = handler.flatten_fn(obj)
+        suffixes = [f"[{i}]" for i in range(len(kids))]
+    return suffixes, list(kids), lambda values: handler.unflatten_fn(values, context)
+
+
 def leaves(obj: Any, path: str, is_leaf: Callable[[Any], bool] = _never) -> Iterator[tuple[str, Any]]:
-    """Every leaf with its path; `is_leaf` stops the descent early (for marker objects). None is an empty
-    container, as in pytree: it has no leaves."""
-
-    def stop(x: Any) -> bool:
-        return is_leaf(x) or _opened_here(x)
-
-    for key_path, leaf in pytree.tree_flatten_with_path(obj, is_leaf=stop)[0]:
-        leaf_path = path + pytree.keystr(key_path)
-        if not is_leaf(leaf) and _opened_here(leaf):
-            for suffix, child in children(leaf):
-                yield from leaves(child, leaf_path + suffix, is_leaf)
-        else:
-            yield leaf_path, leaf
+    """Every leaf with its path; `is_leaf` stops the descent early (for marker objects)."""
+    opened = None if is_leaf(obj) else _open(obj)
+    if opened is None:
+        yield path, obj
+        return
+    suffixes, kids, _ = opened
+    for suffix, child in zip(suffixes, kids):
+        yield from leaves(child, path + suffix, is_leaf)
 
 
 def map_leaves(fn: Callable[[str, Any], Any], obj: Any, path: str, is_leaf: Callable[[Any], bool] = _never) -> Any:
     """The same structure with every leaf replaced by fn(path, leaf)."""
-
-    def stop(x: Any) -> bool:
-        return is_leaf(x) or _opened_here(x)
-
-    def visit(key_path: tuple, leaf: Any) -> Any:
-        leaf_path = path + pytree.keystr(key_path)
-        if not is_leaf(leaf) and _opened_here(leaf):
-            return rebuild(leaf, [map_leaves(fn, child, leaf_path + suffix, is_leaf) for suffix, child in children(leaf)])
-        return fn(leaf_path, leaf)
-
-    return pytree.tree_map_with_path(visit, obj, is_leaf=stop)
+    opened = None if is_leaf(obj) else _open(obj)
+    if opened is None:
+        return fn(path, obj)
+    suffixes, kids, rebuild_from = opened
+    return rebuild_from([map_leaves(fn, child, path + suffix, is_leaf) for suffix, child in zip(suffixes, kids)])

@@ -56,14 +56,13 @@ def check_replicable(module: nn.Module, argument: str = "module") -> None:
         if _is_compiled_wrapper(sub):
             raise TypeError(
                 f"{path}: is a torch.compile'd module, which cannot be replicated (its compiled forward is bound to "
-                f"your original module); pass the uncompiled model (torch.compile(m)._orig_mod) to dpkit, "
-                f"e.g. dpkit.DataParallel(model), and compile outside it if you need to: torch.compile(dpkit.DataParallel(model))"
+                f"your original module); pass the uncompiled model to dpkit instead (for c = torch.compile(model), "
+                f"that is model, also c._orig_mod): dpkit.DataParallel(model); the replicas run it eagerly"
             )
         if sub.__dict__.get("_compiled_call_impl") is not None:
             raise TypeError(
-                f"{path}: was compiled in place with .compile(), which cannot be replicated (the compiled call is bound to "
-                f"your original module); replicate an uncompiled model and compile outside the wrapper: "
-                f"torch.compile(dpkit.DataParallel(model))"
+                f"{path}: was compiled in place with .compile(), which cannot be replicated (the compiled call is bound "
+                f"to your original module); replicate a model that was not compiled: the replicas run it eagerly"
             )
         if isinstance(sub, torch.jit.ScriptModule):
             raise TypeError(f"{path}: is a TorchScript module, which dpkit cannot replicate; pass the Python module it was scripted from")
@@ -98,7 +97,7 @@ _ZERO_GRAD_IN_REPLICA = _ZeroGradInReplica()
 
 
 def _shallow_replica(module: nn.Module) -> nn.Module:
-    """A new module object of the same class whose state dict is a copy of the original's, containers
+    """A new module object of the same class whose attribute dict is a copy of the original's, containers
     copied, parameters/buffers/children to be filled in. No __init__, no __setattr__ of the module runs."""
     replica = object.__new__(type(module))
     state = dict(module.__dict__)

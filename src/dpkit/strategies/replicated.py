@@ -116,6 +116,7 @@ class Replicated(Strategy):
         """(replicas that get rows, their share of the batch, their (args, kwargs)) for one batch."""
         self._sync_buffers()
         plan = plan_split(batch, len(self.devices))
+        hooks.split(self.replicas[0], self.devices, self.root_device, plan.sizes)
         with hooks.phase("scatter", self.root_device):
             chunks = scatter(args, kwargs, plan, self.devices, 0)
         active = [i for i, size in enumerate(plan.sizes) if size > 0]
