@@ -1,0 +1,97 @@
+"""From predictions to advice: which strategy, why, what limits it, and what would change the answer."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable
+
+from dpkit.plan.cost_model import Prediction
+
+COMMUNICATION = ("scatter", "replicate", "gather", "reduce", "all_reduce")
+PHASE_WORDS = {"scatter": "input scatter", "replicate": "per-step parameter broadcast", "gather": "output gather",
+               "loss": "loss on device 0", "reduce": "gradient reduce to device 0", "all_reduce": "exposed all-reduce",
+               "launch": "GIL-serialised kernel launches", "overhead": "per-step Python and threads",
+               "optimizer": "optimizer step", "forward": "forward", "backward": "backward"}
+DP_FINE_RATIO = 0.9       # DP is fine when it reaches this share of the best throughput
+HELPS_SPEEDUP = 1.1       # below this, more devices do not help
+
+
+@dataclass
+class Recommendation:
+    strategy: str
+    devices: int
+    reasons: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"strategy": self.strategy, "devices": self.devices, "reasons": list(self.reasons)}
+
+
+def _losses(prediction: Prediction, baseline_step: float) -> str:
+    """The phases that grew beyond the one-device step, largest first."""
+    parts = sorted(((seconds, name) for name, seconds in prediction.breakdown.items() if name not in ("forward", "backward")),
+                   reverse=True)
+    step = prediction.step_seconds
+    return ", ".join(f"{PHASE_WORDS.get(name, name)} {seconds / step:.0%}" for seconds, name in parts[:3] if seconds / step >= 0.01)
+
+
+def recommend(predictions: list[Prediction], link_name: str = "", network_name: str = "",
+              what_if: Callable[[str], list[Prediction]] | None = None) -> Recommendation:
+    """`what_if(change)` may re-run the plan with "faster-link" or "double-batch" for the last reason."""
+    baseline = next((p for p in predictions if p.strategy == "single"), None)
+    multi = [p for p in predictions if p.total_devices > 1 and not any("does not fit" in n for n in p.notes)]
+    if baseline is None or not multi:
+        only = baseline or predictions[0]
+        return Recommendation(only.strategy, only.total_devices, ["only one device was asked for: nothing to compare"])
+    largest = max(p.total_devices for p in multi)
+    at_largest = [p for p in multi if p.total_devices == largest]
+    best = max(at_largest, key=lambda p: p.samples_per_second)
+    dp = next((p for p in at_largest if p.strategy == "dp"), None)
+    ddp = next((p for p in at_largest if p.strategy == "ddp"), None)
+    reasons: list[str] = []
+
+    if best.speedup < HELPS_SPEEDUP:
+        choice = Recommendation("single", 1)
+        reasons.append(f"neither helps: the best, {best.strategy} on {largest} devices, reaches {best.speedup:.2f}x one device "
+                       f"(communication dominates: {_losses(best, baseline.step_seconds)})")
+    elif dp is not None and dp.samples_per_second >= DP_FINE_RATIO * best.samples_per_second:
+        choice = Recommendation("dp", largest)
+        reasons.append(f"DP is fine here: {dp.speedup:.2f}x ({dp.efficiency:.0%}) on {largest} devices, within "
+                       f"{1 - dp.samples_per_second / best.samples_per_second:.0%} of the best ({best.strategy}), with no processes to launch")
+    else:
+        choice = Recommendation(best.strategy, largest)
+        reasons.append(f"{best.strategy} on {largest} devices: {best.speedup:.2f}x one device ({best.efficiency:.0%} efficiency)")
+        if dp is not None:
+            reasons.append(f"DP reaches only {dp.speedup:.2f}x ({dp.efficiency:.0%}): it loses {_losses(dp, baseline.step_seconds)}")
+            if best.strategy != "ddp" and ddp is not None:
+                reasons.append(f"ddp would give {ddp.speedup:.2f}x")
+    # where DP stops scaling: the largest count at which adding devices still adds throughput
+    dp_runs = sorted((p for p in multi if p.strategy == "dp"), key=lambda p: p.total_devices)
+    for before, after in zip(dp_runs, dp_runs[1:]):
+        if after.samples_per_second <= before.samples_per_second * 1.05:
+            reasons.append(f"DP stops scaling after {before.total_devices} devices ({before.speedup:.2f}x, then {after.speedup:.2f}x)")
+            break
+    chosen = next((p for p in at_largest if p.strategy == choice.strategy), best)
+    communication = {name: seconds for name, seconds in chosen.breakdown.items() if name in COMMUNICATION}
+    if communication:
+        name, seconds = max(communication.items(), key=lambda item: item[1])
+        bound = network_name if (name == "all_reduce" and chosen.nodes > 1 and network_name) else link_name
+        reasons.append(f"bottleneck link: {bound or 'the device link'} carries the {PHASE_WORDS[name]}, "
+                       f"{seconds * 1e3:.2f} ms of the {chosen.step_seconds * 1e3:.2f} ms step ({seconds / chosen.step_seconds:.0%})")
+    if chosen.breakdown.get("launch", 0) > 0.05 * chosen.step_seconds:
+        reasons.append(f"host-bound: kernel launches take {chosen.breakdown['launch'] / chosen.step_seconds:.0%} of the step; "
+                       "a larger batch per device, CUDA graphs or torch.compile would hide them")
+    if what_if is not None:
+        for change, words in (("faster-link", "a faster link"), ("double-batch", "twice the batch per device")):
+            changed = what_if(change)
+            if not changed:
+                continue
+            best_changed = max((p for p in changed if p.total_devices == largest), key=lambda p: p.samples_per_second, default=None)
+            dp_changed = next((p for p in changed if p.strategy == "dp" and p.total_devices == largest), None)
+            if best_changed is None:
+                continue
+            text = f"with {words}: best {best_changed.strategy} {best_changed.speedup:.2f}x"
+            if dp_changed is not None:
+                text += f", dp {dp_changed.speedup:.2f}x"
+            reasons.append("what would change the answer: " + text)
+    choice.reasons = reasons
+    return choice
