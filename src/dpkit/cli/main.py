@@ -17,6 +17,7 @@ COMMANDS = {
     "profile": "dpkit.cli.profile",
     "train": "dpkit.cli.train",
     "launch": "dpkit.cli.launch",
+    "doctor": "dpkit.cli.doctor",
 }
 
 

@@ -1,0 +1,1 @@
+"""Predicting: the hardware catalogue, the cost model and the advisor (`dpkit plan`, `dpkit doctor`)."""
