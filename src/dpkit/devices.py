@@ -123,3 +123,11 @@ def cpu_threads_per_device(n_devices: int) -> int:
     """torch intra-op threads for each of n virtual CPU devices, so they share the cores fairly."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     return max(1, cores // max(1, n_devices))
+
+
+def tensor_device(tensor: torch.Tensor, virtual_cpu_device: DeviceLike) -> torch.device:
+    """The device a tensor belongs to: its own, except that a CPU tensor, which reports plain `cpu`
+    whatever virtual CPU device holds it, belongs to `virtual_cpu_device` (the one doing the work)."""
+    if tensor.device.type == "cpu":
+        return parse_device(virtual_cpu_device)
+    return parse_device(tensor.device)

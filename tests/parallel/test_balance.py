@@ -10,8 +10,9 @@ import dpkit
 import dpkit.parallel.data_parallel as data_parallel_module
 from dpkit.examples.wide_output import WideOutputNet
 from dpkit.observe import Observer
+from dpkit.observe.calibration import Balancer
 from dpkit.observe.report import DeviceReport, Report
-from dpkit.parallel.balance import Balancer, LinearCost, fill_rows, fit_linear, spread_within_slack
+from dpkit.parallel.balance import CALIBRATION_CALLS, LinearCost, fill_rows, fit_linear, solve, spread_within_slack
 
 CLASSES, HIDDEN, BATCH = 20_000, 32, 256
 
@@ -48,22 +49,36 @@ def test_calibration_sequence_and_re_solving_for_a_new_batch_size():
     balancer = Balancer("memory", ["cpu:0", "cpu:1"])
     assert balancer.plan(8, can_measure=False) == ([4, 4], False)
     assert balancer.plan(8) == ([4, 4], True)  # warm-up, observed only to learn the optimizers
-    balancer.record([4, 4], fake_report([999, 999]))
+    balancer.record([4, 4], [999, 999])
     assert balancer.plan(8) == ([4, 4], True)
-    balancer.record([4, 4], fake_report([4 * 10 + 100, 4 * 10 + 20]))
+    balancer.record([4, 4], [4 * 10 + 100, 4 * 10 + 20])
     sizes, measure = balancer.plan(8)
     assert measure and sizes[0] < 4 and sum(sizes) == 8
-    balancer.record(sizes, fake_report([s * 10 + f for s, f in zip(sizes, (100, 20))]))
+    balancer.record(sizes, [s * 10 + f for s, f in zip(sizes, (100, 20))])
+    assert balancer.calibration_calls == CALIBRATION_CALLS["memory"]
     assert balancer.plan(8) == ([0, 8], False)  # 100 + 0 vs 20 + 80
     assert balancer.plan(20) == ([6, 14], False)  # 160 vs 160, solved again without measuring
+
+
+def test_the_solver_takes_numbers_and_gives_rows():
+    cost = LinearCost((100.0, 20.0), (10.0, 10.0))
+    assert solve("memory", 20, cost, [None, None]) == [6, 14]
+    assert solve("memory", 20, cost, [None, 20.0 + 10.0 * 10]) == [10, 10]  # cpu:1 holds at most 10 rows
+    assert solve("speed", 12, LinearCost((0.0, 0.0), (0.2, 0.1)), [None, None]) == [4, 8]
+
+
+def test_a_report_becomes_one_number_per_device():
+    report = fake_report([300, 100], seconds=[0.5, 0.25])
+    assert Balancer("memory", ["cpu:0", "cpu:1"]).values_from([3, 5], report) == [300.0, 100.0]
+    assert Balancer("speed", ["cpu:0", "cpu:1", "cpu:2"]).values_from([3, 0, 5], report) == [0.5, None, None]
 
 
 def test_speed_gives_rows_in_proportion_to_throughput():
     balancer = Balancer("speed", ["cpu:0", "cpu:1"])
     balancer.plan(12)
-    balancer.record([6, 6], fake_report([0, 0], seconds=[1.0, 1.0]))  # warm-up: ignored
+    balancer.record([6, 6], [1.0, 1.0])  # warm-up: ignored
     assert balancer.plan(12) == ([6, 6], True)
-    balancer.record([6, 6], fake_report([0, 0], seconds=[1.2, 0.6]))  # cpu:1 is twice as fast
+    balancer.record([6, 6], [1.2, 0.6])  # cpu:1 is twice as fast
     assert balancer.plan(12) == ([4, 8], False)
 
 

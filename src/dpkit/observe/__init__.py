@@ -6,9 +6,10 @@
 """
 
 from dpkit.observe.memory import CATEGORIES, AllocationTracker, MemoryLedger
-from dpkit.observe.observer import Observer, active, replica_phase
+from dpkit.observe.observer import Observer, active
 from dpkit.observe.report import DeviceReport, Report
 from dpkit.observe.timing import PHASES
+from dpkit.parallel.hooks import replica_phase  # inside a replica's job: switch its phase for every listener
 
 __all__ = ["CATEGORIES", "PHASES", "AllocationTracker", "DeviceReport", "MemoryLedger", "Observer", "Report",
            "active", "replica_phase"]

@@ -17,7 +17,7 @@ from typing import Any, Callable
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from dpkit.devices import parse_device
+from dpkit.devices import parse_device, tensor_device
 
 CATEGORIES = ("parameters", "gradients", "optimizer_state", "activations", "gathered_outputs", "loss", "other")
 
@@ -151,6 +151,12 @@ def device_key(device: torch.device | str) -> str:
     return str(parse_device(device))
 
 
+def account_key(tensor: torch.Tensor, working_device: str) -> str:
+    """The account a tensor is charged to: its own device's, or for a CPU tensor the virtual CPU device
+    doing the work (devices.tensor_device)."""
+    return str(tensor_device(tensor, working_device))
+
+
 class AllocationTracker(TorchDispatchMode):
     """Charges every storage an operator allocates in this thread to `where()` -> (device, category).
 
@@ -167,5 +173,5 @@ class AllocationTracker(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         for tensor in fresh_tensors(func, out):
             device, category = self.where()
-            self.ledger.charge(tensor, device if tensor.device.type == "cpu" else device_key(tensor.device), category)
+            self.ledger.charge(tensor, account_key(tensor, device), category)
         return out

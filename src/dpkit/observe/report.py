@@ -21,6 +21,7 @@ class DeviceReport:
     bytes_by_category: dict[str, int]  # live bytes at the moment of the peak; sums to peak_bytes
     seconds_by_phase: dict[str, float]
     peak_bytes_by_category: dict[str, int] = field(default_factory=dict)  # each category's own peak
+    hidden_seconds_by_phase: dict[str, float] = field(default_factory=dict)  # overlapped with other work (ddp's all-reduce behind backward)
 
 
 @dataclass
@@ -29,6 +30,20 @@ class Report:
     steps: int = 0
     spans: list[Span] = field(default_factory=list)
     meta: dict[str, Any] = field(default_factory=dict)
+    clock_origin_unix_seconds: float = 0.0  # wall-clock time of the spans' zero, to line up processes
+
+    @classmethod
+    def merged(cls, reports: list["Report"]) -> "Report":
+        """One report from several processes' (ddp: one per rank, in rank order): every device, spans on
+        one time axis, the steps of the first."""
+        if not reports:
+            return cls(devices=[])
+        origin = min(r.clock_origin_unix_seconds for r in reports)
+        devices = [device for r in reports for device in r.devices]
+        spans = sorted((Span(s.device, s.phase, s.start_seconds + r.clock_origin_unix_seconds - origin, s.seconds)
+                        for r in reports for s in r.spans), key=lambda s: s.start_seconds)
+        return cls(devices=devices, steps=reports[0].steps, spans=spans, meta=dict(reports[0].meta),
+                   clock_origin_unix_seconds=origin)
 
     @property
     def imbalance(self) -> float:
@@ -52,7 +67,7 @@ class Report:
             "devices": [
                 {"device": d.device, "rows": d.rows, "peak_bytes": d.peak_bytes,
                  "bytes_by_category": dict(d.bytes_by_category), "peak_bytes_by_category": dict(d.peak_bytes_by_category),
-                 "seconds_by_phase": dict(d.seconds_by_phase)}
+                 "seconds_by_phase": dict(d.seconds_by_phase), "hidden_seconds_by_phase": dict(d.hidden_seconds_by_phase)}
                 for d in self.devices
             ],
         }

@@ -14,7 +14,9 @@ from typing import Any
 
 import torch
 
-PHASES = ("scatter", "replicate", "forward", "gather", "loss", "backward", "reduce", "optimizer")
+# in pipeline order; "reduce" is DataParallel's gradient sum onto device 0, "all_reduce" the exchange among
+# replicas or processes (replicated, ddp)
+PHASES = ("scatter", "replicate", "forward", "gather", "loss", "backward", "reduce", "all_reduce", "optimizer")
 
 # consecutive spans of one device and phase closer than this are drawn as one (backward runs node by node)
 _MERGE_GAP_SECONDS = 50e-6
@@ -46,6 +48,7 @@ class PhaseClock:
 
     def __init__(self, keep_spans: bool = True):
         self.origin = time.perf_counter()
+        self.origin_unix_seconds = time.time()  # lines up the clocks of several processes in one trace
         self.keep_spans = keep_spans
         self._lock = threading.Lock()
         self._spans: list[Span] = []

@@ -13,20 +13,18 @@ import contextlib
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Callable, ContextManager, Sequence
+from typing import Any, Sequence
 
 import torch
 from torch import nn
 
 from dpkit.devices import cpu_threads_per_device
+from dpkit.parallel import hooks
 from dpkit.parallel.replica_rng import ReplicaGenerator, generator_for, replica_seeds
 from dpkit.parallel.streams import current_stream, device_context
 
 _workers: dict[str, ThreadPoolExecutor] = {}
 _workers_lock = threading.Lock()
-
-# A factory the observer (dpkit.observe) may pass: entered in the replica's thread around its forward.
-ReplicaWrapper = Callable[[int, torch.device], ContextManager]
 
 
 def worker_for(device: torch.device) -> ThreadPoolExecutor:
@@ -78,8 +76,7 @@ def _rethrow(index: int, device: torch.device, error: BaseException) -> None:
 
 
 def _run_one(index: int, replica: nn.Module, device: torch.device, args: tuple, kwargs: dict,
-             context: CallerContext, stream: Any, seed: int | None, threads: int | None,
-             wrap: ReplicaWrapper | None) -> Any:
+             context: CallerContext, stream: Any, seed: int | None, threads: int | None) -> Any:
     if threads is not None and torch.get_num_threads() != threads:
         torch.set_num_threads(threads)
     with contextlib.ExitStack() as stack:
@@ -87,14 +84,16 @@ def _run_one(index: int, replica: nn.Module, device: torch.device, args: tuple, 
         stack.enter_context(context.enter())
         if seed is not None:
             stack.enter_context(ReplicaGenerator(generator_for(seed)))
-        if wrap is not None:
-            stack.enter_context(wrap(index, device))
+        stack.enter_context(hooks.replica(index, device))
         return replica(*args, **kwargs)
 
 
-def parallel_apply(replicas: Sequence[nn.Module], devices: Sequence[torch.device],
-                   inputs: Sequence[tuple], kwargs: Sequence[dict], *, wrap: ReplicaWrapper | None = None) -> list[Any]:
-    """Outputs of replica i on inputs[i], kwargs[i], in replica order."""
+def parallel_apply(replicas: Sequence[nn.Module], inputs: Sequence[tuple], kwargs_tup: Sequence[dict] | None = None,
+                   devices: Sequence[torch.device] | None = None) -> list[Any]:
+    """Outputs of replica i on inputs[i], kwargs_tup[i], in replica order (torch's signature)."""
+    kwargs = [{} for _ in replicas] if kwargs_tup is None else kwargs_tup
+    if devices is None:
+        raise ValueError("devices: parallel_apply needs the device of every replica (virtual CPU devices cannot be inferred)")
     if not (len(replicas) == len(devices) == len(inputs) == len(kwargs)):
         raise ValueError(f"parallel_apply: {len(replicas)} replicas, {len(devices)} devices, {len(inputs)} inputs, {len(kwargs)} kwargs; they must match")
     context = CallerContext.capture()
@@ -103,13 +102,13 @@ def parallel_apply(replicas: Sequence[nn.Module], devices: Sequence[torch.device
     n = len(replicas)
     if n == 1:
         try:
-            return [_run_one(0, replicas[0], devices[0], inputs[0], kwargs[0], context, streams[0], None, None, wrap)]
+            return [_run_one(0, replicas[0], devices[0], inputs[0], kwargs[0], context, streams[0], None, None)]
         except Exception as error:
             _rethrow(0, devices[0], error)
     seeds = replica_seeds(n) if on_cpu else [None] * n
     threads = cpu_threads_per_device(n) if on_cpu else None
     futures = [
-        worker_for(device).submit(_run_one, i, replica, device, args, kw, context, stream, seed, threads, wrap)
+        worker_for(device).submit(_run_one, i, replica, device, args, kw, context, stream, seed, threads)
         for i, (replica, device, args, kw, stream, seed) in enumerate(zip(replicas, devices, inputs, kwargs, streams, seeds))
     ]
     outputs, first_error = [], None

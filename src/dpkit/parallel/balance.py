@@ -1,4 +1,7 @@
-"""Chunk sizes from measurements: equal predicted peak memory, or equal predicted time, per device.
+"""Chunk sizes from measured numbers: equal predicted peak memory, or equal predicted time, per device.
+
+A pure solver: it never runs or measures a step. The calibration that measures steps and feeds it lives
+above parallel/ (dpkit.observe.calibration).
 
 Model: on device i, one step with r rows costs `fixed_i + per_row_i * r` (bytes at the peak, or
 seconds). Device 0 has the larger `fixed` (it alone holds the reduced gradients and the optimizer
@@ -20,10 +23,14 @@ import math
 from dataclasses import dataclass
 from typing import Sequence
 
-from dpkit.observe.report import Report
 from dpkit.parallel.scatter import split_sizes
 
 BALANCE_MODES = ("memory", "speed")
+
+# Measured steps per mode, and the forward calls calibration takes before the balanced split is used:
+# the measured steps plus one warm-up step (optimizers create their state in their first step).
+MEASURED_STEPS = {"memory": 2, "speed": 1}
+CALIBRATION_CALLS = {mode: steps + 1 for mode, steps in MEASURED_STEPS.items()}
 
 # Memory balance accepts peaks up to this fraction above the best achievable one in exchange for a more
 # even split: when device 0's own state already outweighs every other device's whole share, the strict
@@ -139,82 +146,29 @@ def max_rows_within(limits_bytes: Sequence[float | None], cost: LinearCost, batc
     return caps
 
 
-class Balancer:
-    """Measures steps, fits per-device costs, and hands DataParallel its chunk sizes.
+def calibration_split(batch_size: int, n_devices: int, measured_steps: int) -> list[int]:
+    """The split of a calibration step: even, except the second memory measurement, which halves device 0's
+    share so that every device's row count changes (two points per device fix its line)."""
+    even = split_sizes(batch_size, n_devices)
+    if measured_steps == 0 or n_devices == 1:
+        return even
+    moved = even[0] - even[0] // 2
+    return [even[0] // 2] + [size + extra for size, extra in zip(even[1:], split_sizes(moved, n_devices - 1))]
 
-    `plan(batch_size)` returns (sizes, measure): when `measure` is True DataParallel observes that step
-    (from this call to the next) and passes the report to `record`.
-    """
 
-    def __init__(self, mode: str, device_keys: Sequence[str], max_bytes_per_device: Sequence[float | None] | None = None):
-        if mode not in BALANCE_MODES:
-            raise ValueError(f"balance: expected one of {', '.join(map(repr, BALANCE_MODES))} or None, got {mode!r}")
-        self.mode = mode
-        self.device_keys = list(device_keys)
-        self.limits = list(max_bytes_per_device) if max_bytes_per_device is not None else [None] * len(device_keys)
-        self.points: list[list[tuple[int, float]]] = [[] for _ in device_keys]
-        self.cost: LinearCost | None = None
-        self._sizes: dict[int, list[int]] = {}
-        self.measured_steps = 0
-        self.calibration_calls = 0  # steps planned for measuring, the warm-up included
-        self._warm_up_recorded = False
+def fit_cost(mode: str, points: Sequence[Sequence[tuple[int, float]]]) -> LinearCost:
+    """The cost model from measured (rows, value) points per device: a line per device for memory (peak
+    bytes), time through the origin for speed (seconds per row)."""
+    if mode == "memory":
+        return fit_linear(points)
+    rates = [sum(c for _, c in p) / max(1, sum(r for r, _ in p)) if p else 0.0 for p in points]
+    return LinearCost(tuple(0.0 for _ in rates), tuple(rates))
 
-    @property
-    def steps_to_measure(self) -> int:
-        return 2 if self.mode == "memory" else 1
 
-    def plan(self, batch_size: int, can_measure: bool = True) -> tuple[list[int], bool]:
-        n = len(self.device_keys)
-        if n == 1:
-            return [batch_size], False
-        if self.cost is not None:
-            if batch_size not in self._sizes:
-                caps = max_rows_within(self.limits, self.cost, batch_size) if self.mode == "memory" else None
-                rows = fill_rows(batch_size, self.cost, caps)
-                if self.mode == "memory":
-                    rows = spread_within_slack(rows, self.cost, caps if caps is not None else [batch_size] * n)
-                self._sizes[batch_size] = rows
-                predicted = ", ".join(f"{p / 2**20:.1f} MiB" if self.mode == "memory" else f"{p * 1e3:.1f} ms"
-                                      for p in self.cost.predict(self._sizes[batch_size]))
-                log.info("balance=%r: batch %d split %s (predicted per device: %s)", self.mode, batch_size,
-                         self._sizes[batch_size], predicted)
-            return list(self._sizes[batch_size]), False
-        even = split_sizes(batch_size, n)
-        if batch_size < 2 * n or not can_measure:  # too few rows to learn from, or no backward to see
-            return even, False
-        self.calibration_calls += 1
-        if self.calibration_calls == 1:
-            # warm-up: optimizers create their state in the first step, which is not typical; observed
-            # only so that DataParallel learns the optimizers whose state it must count from then on
-            return even, True
-        if self.measured_steps == 0:
-            return even, True
-        # second memory measurement: halve device 0's share so every device's row count changes
-        moved = even[0] - even[0] // 2
-        sizes = [even[0] // 2] + [size + extra for size, extra in zip(even[1:], split_sizes(moved, n - 1))]
-        return sizes, True
-
-    def record(self, sizes: Sequence[int], report: Report) -> None:
-        if self.calibration_calls == 1 and self.measured_steps == 0 and not self._warm_up_recorded:
-            self._warm_up_recorded = True
-            return
-        for i, key in enumerate(self.device_keys):
-            try:
-                entry = report.device(key)
-            except KeyError:
-                entry = None
-            if self.mode == "memory":
-                value = float(entry.peak_bytes) if entry is not None else 0.0
-            else:
-                if sizes[i] == 0 or entry is None:
-                    continue
-                value = sum(entry.seconds_by_phase.get(phase, 0.0) for phase in ("forward", "loss", "backward"))
-            self.points[i].append((int(sizes[i]), value))
-        self.measured_steps += 1
-        if self.measured_steps >= self.steps_to_measure:
-            if self.mode == "memory":
-                self.cost = fit_linear(self.points)
-            else:
-                rates = [sum(c for _, c in p) / max(1, sum(r for r, _ in p)) if p else 0.0 for p in self.points]
-                self.cost = LinearCost(tuple(0.0 for _ in rates), tuple(rates))
-            self._sizes.clear()
+def solve(mode: str, batch_size: int, cost: LinearCost, limits_bytes: Sequence[float | None]) -> list[int]:
+    """Rows per device for `batch_size`: memory equalises predicted peaks (within MEMORY_SLACK, under the
+    limits), speed equalises predicted time."""
+    if mode != "memory":
+        return fill_rows(batch_size, cost)
+    caps = max_rows_within(limits_bytes, cost, batch_size)
+    return spread_within_slack(fill_rows(batch_size, cost, caps), cost, caps)

@@ -2,18 +2,15 @@
 
 from __future__ import annotations
 
-import weakref
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
 import torch
 from torch import nn
 
-from dpkit import observe
 from dpkit.devices import DeviceLike, parse_device, parse_device_list, tensor_on
-from dpkit.observe.memory import device_key
-from dpkit.observe.observer import phases, replica_wrap
+from dpkit.parallel import hooks
 from dpkit.parallel.apply import parallel_apply
-from dpkit.parallel.balance import BALANCE_MODES, Balancer
+from dpkit.parallel.balance import BALANCE_MODES
 from dpkit.parallel.gather import gather
 from dpkit.parallel.nested import leaves
 from dpkit.parallel.replicate import replicate
@@ -38,6 +35,16 @@ def check_chunk_sizes(chunk_sizes: Sequence[int] | None, n_devices: int) -> list
     return sizes
 
 
+class ChunkPlanner(Protocol):
+    """Chooses rows per device for each call (balance=): DataParallel asks at the start of every call.
+
+    A planner that measures steps (dpkit.observe.calibration) measures from one call to the next and
+    closes its measurement in finish(), which DataParallel calls at the start of the next call."""
+
+    def chunk_sizes(self, batch_size: int, can_measure: bool) -> list[int] | None: ...
+    def finish(self) -> None: ...
+
+
 class ReplicaLoss:
     """What a replica runs when DataParallel has a loss_fn: its forward, then the loss on its slice of
     the target, so only a scalar per replica crosses to the output device."""
@@ -48,7 +55,7 @@ class ReplicaLoss:
 
     def __call__(self, *args: Any, target: Any, **kwargs: Any) -> torch.Tensor:
         output = self.replica(*args, **kwargs)
-        with observe.replica_phase("loss"):
+        with hooks.replica_phase("loss"):
             loss = self.loss_fn(output, target)
         if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
             shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
@@ -99,8 +106,10 @@ class DataParallel(nn.Module):
         balance: "memory" measures two training steps after a warm-up step, then picks chunk sizes
             that equalise predicted peak memory (device 0 gets fewer rows); "speed" gives rows in
             proportion to measured throughput (one measured step). Re-solved whenever the batch size changes. Exclusive with chunk_sizes.
+            Measuring needs `planner` here; dpkit.DataParallel supplies one that measures with dpkit.observe.
         max_bytes_per_device: per-device memory limit for balance="memory" (an int for all or a list);
             default: 90% of a CUDA device's memory, no limit on CPU. No device is given rows past it.
+        planner: the ChunkPlanner that chooses rows per call for `balance` (default: balance_planner()).
 
     The wrapper's parameters are the module's own parameter objects and `state_dict()` keys carry a
     `module.` prefix as in torch; `dpkit.save_model` writes them without it.
@@ -110,7 +119,7 @@ class DataParallel(nn.Module):
                  output_device: DeviceLike | None = None, dim: int = 0, *,
                  chunk_sizes: Sequence[int] | None = None, loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
                  loss_reduction: str = "mean", balance: str | None = None,
-                 max_bytes_per_device: int | Sequence[int | None] | None = None):
+                 max_bytes_per_device: int | Sequence[int | None] | None = None, planner: ChunkPlanner | None = None):
         super().__init__()
         if not isinstance(module, nn.Module):
             raise TypeError(f"module: expected a torch.nn.Module, got {type(module).__name__}")
@@ -134,12 +143,19 @@ class DataParallel(nn.Module):
         self.loss_fn = loss_fn
         self.loss_reduction = loss_reduction
         self.balance = balance
-        self.balancer = None if balance is None else Balancer(
-            balance, [device_key(d) for d in self.device_ids], check_max_bytes(max_bytes_per_device, self.device_ids))
-        self._measuring: tuple[observe.Observer, list[int], weakref.finalize] | None = None
-        self._optimizers: weakref.WeakSet = weakref.WeakSet()  # seen stepping in a measured step
+        if planner is not None and balance is None:
+            raise ValueError("planner: chooses the rows for balance=; give balance='memory' or 'speed' too")
+        self.balancer: ChunkPlanner | None = None
+        if balance is not None:
+            limits = check_max_bytes(max_bytes_per_device, self.device_ids)
+            self.balancer = planner if planner is not None else self.balance_planner(balance, limits)
         self.last_split_sizes: list[int] | None = None
         self.last_devices: list[torch.device] | None = None  # the devices that got rows (and a replica)
+
+    def balance_planner(self, mode: str, max_bytes_per_device: list[float | None]) -> ChunkPlanner:
+        """The planner for balance=mode; here none can measure (parallel/ measures nothing itself)."""
+        raise ValueError(f"balance: {mode!r} needs a planner that measures steps; use dpkit.DataParallel, which measures "
+                         "with dpkit.observe, or pass planner=")
 
     @property
     def primary_device(self) -> torch.device:
@@ -166,93 +182,57 @@ class DataParallel(nn.Module):
         if batch_size is None:  # nothing to split: run once on the primary device
             return self.run_once(inputs, kwargs, with_loss)
         plan = plan_split(batch_size, len(self.device_ids), self.split_for(batch_size))
-        observers = self.observers_for(plan)
-        with phases(observers, "scatter"):
+        self.last_split_sizes = list(plan.sizes)
+        hooks.split(self.module, self.device_ids, self.output_device, plan.sizes)
+        with hooks.phase("scatter"):
             chunks = scatter(inputs, kwargs, plan, self.device_ids, self.dim)
         devices = self.last_devices = [device for device, _, _ in chunks]
-        replicas = self.replicate_observed(devices, observers, with_loss)
-        outputs = parallel_apply(replicas, devices, [a for _, a, _ in chunks], [k for _, _, k in chunks], wrap=replica_wrap(observers))
-        self.mark_backward(observers, outputs, chunks)
-        return self.combine(outputs, plan.sizes, observers, with_loss)
+        replicas = self.replicate_to(devices, with_loss)
+        outputs = parallel_apply(replicas, [a for _, a, _ in chunks], [k for _, _, k in chunks], devices)
+        if hooks.listening():
+            self.announce_outputs(outputs, chunks)
+        return self.combine(outputs, plan.sizes, with_loss)
 
     def run_once(self, inputs: tuple, kwargs: dict, with_loss: bool) -> Any:
         self.last_split_sizes = None
         args, kw = unwrap_broadcasts(inputs, kwargs, self.primary_device)
         return ReplicaLoss(self.module, self.loss_fn)(*args, **kw) if with_loss else self.module(*args, **kw)
 
-    def combine(self, outputs: list[Any], sizes: Sequence[int], observers: Sequence[observe.Observer], with_loss: bool) -> Any:
+    def combine(self, outputs: list[Any], sizes: Sequence[int], with_loss: bool) -> Any:
         """The batch's loss from the replicas' losses, or their outputs gathered on the output device."""
         if with_loss:
-            with phases(observers, "loss", self.output_device):
+            with hooks.phase("loss", self.output_device):
                 return combine_losses(outputs, [s for s in sizes if s > 0], self.loss_reduction, self.output_device)
-        with phases(observers, "gather", self.output_device):
+        with hooks.phase("gather", self.output_device):
             return gather(outputs, self.output_device, self.dim)
 
-    def observers_for(self, plan: Any) -> tuple[observe.Observer, ...]:
-        """The started observers (none: nothing is measured), told about this call's devices and rows."""
-        self.last_split_sizes = list(plan.sizes)
-        observers = observe.active()
-        for observer in observers:
-            observer.note_devices(self.device_ids, self.output_device, plan.sizes)
-            observer.watch(self.module, self.primary_device)
-        return observers
-
     def split_for(self, batch_size: int) -> list[int] | None:
-        """chunk_sizes, the balancer's choice (observing this step when it asks to), or None for even."""
+        """chunk_sizes, the balance planner's choice, or None for even."""
         if self.balancer is None:
             return self.chunk_sizes
-        sizes, measure = self.balancer.plan(batch_size, can_measure=torch.is_grad_enabled() and self.training)
-        if measure:
-            # measure from this call to the next one: the whole step, backward and optimizer included
-            observer = observe.Observer(memory=True, timing=self.balance == "speed", trace=False).start()
-            for optimizer in self._optimizers:  # its state is held all step long, not only in step()
-                observer.watch_optimizer(optimizer, self.primary_device)
-            # a wrapper dropped mid-measurement must not leave the observer running for the process
-            self._measuring = (observer, sizes, weakref.finalize(self, observer.stop))
-        return sizes
+        return self.balancer.chunk_sizes(batch_size, torch.is_grad_enabled() and self.training)
 
     def finish_measurement(self) -> None:
-        """Close the step the balancer asked to observe (called at the start of the next call)."""
-        if self._measuring is None:
-            return
-        observer, sizes, finalizer = self._measuring
-        self._measuring = None
-        finalizer.detach()
-        observer.stop()
-        self._optimizers.update(observer.optimizers_seen)
-        self.balancer.record(sizes, observer.report())
+        """Let the balance planner close the step it measured (called at the start of every call)."""
+        if self.balancer is not None:
+            self.balancer.finish()
 
-    def replicate_observed(self, devices: list[torch.device], observers: Sequence[observe.Observer], with_loss: bool) -> list[Any]:
+    def replicate_to(self, devices: list[torch.device], with_loss: bool) -> list[Any]:
         """A replica per device that has rows (with its loss when there is a target)."""
-        if not observers:
+        if not hooks.listening():
             replicas = replicate(self.module, devices, self.primary_device)
         else:
             replicas = []
-            for device in devices:  # one at a time, so each copy is charged to its own device
-                with phases(observers, "replicate", device):
+            for device in devices:  # one at a time, so a listener can charge each copy to its own device
+                with hooks.phase("replicate", device):
                     replicas.extend(replicate(self.module, [device], self.primary_device))
         return [ReplicaLoss(replica, self.loss_fn) for replica in replicas] if with_loss else replicas
 
-    def mark_backward(self, observers: Sequence[observe.Observer], outputs: list[Any],
-                      chunks: list[tuple[torch.device, tuple, dict]]) -> None:
-        """Tell observers which device each replica's autograd nodes belong to (backward runs elsewhere)."""
-        if not observers:
-            return
+    def announce_outputs(self, outputs: list[Any], chunks: list[tuple[torch.device, tuple, dict]]) -> None:
+        """Tell listeners which device each replica's autograd nodes belong to (backward runs elsewhere)."""
         inputs = [leaf for _, args, kw in chunks for _, leaf in leaves((args, kw), "inputs")]
         stop = [t.grad_fn for t in inputs if isinstance(t, torch.Tensor) and t.grad_fn is not None]
-        for observer in observers:
-            for output, (device, _, _) in zip(outputs, chunks):
-                observer.mark_backward([t for _, t in leaves(output, "output")], device, stop)
-
-    def __getstate__(self) -> dict:
-        # weak references and a running measurement do not pickle; the next steps learn them again
-        state = dict(self.__dict__)
-        state["_optimizers"], state["_measuring"] = None, None
-        return state
-
-    def __setstate__(self, state: dict) -> None:
-        super().__setstate__(state)
-        self._optimizers = weakref.WeakSet()
+        hooks.outputs(outputs, [device for device, _, _ in chunks], stop)
 
     def extra_repr(self) -> str:
         devices = ", ".join(str(d) for d in self.device_ids)

@@ -16,6 +16,12 @@ Calls, all optional for a listener to implement:
     split(module, devices, output_device, rows)   a step's plan: rows per device (0: left out)
     outputs(outputs, devices, stop)               the replicas' outputs, whose autograd nodes belong to
                                                   `devices[i]` up to the nodes in `stop` (the inputs')
+    span(name, device, start_seconds, seconds, hidden_seconds)
+                                 a phase that ran outside the caller's flow (an asynchronous all-reduce),
+                                 told once it finished; times from time.perf_counter(); `hidden_seconds`
+                                 of it overlapped the caller's other work (backward)
+
+A phase inside a replica's job (replica_phase, or phase with device None) belongs to that replica's device.
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ class Listener(Protocol):  # documentation of the calls; a listener implements a
     def replica_phase(self, name: str) -> ContextManager: ...
     def split(self, module: Any, devices: Sequence[torch.device], output_device: torch.device, rows: Sequence[int]) -> None: ...
     def outputs(self, outputs: Sequence[Any], devices: Sequence[torch.device], stop: Sequence[Any]) -> None: ...
+    def span(self, name: str, device: torch.device, start_seconds: float, seconds: float, hidden_seconds: float) -> None: ...
 
 
 class Handle:
@@ -56,6 +63,11 @@ def register(listener: Any) -> Handle:
         if not any(x is listener for x in _listeners):
             _listeners = _listeners + (listener,)
     return Handle(listener)
+
+
+def listeners() -> tuple[Any, ...]:
+    """The registered listeners, in registration order."""
+    return _listeners
 
 
 def listening() -> bool:
@@ -100,6 +112,10 @@ def split(module: Any, devices: Sequence[torch.device], output_device: torch.dev
 
 def outputs(outputs: Sequence[Any], devices: Sequence[torch.device], stop: Sequence[Any]) -> None:
     _notify("outputs", outputs, devices, stop)
+
+
+def span(name: str, device: torch.device, start_seconds: float, seconds: float, hidden_seconds: float = 0.0) -> None:
+    _notify("span", name, device, start_seconds, seconds, hidden_seconds)
 
 
 @contextlib.contextmanager

@@ -16,7 +16,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from dpkit.parallel import DataParallel
+from dpkit.observe.calibration import DataParallel  # balance= needs a planner that measures
 from dpkit.strategies.base import DeferredOutput, Strategy, defers
 
 
