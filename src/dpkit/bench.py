@@ -98,7 +98,8 @@ class ConfigResult:
     speedup: float = 0.0
     efficiency: float = 0.0
     lost: dict[str, float] = field(default_factory=dict)  # fraction of this step lost to each phase vs one device
-    fastest_step_seconds: float = 0.0  # the least disturbed step: what calibration fits on a busy machine
+    fastest_step_seconds: float = 0.0  # the least disturbed step
+    interleaved: bool = True  # took turns with the others, round by round (ddp runs in its own processes)
 
     def summary(self) -> str:
         text = f"{self.devices} device{'s' if self.devices > 1 else ''}: {self.speedup:.2f}x ({self.efficiency:.0%})"
@@ -377,7 +378,7 @@ class ReferenceWork:
     machine was during this run. Two runs on a machine that other work loads differently can be
     compared by the ratio of their reference times (the calibration test does)."""
 
-    def __init__(self, size: int = 192, repeats: int = 8):
+    def __init__(self, size: int = 256, repeats: int = 30):  # ~15 ms: longer than a scheduler slice, like a step
         generator = torch.Generator().manual_seed(0)
         self.a = torch.randn(size, size, generator=generator)
         self.repeats = repeats
@@ -429,9 +430,10 @@ def run_bench(spec: BenchSpec) -> BenchResult:
             times[(strategy, devices)], phases[(strategy, devices)] = run_ddp(spec, devices)
             bar.update()
     results = [ConfigResult(s, n, statistics.median(times[(s, n)]), times[(s, n)], phases[(s, n)],
-                            fastest_step_seconds=min(times[(s, n)])) for s, n in configs]
+                            fastest_step_seconds=min(times[(s, n)]), interleaved=s != "ddp") for s, n in configs]
     machine = machine_description(spec)
     machine["reference_seconds"] = statistics.median(reference.times) if reference.times else None
+    machine["reference_seconds_samples"] = reference.times  # one per measured round, beside each contender's step
     bench = BenchResult(spec, profile.to_dict(), machine, results)
     baseline = bench.baseline()
     for result in results:

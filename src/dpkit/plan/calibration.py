@@ -44,7 +44,7 @@ class BenchRun:
     reference_seconds: float | None = None  # the bench's fixed reference work: how fast the machine was
 
     @classmethod
-    def load(cls, path: str | os.PathLike, statistic: str = "fastest") -> "BenchRun":
+    def load(cls, path: str | os.PathLike, statistic: str = "median", reference_seconds: float | None = None) -> "BenchRun":
         path = Path(path)
         if not path.is_file():
             raise FileNotFoundError(f"--calibration: no bench JSON at {str(path)!r}; write one with `dpkit bench --json {path}`")
@@ -54,17 +54,28 @@ class BenchRun:
             raise ValueError(f"--calibration: {str(path)!r} is not JSON ({error})") from None
         if data.get("kind") != "dpkit-bench" or "results" not in data:
             raise ValueError(f"--calibration: {str(path)!r} is not a dpkit bench JSON (no kind 'dpkit-bench' with results)")
-        return cls.from_dict(data, str(path), statistic)
+        return cls.from_dict(data, str(path), statistic, reference_seconds)
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any], path: str = "", statistic: str = "fastest") -> "BenchRun":
-        """statistic "fastest": each configuration's least disturbed step (the cost model predicts a
-        machine that runs nothing else); "median": the bench's median step."""
-        if statistic not in ("fastest", "median"):
-            raise ValueError(f"statistic: expected 'fastest' or 'median', got {statistic!r}")
-        key = "fastest_step_seconds" if statistic == "fastest" else "step_seconds"
-        measured = [(r["strategy"], int(r["devices"]), float(r.get(key) or r["step_seconds"])) for r in data["results"]]
+    def from_dict(cls, data: dict[str, Any], path: str = "", statistic: str = "median",
+                  reference_seconds: float | None = None) -> "BenchRun":
+        """statistic "median": the bench's median step; "fastest": each configuration's least disturbed
+        step; "relative": the median of each step over the reference work timed in the same round,
+        times `reference_seconds` (default: this run's median reference), which takes out the load
+        that other work put on the machine while this run went on."""
         machine = data.get("machine", {})
+        references = machine.get("reference_seconds_samples") or []
+        if statistic not in ("fastest", "median", "relative"):
+            raise ValueError(f"statistic: expected 'median', 'fastest' or 'relative', got {statistic!r}")
+        measured = []
+        for r in data["results"]:
+            seconds = float(r["step_seconds"])
+            if statistic == "fastest":
+                seconds = float(r.get("fastest_step_seconds") or seconds)
+            elif statistic == "relative" and references and r.get("interleaved", True) and len(r["step_seconds_samples"]) == len(references):
+                scale = reference_seconds or float(machine["reference_seconds"])
+                seconds = scale * statistics.median(t / ref for t, ref in zip(r["step_seconds_samples"], references))
+            measured.append((r["strategy"], int(r["devices"]), seconds))
         return cls(ModelProfile.from_dict(data["model"]), int(data["batch_size_per_device"]), data.get("optimizer", "adam"),
                    machine.get("accelerator", "cpu"), int(machine.get("cores", 1)), measured, path,
                    machine.get("reference_seconds"))
