@@ -155,7 +155,7 @@ def calibrate(bench: BenchRun | str | os.PathLike, hardware: Hardware | None = N
     import numpy as np
     from scipy.optimize import least_squares
 
-    run = bench if isinstance(bench, BenchRun) else BenchRun.load(bench)
+    run = bench if isinstance(bench, BenchRun) else BenchRun.load(bench, "relative")
     if not run.measured:
         raise ValueError("--calibration: the bench JSON has no results to fit")
     on_cpu = run.accelerator == "cpu"
