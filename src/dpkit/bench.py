@@ -83,6 +83,10 @@ class BenchSpec:
             raise ValueError("--model/--example: give a built-in example or a model factory")
         if self.model and not (self.data or self.input_shape):
             raise ValueError("--model: a factory needs --data pkg.mod:loader or --input-shape (e.g. 3,32,32)")
+        if "dp-balanced" in self.strategies and self.warmup < 3:
+            # its balancer observes its first 3 steps, and an observer slows every contender while it runs
+            log.warning("--warmup %d: dp-balanced calibrates during its first 3 steps, which slows the other contenders "
+                        "of those rounds; use --warmup 3 or more", self.warmup)
         if self.optimizer not in ("adam", "sgd"):
             raise ValueError(f"--optimizer: expected adam or sgd, got {self.optimizer!r}")
 

@@ -66,6 +66,9 @@ def recommend(predictions: list[Prediction], link_name: str = "", network_name: 
                 reasons.append(f"ddp would give {ddp.speedup:.2f}x")
     # where DP stops scaling: the largest count at which adding devices still adds throughput
     dp_runs = sorted((p for p in multi if p.strategy == "dp"), key=lambda p: p.total_devices)
+    if dp_runs and dp_runs[0].samples_per_second < baseline.samples_per_second:
+        reasons.append(f"DP is slower than one device already on {dp_runs[0].total_devices} ({dp_runs[0].speedup:.2f}x)")
+        dp_runs = []
     for before, after in zip(dp_runs, dp_runs[1:]):
         if after.samples_per_second <= before.samples_per_second * 1.05:
             reasons.append(f"DP stops scaling after {before.total_devices} devices ({before.speedup:.2f}x, then {after.speedup:.2f}x)")

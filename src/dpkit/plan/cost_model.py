@@ -234,7 +234,8 @@ def memory_per_device(profile: ModelProfile, strategy: str, devices: int, batch_
     replica_fixed = params + grads  # a replica's copy and its gradients, while the step runs
     if strategy == "dp":
         root_fixed = params + grads + state
-        root_per_sample = per_sample + 2 * profile.output_bytes_per_sample * devices  # gathered logits and their gradient
+        # gathered logits and their gradient (one device: DataParallel runs the module directly)
+        root_per_sample = per_sample + (2 * profile.output_bytes_per_sample * devices if devices > 1 else 0)
         fixed = [root_fixed] + [replica_fixed] * (devices - 1)
         slope = [root_per_sample] + [per_sample] * (devices - 1)
     elif strategy == "dp-balanced":
