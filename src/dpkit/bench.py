@@ -163,7 +163,11 @@ class BenchResult:
         figure, (left, right) = plt.subplots(1, 2, figsize=(13, 4.5))
         for strategy in dict.fromkeys(r.strategy for r in self.results):
             points = sorted((r.devices, r.samples_per_second) for r in self.results if r.strategy == strategy)
-            left.plot([d for d, _ in points], [s for _, s in points], marker="o", label=strategy)
+            left.plot([d for d, _ in points], [s for _, s in points], marker="s" if strategy == "single" else "o", label=strategy)
+        counts = sorted({r.devices for r in self.results})
+        base = self.baseline().samples_per_second
+        left.plot(counts, [base * n for n in counts], linestyle=":", color="grey", label="linear from one device")
+        left.set_xticks(counts)
         left.set_xlabel("devices")
         left.set_ylabel("samples/s (median step)")
         left.set_title(f"throughput, batch {self.spec.batch_size_per_device} per device")
@@ -176,7 +180,7 @@ class BenchResult:
                 right.bar(labels, heights, bottom=bottoms, label=phase)
                 bottoms = [b + h for b, h in zip(bottoms, heights)]
         right.set_ylabel("ms per observed step (slowest device per phase)")
-        right.tick_params(axis="x", labelsize="x-small")
+        right.tick_params(axis="x", labelsize="x-small", labelrotation=60)
         right.legend(fontsize="x-small", loc="upper left", bbox_to_anchor=(1.01, 1.0))
         figure.tight_layout()
         figure.savefig(path, dpi=100)

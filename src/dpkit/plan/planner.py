@@ -80,7 +80,7 @@ class Plan:
                 right.bar(labels, heights, bottom=bottoms, label=name)
                 bottoms = [b + h for b, h in zip(bottoms, heights)]
         right.set_ylabel("ms per step (predicted)")
-        right.tick_params(axis="x", labelsize="x-small")
+        right.tick_params(axis="x", labelsize="x-small", labelrotation=60)
         right.legend(fontsize="x-small", loc="upper left", bbox_to_anchor=(1.01, 1.0))
         figure.tight_layout()
         figure.savefig(path, dpi=100)
