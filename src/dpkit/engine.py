@@ -29,6 +29,7 @@ from tqdm import tqdm
 
 from dpkit.checkpoint import load_model, save_model
 from dpkit.devices import DeviceLike, resolve_devices
+from dpkit.parallel import hooks
 from dpkit.parallel.nested import map_leaves
 from dpkit.precision import Precision
 from dpkit.strategies import DeferredOutput, Strategy, create_strategy
@@ -42,13 +43,15 @@ class EngineModule(nn.Module):
 
     wraps_module = True  # dpkit.unwrap_model / save_model / load_model look inside
 
-    def __init__(self, module: nn.Module, precision: Precision):
+    def __init__(self, module: nn.Module, precision: Precision, strategy: Strategy):
         super().__init__()
         self.module = module
         self.precision = precision
+        self.strategy = strategy
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        with self.precision.autocast():
+        # the strategy announces its forward through the observation seam (dpkit.parallel.hooks)
+        with self.precision.autocast(), self.strategy.forward_context(args, kwargs):
             return self.module(*args, **kwargs)
 
 
@@ -159,7 +162,7 @@ class Engine:
         if self._model is not None:
             raise RuntimeError("engine.setup: this engine already set up a model; create one Engine per model")
         self._bare_model = model
-        self._model = EngineModule(self.strategy.wrap_model(model), self.precision)
+        self._model = EngineModule(self.strategy.wrap_model(model), self.precision, self.strategy)
         if optimizer is None:
             return self._model
         if not hasattr(optimizer, "step") or not hasattr(optimizer, "param_groups"):
@@ -168,21 +171,20 @@ class Engine:
 
     def setup_criterion(self, criterion: Callable) -> Callable:
         """The criterion to call as criterion(model(x), y); under dp-balanced and replicated it runs the
-        forward and the loss inside the replicas. Other strategies get `criterion` back unchanged."""
+        forward and the loss inside the replicas. Elsewhere it is `criterion`, announced as the "loss" phase."""
         if not callable(criterion):
             raise TypeError(f"criterion: expected a callable loss such as nn.CrossEntropyLoss(), got {type(criterion).__name__}")
         if self._model is None:
             raise RuntimeError("engine.setup_criterion: call engine.setup(model, optimizer) first")
         in_replicas = self.strategy.wrap_criterion(criterion)
-        if in_replicas is criterion:
-            return criterion
-        precision = self.precision
+        precision, device = self.precision, self.device
 
         def engine_criterion(output: Any, *targets: Any, **kwargs: Any) -> torch.Tensor:
-            if isinstance(output, DeferredOutput):
+            if isinstance(output, DeferredOutput):  # the replicas announce their own loss phases
                 with precision.autocast():
                     return in_replicas(output, *targets, **kwargs)
-            return criterion(output, *targets, **kwargs)
+            with hooks.phase("loss", device):
+                return criterion(output, *targets, **kwargs)
 
         return engine_criterion
 
@@ -224,6 +226,18 @@ class Engine:
 
     def barrier(self) -> None:
         self.strategy.barrier()
+
+    def gather_object(self, obj: Any) -> list[Any]:
+        """Every process's `obj` (picklable, e.g. an observe.Report), in rank order; [obj] in one process."""
+        return self.strategy.all_gather_object(obj)
+
+    def model_copies(self) -> list[tuple[nn.Module, torch.device]]:
+        """(module, device) for every copy of the model this process keeps between steps: a strategy's
+        persistent replicas where it has them (replicated), else the set-up model on this process's device."""
+        if self._bare_model is None:
+            raise RuntimeError("engine.model_copies: call engine.setup(model, optimizer) first")
+        replicas = getattr(self.strategy, "replicas", None) or [self._bare_model]
+        return list(zip(replicas, self.strategy.devices if len(replicas) > 1 else [self.device]))
 
     # --- rank-0 output -----------------------------------------------------------------------------
     def progress(self, iterable: Iterable | None = None, **tqdm_kwargs: Any) -> tqdm:

@@ -1,4 +1,5 @@
-"""`dpkit profile` on wide-output over 4 virtual CPU devices: faithful dp is lopsided, dp-balanced is even."""
+"""`dpkit profile` through the Engine: faithful dp is lopsided, dp-balanced is even, and replicated and ddp
+(every rank's devices in one report) are profiled too."""
 
 import json
 import textwrap
@@ -73,7 +74,48 @@ def test_single_and_a_user_model(tmp_path, monkeypatch):
     assert report["devices"][0]["bytes_by_category"]["parameters"] == (5 * 8 + 8 + 8 * 3 + 3) * 4
 
 
-@pytest.mark.parametrize("strategy, message", [("ddp", "not profiled yet"), ("zero", "unknown strategy")])
-def test_other_strategies_are_a_clear_error(strategy, message, capsys):
-    assert main(["profile", "--strategy", strategy, "--accelerator", "cpu", "--no-progress"]) == 2
-    assert message in capsys.readouterr().err
+def test_an_unknown_strategy_is_a_clear_error(capsys):
+    assert main(["profile", "--strategy", "zero", "--accelerator", "cpu", "--no-progress"]) == 2
+    assert "--strategy: unknown strategy 'zero'" in capsys.readouterr().err
+
+
+def param_bytes_of_wide_output(dtype_bytes=4):
+    from dpkit.examples import get_example
+
+    return sum(p.numel() for p in get_example("wide-output").build_model().parameters()) * dtype_bytes
+
+
+def test_replicated_reports_every_replica_on_its_own_device(tmp_path):
+    report = run_profile(tmp_path, "replicated", "--devices", "3", "--batch-size", "96", "--warmup", "1",
+                         "--trace", str(tmp_path / "replicated_trace.json"))
+    assert [d["device"] for d in report["devices"]] == ["cpu:0", "cpu:1", "cpu:2"]
+    for entry in report["devices"]:
+        # each replica's own parameters, and its own optimizer's state, on its own device's books
+        assert entry["peak_bytes_by_category"]["parameters"] == param_bytes_of_wide_output()
+        assert entry["peak_bytes_by_category"]["optimizer_state"] >= 2 * param_bytes_of_wide_output()
+        assert "optimizer" in entry["seconds_by_phase"]
+        assert sum(entry["bytes_by_category"].values()) == entry["peak_bytes"]
+    trace = json.loads((tmp_path / "replicated_trace.json").read_text())["traceEvents"]
+    optimizer_tracks = {e["tid"] for e in trace if e["ph"] == "X" and e["name"] == "optimizer"}
+    assert len(optimizer_tracks) == 3
+
+
+def test_ddp_writes_one_report_with_every_rank_and_its_all_reduce(tmp_path):
+    small = ["--devices", "2", "--batch-size", "64", "--warmup", "1", "--dtype", "float64"]
+    report = run_profile(tmp_path, "ddp", *small, "--trace", str(tmp_path / "ddp_trace.json"),
+                         "--png", str(tmp_path / "ddp.png"))
+    assert report["processes"] == 2
+    assert [d["device"] for d in report["devices"]] == ["cpu:0", "cpu:1"]
+    assert [d["rows"] for d in report["devices"]] == [32, 32] and report["steps"] == 2
+    for entry in report["devices"]:
+        phases = entry["seconds_by_phase"]
+        assert {"forward", "loss", "backward", "all_reduce", "optimizer"} <= set(phases)
+        assert 0.0 <= entry["hidden_seconds_by_phase"].get("all_reduce", 0.0) <= phases["all_reduce"] + 1e-9
+        assert entry["peak_bytes_by_category"]["parameters"] == param_bytes_of_wide_output(8)
+    trace = json.loads((tmp_path / "ddp_trace.json").read_text())["traceEvents"]
+    tracks = {e["args"]["name"]: e["tid"] for e in trace if e.get("name") == "thread_name"}
+    assert {e["tid"] for e in trace if e["ph"] == "X" and e["name"] == "all_reduce"} == {tracks["cpu:0"], tracks["cpu:1"]}
+    assert (tmp_path / "ddp.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # the global batch's loss after three Adam steps equals one device's, as ddp promises
+    single = run_profile(tmp_path, "single", *small)
+    assert report["last_loss"] == pytest.approx(single["last_loss"], rel=1e-9)

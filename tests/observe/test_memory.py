@@ -9,6 +9,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 import dpkit
 from dpkit.observe import CATEGORIES, Observer, active
+from dpkit.parallel import hooks
 from dpkit.parallel.apply import worker_for
 
 MIB = 1024 * 1024
@@ -100,23 +101,20 @@ def test_data_parallel_parameters_gradients_and_optimizer_state_by_device():
     assert set(report.device("cpu:0").bytes_by_category) == set(CATEGORIES)
 
 
-def test_nothing_runs_when_no_observer_is_started():
-    assert active() == ()
+def test_nothing_runs_when_no_observer_is_started(monkeypatch):
+    assert active() == () and not hooks.listening()
     assert _get_current_dispatch_mode() is None
-    seen = []
+    replicate_calls = []
+    original = dpkit.parallel.data_parallel.replicate
+    monkeypatch.setattr(dpkit.parallel.data_parallel, "replicate",
+                        lambda module, devices, primary: replicate_calls.append(list(devices)) or original(module, devices, primary))
     dp = dpkit.DataParallel(nn.Linear(4, 4), dpkit.cpu_devices(2))
-    original = dpkit.parallel.data_parallel.parallel_apply
-
-    def spy(*args, **kwargs):
-        seen.append(kwargs.get("wrap"))
-        return original(*args, **kwargs)
-
-    dpkit.parallel.data_parallel.parallel_apply = spy
-    try:
+    dp(torch.randn(4, 4))
+    assert replicate_calls == [dpkit.cpu_devices(2)]  # all at once: no per-device phase for anyone to time
+    with Observer():
         dp(torch.randn(4, 4))
-    finally:
-        dpkit.parallel.data_parallel.parallel_apply = original
-    assert seen == [None]
+    assert replicate_calls[1:] == [[torch.device("cpu", 0)], [torch.device("cpu", 1)]]
+    assert active() == () and not hooks.listening() and _get_current_dispatch_mode() is None
 
 
 def test_observers_nest_and_stop_in_any_order():

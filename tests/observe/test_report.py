@@ -56,3 +56,18 @@ def test_trace_has_a_track_per_device_with_complete_events(tmp_path):
     spans = [e for e in events if e["ph"] == "X"]
     assert {(e["name"], e["tid"]) for e in spans} == {("gather", names["cpu:1"]), ("optimizer", names["cpu:0"])}
     assert all(e["dur"] >= 0 and e["ts"] >= 0 for e in spans)
+
+
+def test_reports_of_several_processes_merge_on_one_time_axis():
+    from dpkit.observe.timing import Span
+
+    first = Report([DeviceReport("cpu:0", 4, 100, {}, {"all_reduce": 0.5}, {}, {"all_reduce": 0.2})], steps=3,
+                   spans=[Span("cpu:0", "forward", 1.0, 0.5)], clock_origin_unix_seconds=1000.0)
+    second = Report([DeviceReport("cpu:1", 4, 300, {}, {"all_reduce": 0.4})], steps=3,
+                    spans=[Span("cpu:1", "forward", 1.0, 0.5)], clock_origin_unix_seconds=1000.25)
+    merged = Report.merged([first, second])
+    assert [d.device for d in merged.devices] == ["cpu:0", "cpu:1"] and merged.steps == 3
+    assert merged.imbalance == 300 / 200
+    assert [(s.device, s.start_seconds) for s in merged.spans] == [("cpu:0", 1.0), ("cpu:1", 1.25)]
+    assert merged.to_dict()["devices"][0]["hidden_seconds_by_phase"] == {"all_reduce": 0.2}
+    assert "all_reduce hidden ms" in merged.format_table()

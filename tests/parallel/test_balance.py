@@ -244,3 +244,30 @@ def test_a_dominant_device_zero_still_gets_rows_within_the_slack():
     tight = LinearCost((1000.0, 100.0, 100.0), (100.0, 10.0, 10.0))
     rows = fill_rows(60, tight)
     assert spread_within_slack(rows, tight, [60, 60, 60], slack=0.03)[0] == 0
+
+
+def test_parallel_data_parallel_measures_nothing_itself_and_takes_a_planner():
+    from dpkit.parallel.data_parallel import DataParallel as ParallelDataParallel
+
+    with pytest.raises(ValueError, match="balance: 'memory' needs a planner that measures steps; use dpkit.DataParallel"):
+        ParallelDataParallel(torch.nn.Linear(3, 2), dpkit.cpu_devices(2), balance="memory")
+
+    class FixedPlanner:  # the ChunkPlanner protocol: rows per call, finish() at the start of the next
+        def __init__(self):
+            self.asked, self.finished = [], 0
+
+        def chunk_sizes(self, batch_size, can_measure):
+            self.asked.append((batch_size, can_measure))
+            return [1, batch_size - 1]
+
+        def finish(self):
+            self.finished += 1
+
+    planner = FixedPlanner()
+    dp = ParallelDataParallel(torch.nn.Linear(3, 2), dpkit.cpu_devices(2), balance="speed", planner=planner)
+    dp(torch.randn(6, 3))
+    with torch.no_grad():
+        dp(torch.randn(4, 3))
+    assert dp.last_split_sizes == [1, 3] and planner.asked == [(6, True), (4, False)] and planner.finished == 2
+    with pytest.raises(ValueError, match="planner: chooses the rows for balance="):
+        ParallelDataParallel(torch.nn.Linear(3, 2), dpkit.cpu_devices(2), planner=planner)

@@ -1,30 +1,32 @@
-"""`dpkit profile`: run a few steps of a model under a strategy and report, per device, peak memory
-by category, time by phase and the imbalance (max/mean of per-device peaks).
+"""`dpkit profile`: run a few steps of a model under any strategy, through the Engine, and report per
+device peak memory by category, time by phase and the imbalance (max/mean of per-device peaks).
 
     dpkit profile --example wide-output --strategy dp --accelerator cpu --devices 4 --json out.json
+    dpkit profile --strategy ddp --accelerator cpu --devices 2 --json out.json   # starts its own processes
 
 Outputs: a table in the terminal, and on request a JSON file (--json), a stacked bar chart of memory
 by category per device (--png) and a Chrome trace of the phases on each device's track (--trace).
+Under ddp every process measures itself and rank 0 writes one report holding every rank's devices.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import logging
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.nn.functional as F
-from tqdm import tqdm
+from torch.utils.data import DataLoader, RandomSampler, TensorDataset
 
-import dpkit
 from dpkit.devices import resolve_devices
+from dpkit.engine import Engine
 from dpkit.examples import get_example, load_factory
+from dpkit.launch import launch, launched
 from dpkit.observe import Observer, Report
+from dpkit.parallel.balance import CALIBRATION_CALLS
+from dpkit.strategies import available_strategies
 
-PROFILED_STRATEGIES = ("single", "dp", "dp-balanced")
-ENGINE_STRATEGIES = ("replicated", "ddp")
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
 
 
@@ -34,7 +36,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     source.add_argument("--example", default="wide-output", help="built-in example for the model and data (default: wide-output)")
     source.add_argument("--model", help="your model instead, as 'package.module:factory' (factory() returns an nn.Module)")
     source.add_argument("--data", help="your data instead, as 'package.module:loader' (loader(seed) returns x_train, y_train, ...)")
-    parser.add_argument("--strategy", default="dp", help="single, dp or dp-balanced (default: dp)")
+    parser.add_argument("--strategy", default="dp", help="single, dp, dp-balanced, replicated or ddp (default: dp)")
     parser.add_argument("--accelerator", default="auto", choices=["auto", "cpu", "cuda"])
     parser.add_argument("--devices", default="auto", help="device count or list; default: all GPUs, else 2 virtual CPU devices")
     parser.add_argument("--steps", type=int, default=3, help="observed steps (default: 3)")
@@ -49,6 +51,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     parser.add_argument("--png", help="write a stacked bar chart of memory by category per device here")
     parser.add_argument("--trace", help="write a Chrome trace (open in https://ui.perfetto.dev) here")
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    parser.set_defaults(_parser=parser)  # to relaunch itself under ddp with the same options
     return parser
 
 
@@ -58,17 +61,15 @@ def criterion_for(target: torch.Tensor) -> Callable[[torch.Tensor, torch.Tensor]
 
 
 def check_args(args: argparse.Namespace) -> None:
-    if args.strategy in ENGINE_STRATEGIES:
-        raise ValueError(f"--strategy: {args.strategy!r} is not profiled yet (it runs through the Engine); "
-                         f"use one of {', '.join(PROFILED_STRATEGIES)}")
-    if args.strategy not in PROFILED_STRATEGIES:
-        raise ValueError(f"--strategy: unknown strategy {args.strategy!r}; use one of {', '.join(PROFILED_STRATEGIES)}")
+    if args.strategy not in available_strategies():
+        raise ValueError(f"--strategy: unknown strategy {args.strategy!r}; use one of {', '.join(available_strategies())}")
     for flag, value, low in (("--steps", args.steps, 1), ("--warmup", args.warmup, 0), ("--batch-size", args.batch_size, 1)):
         if value < low:
             raise ValueError(f"{flag}: expected at least {low}, got {value}")
-    if args.strategy == "dp-balanced" and args.warmup < 3:
-        logging.getLogger("dpkit").warning("--warmup %d: dp-balanced calibrates during its first 3 steps, so the observed "
-                                           "steps include unbalanced ones; use --warmup 3 or more", args.warmup)
+    calibration = CALIBRATION_CALLS["memory"]
+    if args.strategy == "dp-balanced" and args.warmup < calibration:
+        logging.getLogger("dpkit").warning("--warmup %d: dp-balanced calibrates during its first %d steps, so the observed "
+                                           "steps include unbalanced ones; use --warmup %d or more", args.warmup, calibration, calibration)
 
 
 def load_model_and_data(args: argparse.Namespace) -> tuple[torch.nn.Module, torch.Tensor, torch.Tensor]:
@@ -83,8 +84,32 @@ def load_model_and_data(args: argparse.Namespace) -> tuple[torch.nn.Module, torc
     return model, x, y
 
 
-def profile(args: argparse.Namespace) -> tuple[Report, float]:
-    """Run warm-up and observed steps; the report of the observed ones and the last loss."""
+def batches_forever(loader: Any) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    epoch = 0
+    while True:
+        if hasattr(loader, "set_epoch"):
+            loader.set_epoch(epoch)
+        yield from loader
+        epoch += 1
+
+
+def relaunch_argv(args: argparse.Namespace, n_devices: int) -> list[str]:
+    """`profile` and the options given, for the processes the launcher starts (--devices as a count)."""
+    argv = ["profile"]
+    for action in args._parser._actions:
+        if not action.option_strings or action.dest in ("help", "devices"):
+            continue
+        value = getattr(args, action.dest)
+        if value == action.default:
+            continue
+        flag = action.option_strings[-1]
+        argv += [flag] if isinstance(action, argparse._StoreTrueAction) else [flag, str(value)]
+    return argv + ["--devices", str(n_devices)]
+
+
+def profile(args: argparse.Namespace) -> tuple[Report | None, float]:
+    """Run warm-up and observed steps through the Engine; the report of the observed ones (every rank's
+    devices under ddp; None on the other ranks) and the last loss (the global batch's)."""
     check_args(args)
     devices = resolve_devices(args.accelerator, args.devices)
     if args.strategy == "single":
@@ -92,62 +117,61 @@ def profile(args: argparse.Namespace) -> tuple[Report, float]:
     torch.manual_seed(args.seed)
     model, x, y = load_model_and_data(args)
     dtype = DTYPES[args.dtype]
-    primary = devices[0]
-    model = model.to(device=primary, dtype=dtype)
+    model = model.to(dtype=dtype)
     x = x.to(dtype) if x.is_floating_point() else x
     y = y.to(dtype) if y.is_floating_point() else y
-    criterion = criterion_for(y)
-    if args.strategy == "dp-balanced":
-        runner: Any = dpkit.DataParallel(model, devices, loss_fn=criterion, balance="memory")
-    elif args.strategy == "dp":
-        runner = dpkit.DataParallel(model, devices)
-    else:
-        runner = model
     optimizer = (torch.optim.Adam(model.parameters(), lr=args.lr) if args.optimizer == "adam"
                  else torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9))
-    order = torch.randperm(len(x), generator=torch.Generator().manual_seed(args.seed))
-    batches = len(x) // args.batch_size
+    engine = Engine(strategy=args.strategy, accelerator=devices[0].type, devices=devices, progress=not args.no_progress)
+    try:
+        model, engine_optimizer = engine.setup(model, optimizer)
+        criterion = engine.setup_criterion(criterion_for(y))
+        sampler = RandomSampler(range(len(x)), generator=torch.Generator().manual_seed(args.seed))
+        loader = engine.setup_dataloader(DataLoader(TensorDataset(x, y), batch_size=args.batch_size, sampler=sampler, drop_last=True))
+        batches = batches_forever(loader)
 
-    def step(i: int, observer: Observer | None) -> float:
-        index = order[(i % batches) * args.batch_size:][:args.batch_size]
-        xb, yb = x[index].to(primary), y[index].to(primary)
-        optimizer.zero_grad(set_to_none=True)
-        if args.strategy == "dp-balanced":
-            loss = runner(xb, target=yb)
-        else:
-            output = runner(xb)
-            with observer.phase("loss") if observer else contextlib.nullcontext():
-                loss = criterion(output, yb)
-            del output  # as in a training loop: only the loss's graph holds on to it
-        with observer.phase("backward") if observer else contextlib.nullcontext():
-            loss.backward()
-        optimizer.step()  # the observer times and charges it through optimizer hooks
-        return loss.item()
+        def step() -> float:
+            xb, yb = next(batches)
+            engine_optimizer.zero_grad(set_to_none=True)
+            loss = criterion(model(xb), yb)
+            engine.backward(loss)
+            engine_optimizer.step()  # timed and charged by the observer's optimizer hooks
+            return float(engine.reduce(loss.detach(), "mean", weight=len(yb)))
 
-    total = args.warmup + args.steps
-    with tqdm(total=total, desc=f"profile {args.strategy}", unit="step", disable=args.no_progress) as bar:
-        for i in range(args.warmup):
-            step(i, None)
-            bar.update()
-        with Observer(primary, models=[model], optimizers=[optimizer]) as observer:
-            for i in range(args.warmup, total):
-                last_loss = step(i, observer)
+        total = args.warmup + args.steps
+        with engine.progress(total=total, desc=f"profile {args.strategy}", unit="step") as bar:
+            for _ in range(args.warmup):
+                step()
                 bar.update()
-    report = observer.report()
-    if args.strategy == "single":
-        report.devices = [d for d in report.devices if d.device == report.devices[0].device]
-        report.devices[0].rows = args.batch_size
-        report.steps = args.steps
+            with Observer(engine.device, models=engine.model_copies(), optimizers=[optimizer]) as observer:
+                for _ in range(args.steps):
+                    last_loss = step()
+                    bar.update()
+        reports = engine.gather_object(observer.report())
+        writes = engine.is_global_zero
+    finally:
+        engine.close()
+    if not writes:
+        return None, last_loss
+    report = Report.merged(reports) if len(reports) > 1 else reports[0]
     report.meta = {
         "example": None if args.model else args.example, "model": args.model, "strategy": args.strategy,
-        "devices_requested": [str(d) for d in devices], "batch_size": args.batch_size, "dtype": args.dtype,
-        "optimizer": args.optimizer, "warmup_steps": args.warmup, "seed": args.seed, "last_loss": last_loss,
+        "devices_requested": [str(d) for d in devices], "processes": len(reports), "batch_size": args.batch_size,
+        "dtype": args.dtype, "optimizer": args.optimizer, "warmup_steps": args.warmup, "seed": args.seed,
+        "last_loss": last_loss,
     }
     return report, last_loss
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.strategy == "ddp" and not launched():
+        check_args(args)
+        n_devices = len(resolve_devices(args.accelerator, args.devices))
+        launch("dpkit.cli.main", relaunch_argv(args, n_devices), nproc_per_node=n_devices, module=True)
+        return 0  # rank 0 printed the report and wrote the files
     report, last_loss = profile(args)
+    if report is None:  # a ddp rank other than 0: rank 0 writes every rank's devices
+        return 0
     devices = ", ".join(d.device for d in report.devices)
     print(f"dpkit profile: {report.meta['model'] or args.example}, strategy {args.strategy}, batch {args.batch_size}, "
           f"{args.dtype}, {args.steps} observed step(s) after {args.warmup} warm-up, on {devices}")

@@ -3,6 +3,9 @@
     with dpkit.observe.Observer() as obs:
         step()
     print(obs.report().format_table())
+
+A started Observer listens to the observation seam (dpkit.parallel.hooks), where DataParallel and every
+strategy announce their phases; calibration.py measures steps for DataParallel(balance=...).
 """
 
 from dpkit.observe.memory import CATEGORIES, AllocationTracker, MemoryLedger

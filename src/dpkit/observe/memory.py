@@ -9,6 +9,7 @@ tensor's own; the report's peak comes from the allocator (see observer.py).
 
 from __future__ import annotations
 
+import functools
 import threading
 import weakref
 from dataclasses import dataclass, field
@@ -121,16 +122,10 @@ class MemoryLedger:
                 account.reset_peak()
 
 
-_FRESH_RETURNS: dict[Any, tuple[bool, ...]] = {}
-
-
+@functools.lru_cache(maxsize=None)  # one entry per operator overload seen
 def _fresh_returns(func: Any) -> tuple[bool, ...]:
     """Per return value: True when the operator allocates it (it does not alias an input)."""
-    known = _FRESH_RETURNS.get(func)
-    if known is None:
-        known = tuple(ret.alias_info is None for ret in func._schema.returns)
-        _FRESH_RETURNS[func] = known
-    return known
+    return tuple(ret.alias_info is None for ret in func._schema.returns)
 
 
 def fresh_tensors(func: Any, out: Any):
@@ -151,10 +146,15 @@ def device_key(device: torch.device | str) -> str:
     return str(parse_device(device))
 
 
+@functools.lru_cache(maxsize=None)  # called for every allocation while observing: parse each key once
+def _parsed(key: str) -> torch.device:
+    return parse_device(key)
+
+
 def account_key(tensor: torch.Tensor, working_device: str) -> str:
     """The account a tensor is charged to: its own device's, or for a CPU tensor the virtual CPU device
     doing the work (devices.tensor_device)."""
-    return str(tensor_device(tensor, working_device))
+    return str(tensor_device(tensor, _parsed(working_device)))
 
 
 class AllocationTracker(TorchDispatchMode):

@@ -82,14 +82,16 @@ class Report:
         """Per device: rows, peak and its breakdown (MiB), then milliseconds per phase."""
         mib = 1024 * 1024
         used_phases = [p for p in PHASES if any(p in d.seconds_by_phase for d in self.devices)]
+        hidden_phases = [p for p in PHASES if any(d.hidden_seconds_by_phase.get(p) for d in self.devices)]
         short = {"parameters": "params", "gradients": "grads", "optimizer_state": "optim", "activations": "activ",
                  "gathered_outputs": "gathered", "loss": "loss", "other": "other"}
-        header = ["device", "rows", "peak MiB"] + [short[c] for c in CATEGORIES] + [f"{p} ms" for p in used_phases]
+        header = ["device", "rows", "peak MiB"] + [short[c] for c in CATEGORIES] + [f"{p} ms" for p in used_phases] + [f"{p} hidden ms" for p in hidden_phases]
         lines = []
         for d in self.devices:
             row = [d.device, "-" if d.rows is None else str(d.rows), f"{d.peak_bytes / mib:.2f}"]
             row += [f"{d.bytes_by_category.get(c, 0) / mib:.2f}" for c in CATEGORIES]
             row += [f"{d.seconds_by_phase.get(p, 0.0) * 1e3:.1f}" for p in used_phases]
+            row += [f"{d.hidden_seconds_by_phase.get(p, 0.0) * 1e3:.1f}" for p in hidden_phases]
             lines.append(row)
         widths = [max(len(h), *(len(r[i]) for r in lines)) if lines else len(h) for i, h in enumerate(header)]
         out = ["  ".join(h.rjust(w) for h, w in zip(header, widths))]

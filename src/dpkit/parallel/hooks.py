@@ -22,6 +22,9 @@ Calls, all optional for a listener to implement:
                                  of it overlapped the caller's other work (backward)
 
 A phase inside a replica's job (replica_phase, or phase with device None) belongs to that replica's device.
+A strategy that runs its own replicas announces split() once per forward, runs its jobs through the replica
+runner (which enters replica()), wraps each replica's backward in replica_phase("backward") and its
+gradient exchange in phase("all_reduce"); observers see every optimizer.step() through torch's own hooks.
 """
 
 from __future__ import annotations

@@ -8,8 +8,9 @@ one-device behaviour; a strategy overrides only what differs.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, ContextManager, Sequence
 
 import torch
 from torch import nn
@@ -52,6 +53,11 @@ class Strategy:
         """Gradients of `loss * scale`; `sync` is False on the micro-batches of an accumulation."""
         (loss * scale if scale != 1.0 else loss).backward()
 
+    def forward_context(self, args: tuple, kwargs: dict) -> ContextManager:
+        """Entered around the model's forward in the user's loop. Strategies whose forward announces its
+        own phases through dpkit.parallel.hooks (DataParallel's scatter/forward/gather) leave it empty."""
+        return contextlib.nullcontext()
+
     def weights_loaded(self) -> None:
         """The user's model just received new weights (engine.load); copies elsewhere must follow."""
 
@@ -61,6 +67,10 @@ class Strategy:
 
     def all_gather_rows(self, tensor: torch.Tensor) -> torch.Tensor:
         return tensor
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        """Every process's `obj` (picklable), in rank order."""
+        return [obj]
 
     def barrier(self) -> None:
         pass

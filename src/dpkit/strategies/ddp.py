@@ -18,18 +18,22 @@ import collections
 import contextlib
 import logging
 import os
+import time
 from datetime import timedelta
-from typing import Any, Iterator, Sequence
+from typing import Any, ContextManager, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, RandomSampler, Sampler
 
 from dpkit.devices import cpu_threads_per_device
 from dpkit.launch import LAUNCH_VARIABLES, launched
+from dpkit.parallel import hooks
 from dpkit.parallel.scatter import split_sizes
 from dpkit.strategies.base import Strategy
+from dpkit.strategies.single import one_device_forward
 
 log = logging.getLogger("dpkit")
 
@@ -161,6 +165,7 @@ class DDP(Strategy):
         self.seed = seed
         self.shares: tuple[int, int] | None = None  # (this process's rows, global rows) of the batch in hand
         self.ddp: nn.parallel.DistributedDataParallel | None = None
+        self.bucket_seconds: list[tuple[float, float]] = []  # (launched, reduced) per bucket, while observed
 
     @property
     def root_device(self) -> torch.device:
@@ -182,7 +187,48 @@ class DDP(Strategy):
         model = model.to(self.device)
         device_ids = [self.device.index] if self.device.type == "cuda" else None
         self.ddp = nn.parallel.DistributedDataParallel(model, device_ids=device_ids)
+        # torch's own all-reduce hook (the same arithmetic as DDP's default), timed while anyone listens
+        self.ddp.register_comm_hook(None, self._all_reduce_bucket)
         return self.ddp
+
+    def _all_reduce_bucket(self, state, bucket):  # unannotated: torch checks annotations against its own classes
+        reduced = allreduce_hook(state, bucket)
+        if not hooks.listening():
+            return reduced
+        launched = time.perf_counter()
+
+        def finished(future: torch.futures.Future) -> torch.Tensor:
+            # runs in the backend's thread when the bucket's all-reduce completed (host time: on CUDA an
+            # approximation of when the collective finished on the stream)
+            self.bucket_seconds.append((launched, time.perf_counter()))
+            return future.value()
+
+        return reduced.then(finished)
+
+    def announce_all_reduce(self) -> None:
+        """Tell listeners the all-reduce time of the backward that just ended, and the part of it hidden
+        behind backward's computation (which ends when the last bucket is ready, i.e. launched)."""
+        buckets, self.bucket_seconds = sorted(self.bucket_seconds), []
+        if not buckets:
+            return
+        compute_end = max(launched for launched, _ in buckets)
+        merged: list[list[float]] = []  # buckets in flight at once count once
+        for launched, reduced in buckets:
+            if merged and launched <= merged[-1][1]:
+                merged[-1][1] = max(merged[-1][1], reduced)
+            else:
+                merged.append([launched, reduced])
+        for launched, reduced in merged:
+            hidden = max(0.0, min(reduced, compute_end) - launched)
+            hooks.span("all_reduce", self.device, launched, reduced - launched, hidden)
+
+    def forward_context(self, args: tuple, kwargs: dict) -> ContextManager:
+        return one_device_forward(self.ddp.module if self.ddp is not None else None, self.device, args, kwargs)
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        gathered: list[Any] = [None] * self.world_size
+        dist.all_gather_object(gathered, obj)
+        return gathered
 
     def wrap_dataloader(self, loader: Any) -> ShardedLoader:
         seed = torch.tensor([self.seed], dtype=torch.int64, device=self._collective_device())
@@ -194,8 +240,9 @@ class DDP(Strategy):
             rows, global_rows = self.shares
             scale = scale * rows * self.world_size / global_rows
         skip_sync = self.ddp.no_sync() if (not sync and self.ddp is not None) else contextlib.nullcontext()
-        with skip_sync:
+        with skip_sync, hooks.phase("backward", self.device):  # includes waiting for the last buckets' all-reduce
             (loss * scale if scale != 1.0 else loss).backward()
+        self.announce_all_reduce()
 
     # --- collectives -------------------------------------------------------------------------------
     def _collective_device(self) -> torch.device:

@@ -3,9 +3,10 @@ the first device, where the loss and its backward run as on one device."""
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
-from dpkit.parallel import DataParallel
+from dpkit.parallel import DataParallel, hooks
 from dpkit.strategies.base import Strategy
 
 
@@ -14,3 +15,8 @@ class DP(Strategy):
 
     def wrap_model(self, model: nn.Module) -> nn.Module:
         return DataParallel(model.to(self.root_device), self.devices)
+
+    def backward(self, loss: torch.Tensor, *, scale: float, sync: bool) -> None:
+        # on the output device; listeners attribute the replicas' autograd nodes to their own devices
+        with hooks.phase("backward", self.root_device):
+            super().backward(loss, scale=scale, sync=sync)

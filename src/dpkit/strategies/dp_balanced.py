@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from dpkit.observe.calibration import DataParallel  # balance= needs a planner that measures
+from dpkit.parallel import hooks
 from dpkit.strategies.base import DeferredOutput, Strategy, defers
 
 
@@ -68,3 +69,7 @@ class DPBalanced(Strategy):
             return self.data_parallel(*output.args, target=targets[0], **output.kwargs)
 
         return loss_in_replicas
+
+    def backward(self, loss: torch.Tensor, *, scale: float, sync: bool) -> None:
+        with hooks.phase("backward", self.root_device):
+            super().backward(loss, scale=scale, sync=sync)

@@ -2,11 +2,25 @@
 
 from __future__ import annotations
 
-from typing import Sequence
+import contextlib
+from typing import ContextManager, Iterator, Sequence
 
 import torch
+from torch import nn
 
+from dpkit.parallel import hooks
+from dpkit.parallel.scatter import batch_size_of
 from dpkit.strategies.base import Strategy
+
+
+@contextlib.contextmanager
+def one_device_forward(module: nn.Module | None, device: torch.device, args: tuple, kwargs: dict) -> Iterator[None]:
+    """Announce a one-device forward through the seam: the step's rows on `device`, then the "forward" phase."""
+    if hooks.listening() and module is not None:
+        rows = batch_size_of(args, kwargs, 0)
+        hooks.split(module, [device], device, [0 if rows is None else rows])
+    with hooks.phase("forward", device):
+        yield
 
 
 class Single(Strategy):
@@ -16,3 +30,15 @@ class Single(Strategy):
         if len(devices) != 1:
             raise ValueError(f"devices: strategy 'single' uses one device, got {len(devices)}; pass devices=1 or choose 'dp', 'replicated' or 'ddp'")
         super().__init__(devices)
+        self.model: nn.Module | None = None
+
+    def wrap_model(self, model: nn.Module) -> nn.Module:
+        self.model = super().wrap_model(model)
+        return self.model
+
+    def forward_context(self, args: tuple, kwargs: dict) -> ContextManager:
+        return one_device_forward(self.model, self.root_device, args, kwargs)
+
+    def backward(self, loss: torch.Tensor, *, scale: float, sync: bool) -> None:
+        with hooks.phase("backward", self.root_device):
+            super().backward(loss, scale=scale, sync=sync)
