@@ -119,10 +119,14 @@ def format_report(report: dict[str, Any]) -> str:
                            _rate(row["algbw_bytes_per_second"]), _rate(row["busbw_bytes_per_second"]),
                            _rate(row["nominal_bytes_per_second"]), _rate(row["typical_bytes_per_second"]), _ratio(row)]
                           for row in report["collectives"]]))
+    best_lines = []
     for collective, best in report.get("summary", {}).items():
         against = "" if best["ratio"] is None else f", {_ratio(best)} of nominal {_rate(best['nominal_bytes_per_second'])} GB/s"
-        parts.append(f"best {collective} bus bandwidth: {_rate(best['busbw_bytes_per_second'])} GB/s at {_size(best['size_bytes'])}{against}")
-    parts.extend(f"note: {note}" for note in report["notes"])
+        best_lines.append(f"best {collective} bus bandwidth: {_rate(best['busbw_bytes_per_second'])} GB/s at {_size(best['size_bytes'])}{against}")
+    if best_lines:
+        parts.append("\n".join(best_lines))
+    if report["notes"]:
+        parts.append("\n".join(f"note: {note}" for note in report["notes"]))
     return "\n\n".join(parts)
 
 
