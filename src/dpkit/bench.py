@@ -174,7 +174,7 @@ class BenchResult:
         left.legend(fontsize="small")
         labels = [f"{r.strategy}\n{r.devices}" for r in self.results]
         bottoms = [0.0] * len(labels)
-        for phase in SHOWN_PHASES:
+        for phase in (p for p in SHOWN_PHASES if not p.endswith("_hidden")):  # hidden time is inside another phase
             heights = [r.phase_seconds.get(phase, 0.0) * 1e3 for r in self.results]
             if any(heights):
                 right.bar(labels, heights, bottom=bottoms, label=phase)
@@ -312,9 +312,20 @@ class Contender:
             for device in observer.report().devices:
                 for phase, seconds in device.seconds_by_phase.items():
                     slowest[phase] = max(slowest.get(phase, 0.0), seconds)
+                for phase, seconds in getattr(device, "hidden_seconds_by_phase", {}).items():
+                    slowest[f"{phase}_hidden"] = max(slowest.get(f"{phase}_hidden", 0.0), seconds)
             per_step.append(slowest)
         names = dict.fromkeys(name for step in per_step for name in step)
         phase_seconds = {name: statistics.median([step.get(name, 0.0) for step in per_step]) for name in names}
+        if "all_reduce" in phase_seconds:
+            # ddp's all-reduce runs while backward computes: keep only what backward waited for (exposed) in
+            # the step's sum, and the rest as all_reduce_hidden; the bench's backward timer includes the wait
+            hidden = min(phase_seconds.get("all_reduce_hidden", 0.0), phase_seconds["all_reduce"])
+            exposed = phase_seconds["all_reduce"] - hidden
+            phase_seconds["all_reduce"] = exposed
+            phase_seconds["all_reduce_hidden"] = hidden
+            if "backward" in self.wrapped and "backward" in phase_seconds:
+                phase_seconds["backward"] = max(0.0, phase_seconds["backward"] - exposed)
         return phase_seconds
 
     def close(self) -> None:
@@ -366,9 +377,10 @@ def lost_by_phase(result: ConfigResult, baseline: ConfigResult) -> dict[str, flo
     """The share of this configuration's step that the one-device step did not spend, by phase:
     phases that grew (communication, serialised launches, shared compute) against the baseline's."""
     lost_total = max(0.0, 1.0 - baseline.step_seconds / result.step_seconds) if result.step_seconds > 0 else 0.0
-    grown = {phase: seconds - baseline.phase_seconds.get(phase, 0.0) for phase, seconds in result.phase_seconds.items()}
+    step_phases = {phase: seconds for phase, seconds in result.phase_seconds.items() if not phase.endswith("_hidden")}
+    grown = {phase: seconds - baseline.phase_seconds.get(phase, 0.0) for phase, seconds in step_phases.items()}
     grown = {phase: extra for phase, extra in grown.items() if extra > 0}
-    observed_total = sum(result.phase_seconds.values())
+    observed_total = sum(step_phases.values())
     if not grown or lost_total == 0 or observed_total == 0:
         return {"other": lost_total} if lost_total > 0.005 else {}
     # observed steps run slower than the timed ones (observing costs); express growth in their scale
