@@ -99,7 +99,7 @@ def run(args: argparse.Namespace) -> int:
             from dataclasses import replace
             hardware = replace(hardware, nodes=args.nodes, network=catalogue.network(args.network))
     plan = make_plan(profile, hardware, strategies, devices, args.batch_size_per_device, args.precision, constants,
-                     args.optimizer, links=catalogue.links if not hardware.shared_compute else None)
+                     args.optimizer, links=catalogue.links if not hardware.shared_compute else None, networks=catalogue.networks)
     print(f"dpkit plan: {profile.name} ({profile.parameters / 1e6:,.1f}M parameters, {profile.flops_per_sample / 1e9:,.3g} GFLOP "
           f"forward per sample) on {hardware.gpu.name}, link {hardware.link.name}"
           + (f", {hardware.nodes} nodes over {hardware.network.name}" if hardware.nodes > 1 else "")

@@ -26,7 +26,7 @@ class Recommendation:
         return {"strategy": self.strategy, "devices": self.devices, "reasons": list(self.reasons)}
 
 
-def _losses(prediction: Prediction, baseline_step: float) -> str:
+def _losses(prediction: Prediction) -> str:
     """The phases that grew beyond the one-device step, largest first."""
     parts = sorted(((seconds, name) for name, seconds in prediction.breakdown.items() if name not in ("forward", "backward")),
                    reverse=True)
@@ -38,10 +38,15 @@ def recommend(predictions: list[Prediction], link_name: str = "", network_name: 
               what_if: Callable[[str], list[Prediction]] | None = None) -> Recommendation:
     """`what_if(change)` may re-run the plan with "faster-link" or "double-batch" for the last reason."""
     baseline = next((p for p in predictions if p.strategy == "single"), None)
-    multi = [p for p in predictions if p.total_devices > 1 and not any("does not fit" in n for n in p.notes)]
-    if baseline is None or not multi:
-        only = baseline or predictions[0]
-        return Recommendation(only.strategy, only.total_devices, ["only one device was asked for: nothing to compare"])
+    fits = [p for p in predictions if not any("does not fit" in n for n in p.notes)]
+    multi = [p for p in fits if p.total_devices > 1]
+    if not fits:
+        smallest = min(predictions, key=lambda p: max(p.peak_bytes_per_device))
+        return Recommendation(smallest.strategy, smallest.total_devices, [
+            f"nothing fits: {smallest.notes[0]}; every strategy here keeps a whole model, its gradients and optimizer "
+            "state on each device, so shard them (FSDP / ZeRO), use a smaller batch, or a larger device"])
+    if not multi:
+        return Recommendation("single", 1, ["only one device was asked for (or fits): nothing to compare"])
     largest = max(p.total_devices for p in multi)
     at_largest = [p for p in multi if p.total_devices == largest]
     best = max(at_largest, key=lambda p: p.samples_per_second)
@@ -52,7 +57,7 @@ def recommend(predictions: list[Prediction], link_name: str = "", network_name: 
     if best.speedup < HELPS_SPEEDUP:
         choice = Recommendation("single", 1)
         reasons.append(f"neither helps: the best, {best.strategy} on {largest} devices, reaches {best.speedup:.2f}x one device "
-                       f"(communication dominates: {_losses(best, baseline.step_seconds)})")
+                       f"(communication dominates: {_losses(best)})")
     elif dp is not None and dp.samples_per_second >= DP_FINE_RATIO * best.samples_per_second:
         choice = Recommendation("dp", largest)
         reasons.append(f"DP is fine here: {dp.speedup:.2f}x ({dp.efficiency:.0%}) on {largest} devices, within "
@@ -61,12 +66,12 @@ def recommend(predictions: list[Prediction], link_name: str = "", network_name: 
         choice = Recommendation(best.strategy, largest)
         reasons.append(f"{best.strategy} on {largest} devices: {best.speedup:.2f}x one device ({best.efficiency:.0%} efficiency)")
         if dp is not None:
-            reasons.append(f"DP reaches only {dp.speedup:.2f}x ({dp.efficiency:.0%}): it loses {_losses(dp, baseline.step_seconds)}")
+            reasons.append(f"DP reaches only {dp.speedup:.2f}x ({dp.efficiency:.0%}): it loses {_losses(dp)}")
             if best.strategy != "ddp" and ddp is not None:
                 reasons.append(f"ddp would give {ddp.speedup:.2f}x")
     # where DP stops scaling: the largest count at which adding devices still adds throughput
     dp_runs = sorted((p for p in multi if p.strategy == "dp"), key=lambda p: p.total_devices)
-    if dp_runs and dp_runs[0].samples_per_second < baseline.samples_per_second:
+    if dp_runs and dp_runs[0].speedup < 1.0:
         reasons.append(f"DP is slower than one device already on {dp_runs[0].total_devices} ({dp_runs[0].speedup:.2f}x)")
         dp_runs = []
     for before, after in zip(dp_runs, dp_runs[1:]):
@@ -84,7 +89,8 @@ def recommend(predictions: list[Prediction], link_name: str = "", network_name: 
         reasons.append(f"host-bound: kernel launches take {chosen.breakdown['launch'] / chosen.step_seconds:.0%} of the step; "
                        "a larger batch per device, CUDA graphs or torch.compile would hide them")
     if what_if is not None:
-        for change, words in (("faster-link", "a faster link"), ("double-batch", "twice the batch per device")):
+        for change, words in (("faster-link", "the fastest link"), ("faster-network", "the fastest network"),
+                              ("double-batch", "twice the batch per device")):
             changed = what_if(change)
             if not changed:
                 continue

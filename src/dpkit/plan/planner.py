@@ -98,13 +98,21 @@ def faster_link(hardware: Hardware, links: dict[str, Link]) -> Hardware | None:
 
 def make_plan(profile: ModelProfile, hardware: Hardware, strategies: list[str], device_counts: list[int], batch_per_device: int,
               precision: str = "32", constants: CostConstants = CostConstants(), optimizer: str = "adam",
-              links: dict[str, Link] | None = None) -> Plan:
+              links: dict[str, Link] | None = None, networks: dict[str, Link] | None = None) -> Plan:
     predictions = predict_all(profile, hardware, strategies, device_counts, batch_per_device, precision, constants, optimizer)
 
     def what_if(change: str) -> list[Prediction]:
         if change == "faster-link":
             other = faster_link(hardware, links) if links else None
             return predict_all(profile, other, strategies, device_counts, batch_per_device, precision, constants, optimizer) if other else []
+        if change == "faster-network":
+            if hardware.nodes < 2 or not networks or hardware.network is None:
+                return []
+            fastest = max(networks.values(), key=lambda link: link.achieved_bytes_per_second)
+            if fastest.achieved_bytes_per_second <= hardware.network.achieved_bytes_per_second:
+                return []
+            return predict_all(profile, replace(hardware, network=fastest), strategies, device_counts, batch_per_device,
+                               precision, constants, optimizer)
         if change == "double-batch":
             return predict_all(profile, hardware, strategies, device_counts, 2 * batch_per_device, precision, constants, optimizer)
         return []
