@@ -16,7 +16,7 @@ STRATEGIES = ["single", "dp", "dp-balanced", "replicated"]  # in one process: no
 
 def bench(tmp_path, factory: str, batch: int, reference_seconds: float | None = None) -> BenchRun:
     spec = BenchSpec(example=None, model=f"widths:{factory}", input_shape=(64,), strategies=STRATEGIES, device_counts=[1, 2, 3],
-                     batch_size_per_device=batch, steps=12, warmup=2, observed_steps=0, progress=False)
+                     batch_size_per_device=batch, steps=16, warmup=3, observed_steps=0, progress=False)
     path = run_bench(spec).save_json(tmp_path / f"{factory}.json")
     # this machine is shared with other work: each step is taken relative to the reference work timed in
     # its round, in units of the first run's reference, so the load of the moment cancels out
