@@ -15,11 +15,11 @@ medians, since observing costs time itself.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
 import statistics
-import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field
@@ -104,6 +104,7 @@ class ConfigResult:
     lost: dict[str, float] = field(default_factory=dict)  # fraction of this step lost to each phase vs one device
     fastest_step_seconds: float = 0.0  # the least disturbed step
     interleaved: bool = True  # took turns with the others, round by round (ddp runs in its own processes)
+    reference_seconds_samples: list[float] = field(default_factory=list)  # the reference work of each step's round
 
     def summary(self) -> str:
         text = f"{self.devices} device{'s' if self.devices > 1 else ''}: {self.speedup:.2f}x ({self.efficiency:.0%})"
@@ -257,6 +258,7 @@ class Contender:
         self.step_index = 0
         self.wrapped: tuple[str, ...] = LOOP_PHASES  # loop phases the bench times itself under an observer
         self.times: list[float] = []
+        self.reference_times: list[float] = []
 
     def batch(self) -> tuple[torch.Tensor, torch.Tensor]:
         rows = batch_rows(self.step_index, self.global_rows, len(self.x))
@@ -272,7 +274,6 @@ class Contender:
             torch.set_num_threads(self.threads)  # the calling thread runs backward and the optimizer
 
         def timed(name: str):
-            import contextlib
             return observer.phase(name) if observer is not None and name in self.wrapped else contextlib.nullcontext()
 
         start = time.perf_counter()
@@ -403,6 +404,7 @@ class ReferenceWork:
         self.a = torch.randn(size, size, generator=generator)
         self.repeats = repeats
         self.times: list[float] = []
+        self.reference_times: list[float] = []
 
     def run(self) -> None:
         threads = torch.get_num_threads()
@@ -415,53 +417,78 @@ class ReferenceWork:
 
 
 def run_bench(spec: BenchSpec) -> BenchResult:
-    spec.check()
-    factory, x, y, name = load_model_source(spec)
-    profile = measure_model(factory, tuple(x.shape[1:]), input_dtype=x.dtype, name=name)
-    configs = [(s, n) for s in spec.strategies for n in spec.device_counts if not (s == "single" and n != 1)]
-    if ("single", 1) not in configs:
-        configs.insert(0, ("single", 1))  # the reference every speed-up is measured against
-    local = [c for c in configs if c[0] != "ddp"]
-    launched_configs = [c for c in configs if c[0] == "ddp"]
-    total_steps = len(local) * (spec.warmup + spec.steps + spec.observed_steps + 1) + len(launched_configs)
-    times: dict[tuple[str, int], list[float]] = {}
-    phases: dict[tuple[str, int], dict[str, float]] = {}
-    with tqdm(total=total_steps, desc="dpkit bench", unit="step", disable=not spec.progress) as bar:
-        contenders = [Contender(spec, s, n, factory, x, y) for s, n in local]
-        reference = ReferenceWork()
+    return run_benches([spec])[0]
+
+
+def run_benches(specs: list[BenchSpec]) -> list[BenchResult]:
+    """Several benches at once (two models, two batch sizes, ...): every in-process contender of every
+    spec takes its turn in the same rounds, so that the load of a shared machine hits them all alike and
+    their results can be compared with each other. Each spec runs its own warm-up and measured steps."""
+    if not specs:
+        raise ValueError("specs: expected at least one BenchSpec")
+    for spec in specs:
+        spec.check()
+    sources, plans = [], []
+    for spec in specs:
+        factory, x, y, name = load_model_source(spec)
+        profile = measure_model(factory, tuple(x.shape[1:]), input_dtype=x.dtype, name=name)
+        configs = [(s, n) for s in spec.strategies for n in spec.device_counts if not (s == "single" and n != 1)]
+        if ("single", 1) not in configs:
+            configs.insert(0, ("single", 1))  # the reference every speed-up is measured against
+        sources.append((factory, x, y, profile))
+        plans.append(configs)
+    total_steps = sum(len([c for c in configs if c[0] != "ddp"]) * (spec.warmup + spec.steps + spec.observed_steps + 1)
+                      + len([c for c in configs if c[0] == "ddp"]) for spec, configs in zip(specs, plans))
+    times: list[dict[tuple[str, int], list[float]]] = [{} for _ in specs]
+    phases: list[dict[tuple[str, int], dict[str, float]]] = [{} for _ in specs]
+    reference = ReferenceWork()
+    with tqdm(total=total_steps, desc="dpkit bench", unit="step", disable=not any(spec.progress for spec in specs)) as bar:
+        contenders: list[tuple[int, Contender]] = []
         try:
-            for round_index in range(spec.warmup + spec.steps):
-                if round_index >= spec.warmup:
-                    reference.run()
-                for contender in contenders:  # interleaved: one step each per round
+            for index, (spec, configs, (factory, x, y, _)) in enumerate(zip(specs, plans, sources)):
+                contenders += [(index, Contender(spec, s, n, factory, x, y)) for s, n in configs if s != "ddp"]
+            rounds = max(spec.warmup + spec.steps for spec in specs)
+            for round_index in range(rounds):
+                reference.run()
+                for index, contender in contenders:  # interleaved: one step each per round
+                    spec = specs[index]
+                    if round_index >= spec.warmup + spec.steps:
+                        continue
                     seconds = contender.step()
                     if round_index >= spec.warmup:
                         contender.times.append(seconds)
+                        contender.reference_times.append(reference.times[-1])
                     bar.update()
-            for contender in contenders:
-                phases[(contender.strategy, contender.devices)] = contender.observe(spec.observed_steps)
-                times[(contender.strategy, contender.devices)] = contender.times
-                bar.update(spec.observed_steps + 1)
+            for index, contender in contenders:
+                key = (contender.strategy, contender.devices)
+                phases[index][key] = contender.observe(specs[index].observed_steps)
+                times[index][key] = contender.times
+                bar.update(specs[index].observed_steps + 1)
         finally:
-            for contender in contenders:
+            for _, contender in contenders:
                 contender.close()
-        for strategy, devices in launched_configs:
-            bar.set_postfix_str(f"ddp x{devices} (processes)")
-            times[(strategy, devices)], phases[(strategy, devices)] = run_ddp(spec, devices)
-            bar.update()
-    results = [ConfigResult(s, n, statistics.median(times[(s, n)]), times[(s, n)], phases[(s, n)],
-                            fastest_step_seconds=min(times[(s, n)]), interleaved=s != "ddp") for s, n in configs]
-    machine = machine_description(spec)
-    machine["reference_seconds"] = statistics.median(reference.times) if reference.times else None
-    machine["reference_seconds_samples"] = reference.times  # one per measured round, beside each contender's step
-    bench = BenchResult(spec, profile.to_dict(), machine, results)
-    baseline = bench.baseline()
-    for result in results:
-        result.samples_per_second = spec.batch_size_per_device * result.devices / result.step_seconds
-        result.speedup = result.samples_per_second / baseline.samples_per_second
-        result.efficiency = result.speedup / result.devices
-        result.lost = lost_by_phase(result, baseline) if result is not baseline else {}
-    return bench
+        for index, (spec, configs) in enumerate(zip(specs, plans)):
+            for strategy, devices in (c for c in configs if c[0] == "ddp"):
+                bar.set_postfix_str(f"ddp x{devices} (processes)")
+                times[index][(strategy, devices)], phases[index][(strategy, devices)] = run_ddp(spec, devices)
+                bar.update()
+    references = {(index, c.strategy, c.devices): c.reference_times for index, c in contenders}
+    benches = []
+    for index, (spec, configs, (_, _, _, profile)) in enumerate(zip(specs, plans, sources)):
+        results = [ConfigResult(s, n, statistics.median(times[index][(s, n)]), times[index][(s, n)], phases[index][(s, n)],
+                                fastest_step_seconds=min(times[index][(s, n)]), interleaved=s != "ddp",
+                                reference_seconds_samples=references.get((index, s, n), [])) for s, n in configs]
+        machine = machine_description(spec)
+        machine["reference_seconds"] = statistics.median(reference.times) if reference.times else None
+        bench = BenchResult(spec, profile.to_dict(), machine, results)
+        baseline = bench.baseline()
+        for result in results:
+            result.samples_per_second = spec.batch_size_per_device * result.devices / result.step_seconds
+            result.speedup = result.samples_per_second / baseline.samples_per_second
+            result.efficiency = result.speedup / result.devices
+            result.lost = lost_by_phase(result, baseline) if result is not baseline else {}
+        benches.append(bench)
+    return benches
 
 
 def machine_description(spec: BenchSpec) -> dict[str, Any]:

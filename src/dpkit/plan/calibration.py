@@ -21,7 +21,7 @@ import os
 import statistics
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from dpkit.plan.catalogue import GPU, Link
 from dpkit.plan.cost_model import CostConstants, Hardware, predict
@@ -64,7 +64,7 @@ class BenchRun:
         times `reference_seconds` (default: this run's median reference), which takes out the load
         that other work put on the machine while this run went on."""
         machine = data.get("machine", {})
-        references = machine.get("reference_seconds_samples") or []
+        references = machine.get("reference_seconds_samples") or []  # older files: one per round
         if statistic not in ("fastest", "median", "relative"):
             raise ValueError(f"statistic: expected 'median', 'fastest' or 'relative', got {statistic!r}")
         measured = []
@@ -72,9 +72,11 @@ class BenchRun:
             seconds = float(r["step_seconds"])
             if statistic == "fastest":
                 seconds = float(r.get("fastest_step_seconds") or seconds)
-            elif statistic == "relative" and references and r.get("interleaved", True) and len(r["step_seconds_samples"]) == len(references):
-                scale = reference_seconds or float(machine["reference_seconds"])
-                seconds = scale * statistics.median(t / ref for t, ref in zip(r["step_seconds_samples"], references))
+            elif statistic == "relative" and r.get("interleaved", True):
+                own = r.get("reference_seconds_samples") or references  # the reference of each step's round
+                if own and len(own) == len(r["step_seconds_samples"]):
+                    scale = reference_seconds or float(machine["reference_seconds"])
+                    seconds = scale * statistics.median(t / ref for t, ref in zip(r["step_seconds_samples"], own))
             measured.append((r["strategy"], int(r["devices"]), seconds))
         return cls(ModelProfile.from_dict(data["model"]), int(data["batch_size_per_device"]), data.get("optimizer", "adam"),
                    machine.get("accelerator", "cpu"), int(machine.get("cores", 1)), measured, path,

@@ -20,9 +20,10 @@ from dpkit.plan.profiles import FP32_BYTES, ModelProfile
 STRATEGIES = ("single", "dp", "dp-balanced", "replicated", "ddp")
 SINGLE_PROCESS = ("single", "dp", "dp-balanced", "replicated")  # one process drives every device of a node
 OPTIMIZER_STATE_BYTES_PER_PARAMETER = {"adam": 8, "sgd": 4}  # Adam: two moments; SGD: momentum
-# bytes an optimizer step reads and writes per parameter: Adam reads param, grad, two moments and
-# writes param and two moments (7 fp32 tensors); SGD with momentum reads 3, writes 2
-OPTIMIZER_TRAFFIC_BYTES_PER_PARAMETER = {"adam": 28, "sgd": 20}
+# bytes an optimizer step reads and writes per fp32 parameter with PyTorch's default (unfused, for-each)
+# implementations, which make one pass over memory per elementwise operation: Adam's lerp, mul, addcmul,
+# sqrt, div, add and addcdiv read 12 and write 7 tensors; SGD with momentum's mul, add, add read 5 and write 3
+OPTIMIZER_TRAFFIC_BYTES_PER_PARAMETER = {"adam": 76, "sgd": 32}
 PHASE_ORDER = ("scatter", "replicate", "forward", "launch", "gather", "loss", "backward", "reduce", "all_reduce",
                "optimizer", "overhead")
 
