@@ -18,7 +18,7 @@ def wrappers():
         "dpkit": lambda m: dpkit.DataParallel(m, dpkit.cpu_devices(2)),
         "torch-dp": lambda m: nn.DataParallel(m),
         "compiled": lambda m: torch.compile(m),
-        "compiled-dp": lambda m: dpkit.DataParallel(torch.compile(m), dpkit.cpu_devices(2)),
+        "dp-compiled": lambda m: torch.compile(dpkit.DataParallel(m, dpkit.cpu_devices(2))),  # wrap first, then compile
     }
 
 
@@ -37,7 +37,7 @@ def test_save_model_writes_clean_keys_whatever_the_wrapper(tmp_path, wrap):
 
 def test_unwrap_model_reaches_the_bare_module():
     model = small_model()
-    assert unwrap_model(dpkit.DataParallel(torch.compile(nn.DataParallel(model)), dpkit.cpu_devices(1))) is model
+    assert unwrap_model(torch.compile(dpkit.DataParallel(nn.DataParallel(model), dpkit.cpu_devices(1)))) is model
 
 
 @pytest.mark.parametrize("wrap", list(wrappers()))

@@ -13,6 +13,8 @@ from typing import Iterable, Sequence, Union
 
 import torch
 
+from dpkit.arguments import check_int
+
 DeviceLike = Union[int, str, torch.device]
 
 # torch stores a device index in 8 signed bits: torch.device("cpu", 128) silently becomes cpu:-128 and
@@ -114,8 +116,7 @@ def default_devices(*, argument: str = "device_ids") -> list[torch.device]:
 
 def cpu_devices(n: int) -> list[torch.device]:
     """The virtual CPU devices cpu:0 … cpu:n-1."""
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-        raise ValueError(f"n: expected a positive int number of virtual CPU devices, got {n!r}")
+    check_int(n, "n", meaning="number of virtual CPU devices")
     return [torch.device("cpu", i) for i in range(n)]
 
 

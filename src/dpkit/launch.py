@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Iterator, Sequence
 
+from dpkit.arguments import check_int
 from dpkit.devices import check_process_count, cpu_threads_per_device
 from dpkit.errors import DpkitError
 
@@ -91,9 +92,7 @@ def port_in_use(host: str, port: int) -> bool:
 
 
 def _positive(name: str, value: int, minimum: int = 1) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name}: expected an int >= {minimum}, got {value!r}")
-    return value
+    return check_int(value, name, minimum=minimum)
 
 
 def loopback_interface() -> str | None:

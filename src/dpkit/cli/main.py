@@ -17,6 +17,8 @@ COMMANDS = {
     "profile": "dpkit.cli.profile",
     "train": "dpkit.cli.train",
     "launch": "dpkit.cli.launch",
+    "bench": "dpkit.cli.bench",
+    "plan": "dpkit.cli.plan",
     "doctor": "dpkit.cli.doctor",
     "ckpt": "dpkit.cli.ckpt",
 }

@@ -96,20 +96,6 @@ def batches_forever(loader: Any) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         epoch += 1
 
 
-def relaunch_argv(args: argparse.Namespace, n_devices: int) -> list[str]:
-    """`profile` and the options given, for the processes the launcher starts (--devices as a count)."""
-    argv = ["profile"]
-    for action in args._parser._actions:
-        if not action.option_strings or action.dest in ("help", "devices"):
-            continue
-        value = getattr(args, action.dest)
-        if value == action.default:
-            continue
-        flag = action.option_strings[-1]
-        argv += [flag] if isinstance(action, argparse._StoreTrueAction) else [flag, str(value)]
-    return argv + ["--devices", str(n_devices)]
-
-
 def profile(args: argparse.Namespace) -> tuple[Report | None, float]:
     """Run warm-up and observed steps through the Engine; the report of the observed ones (every rank's
     devices under ddp; None on the other ranks) and the last loss (the global batch's)."""
@@ -170,7 +156,7 @@ def run(args: argparse.Namespace) -> int:
     if args.strategy == "ddp" and not launched():
         check_args(args)
         n_devices = len(resolve_devices(args.accelerator, args.devices))
-        launch("dpkit.cli.main", relaunch_argv(args, n_devices), nproc_per_node=n_devices, module=True)
+        launch("dpkit.cli.main", list(args.argv), nproc_per_node=n_devices, module=True)  # its own command line
         return 0  # rank 0 printed the report and wrote the files
     report, last_loss = profile(args)
     if report is None:  # a ddp rank other than 0: rank 0 writes every rank's devices

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from dpkit.devices import DeviceLike, parse_device, parse_device_list, tensor_on
-from dpkit.parallel import hooks
+from dpkit.parallel import hooks, sync_batchnorm
 from dpkit.parallel.apply import parallel_apply
 from dpkit.parallel.balance import BALANCE_MODES
 from dpkit.parallel.gather import gather
@@ -173,6 +173,7 @@ class DataParallel(nn.Module):
             chunks = scatter(inputs, kwargs, plan, self.device_ids, self.dim)
         devices = self.last_devices = [device for device, _, _ in chunks]
         replicas = self.replicate_to(devices, with_loss)
+        replicas = sync_batchnorm.synced_replicas(self.module, replicas)  # SyncBatchNorm layers meet across replicas
         outputs = parallel_apply(replicas, [a for _, a, _ in chunks], [k for _, _, k in chunks], devices)
         if hooks.listening():
             self.announce_outputs(outputs, chunks)

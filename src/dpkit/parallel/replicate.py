@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from dpkit.devices import DeviceLike, parse_device
+from dpkit.parallel import sync_batchnorm
 
 ModuleT = TypeVar("ModuleT", bound=nn.Module)
 
@@ -189,6 +190,7 @@ def _replicate_one(module: nn.Module, device: torch.device, is_source: bool, det
             buffers[name] = None if buffer is None else copier.buffer(buffer)
         if isinstance(original, nn.RNNBase):
             _point_rnn_at_replica_weights(replica)
+        sync_batchnorm.link_replica(original, replica)  # SyncBatchNorm: whole-batch statistics inside a step
     return replicas[id(module)]
 
 

@@ -22,6 +22,8 @@ from dpkit.parallel.reduce import GradientSum
 class ReplicaStep:
     """The replicas' losses of one forward and what to do with the gradient that reaches them."""
 
+    joined = False  # the replicas' graphs share nodes (SyncBatchNorm): one autograd pass must run them all
+
     def __init__(self, indices: Sequence[int], losses: Sequence[torch.Tensor], weights: Sequence[float],
                  gradients: GradientSum, sync: Callable[[], bool], ran: Callable[[], None]):
         self.indices = list(indices)
@@ -40,7 +42,12 @@ class ReplicaStep:
             raise RuntimeError("loss: backward through a replicated loss ran twice; its replicas' graphs are freed after the first")
         roots = [(i, loss, (grad_output * w).to(loss.device)) for i, loss, w in zip(self.indices, self.losses, self.weights)]
         self.losses = None  # the graphs are freed by this backward
-        self.gradients.backward(roots, sync=self.sync())
+        if self.joined:  # a per-replica backward would walk into the other replicas' graphs
+            torch.autograd.backward([loss for _, loss, _ in roots], [grad for _, _, grad in roots])
+            if self.sync():
+                self.gradients.sum_now()
+        else:
+            self.gradients.backward(roots, sync=self.sync())
         self.ran()
 
 

@@ -28,7 +28,7 @@ from torch import nn
 
 from dpkit.arguments import check_int
 from dpkit.devices import cpu_threads_per_device
-from dpkit.parallel import hooks
+from dpkit.parallel import hooks, sync_batchnorm
 from dpkit.parallel.apply import run_replicas
 from dpkit.parallel.replicate import check_replicable
 from dpkit.parallel.gather import gather
@@ -88,6 +88,7 @@ class Replicated(Strategy):
         self.replicas = [model] + [copy.deepcopy(model).to(device) for device in self.devices[1:]]
         self.params = [list(replica.parameters()) for replica in self.replicas]
         self.buffers = [list(replica.buffers()) for replica in self.replicas]
+        sync_batchnorm.link_replicas(self.replicas)  # SyncBatchNorm: whole-batch statistics, running stats on the user's
         if self.gradients is not None:
             self.gradients.remove_hooks()
         self.gradients = GradientSum(self.params, self.devices, overlap=self.overlap_reduce, threads=self.threads)
@@ -136,6 +137,7 @@ class Replicated(Strategy):
             args_k, kwargs_k = chunks[k]
             return self.replicas[active[k]](*args_k, **kwargs_k)
 
+        forward_one, _ = sync_batchnorm.synced_job(self.replicas[0], forward_one, len(active))
         outputs = run_replicas([self.devices[i] for i in active], forward_one, threads=self.threads)
         with hooks.phase("gather", self.root_device):
             return gather(outputs, self.root_device, 0)
@@ -157,8 +159,10 @@ class Replicated(Strategy):
                 raise ValueError(f"criterion: must return a scalar (0-dim) mean loss, got {type(loss).__name__} {getattr(loss, 'shape', '')}")
             return loss
 
+        forward_and_loss, group = sync_batchnorm.synced_job(self.replicas[0], forward_and_loss, len(active))
         losses = run_replicas([self.devices[i] for i in active], forward_and_loss, threads=self.threads)
         step = ReplicaStep(active, losses, weights, self.gradients, sync=lambda: self._sync, ran=self._count_backward)
+        step.joined = group is not None and group.joined  # SyncBatchNorm joined the replicas' graphs
         with hooks.phase("loss", self.root_device):
             return replica_loss(step, self.root_device)
 

@@ -1,0 +1,511 @@
+"""`dpkit bench`: one model under several strategies and device counts, measured in one run.
+
+    result = run_bench(BenchSpec(example="wide-output", strategies=["single", "dp", "ddp"], device_counts=[1, 2]))
+    print(result.format_table())
+
+Each configuration trains the same model from the same initial weights with the same per-device batch
+(weak scaling: N devices take N times the samples per step). The in-process strategies take turns,
+one step each per round, so that drift of a shared machine hits every contender alike; ddp runs in its
+own processes through dpkit's launcher, one launch per device count, with a small worker (this module
+run with `--worker`). Step times are medians over the measured steps after the warm-up ones. A few
+more steps run under an `dpkit.observe.Observer` for the time by phase; they do not count in the
+medians, since observing costs time itself.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import logging
+import os
+import statistics
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from tqdm import tqdm
+
+from dpkit.devices import resolve_devices
+from dpkit.observe import Observer
+from dpkit.observe.timing import PHASES
+from dpkit.plan.profiles import measure_model
+
+log = logging.getLogger("dpkit")
+
+SCHEMA_VERSION = 1
+DEFAULT_STRATEGIES = ("single", "dp", "dp-balanced", "replicated", "ddp")
+LOOP_PHASES = ("forward", "loss", "backward")  # what the bench times itself when a strategy does not report it
+SHOWN_PHASES = tuple(PHASES) + tuple(p for p in ("all_reduce", "all_reduce_hidden") if p not in PHASES)
+
+
+@dataclass
+class BenchSpec:
+    """What to run. The model comes from `example`, or from `model` ('pkg.mod:factory') with data from
+    `data` ('pkg.mod:loader', loader(seed) -> x, y, ...) or synthetic inputs of `input_shape`."""
+
+    example: str | None = "wide-output"
+    model: str | None = None
+    data: str | None = None
+    input_shape: tuple[int, ...] | None = None
+    strategies: list[str] = field(default_factory=lambda: list(DEFAULT_STRATEGIES))
+    device_counts: list[int] = field(default_factory=lambda: [1, 2, 3])
+    batch_size_per_device: int = 64
+    steps: int = 10
+    warmup: int = 3
+    observed_steps: int = 3
+    accelerator: str = "cpu"
+    optimizer: str = "adam"
+    lr: float = 1e-3
+    seed: int = 0
+    threads_per_device: int = 1  # intra-op threads per virtual CPU device; 0: dpkit's fair share of the cores
+    progress: bool = True
+
+    def check(self) -> None:
+        from dpkit.strategies import STRATEGIES
+
+        for name in self.strategies:
+            if name not in STRATEGIES:
+                raise ValueError(f"--strategies: unknown strategy {name!r}; choose from {', '.join(STRATEGIES)}")
+        if not self.device_counts or any(not isinstance(n, int) or n < 1 for n in self.device_counts):
+            raise ValueError(f"--devices: expected positive device counts such as 1,2,3, got {self.device_counts!r}")
+        for flag, value, low in (("--steps", self.steps, 1), ("--warmup", self.warmup, 0),
+                                 ("--batch-size-per-device", self.batch_size_per_device, 1), ("--observed-steps", self.observed_steps, 0),
+                                 ("--threads-per-device", self.threads_per_device, 0)):
+            if value < low:
+                raise ValueError(f"{flag}: expected at least {low}, got {value}")
+        if self.model is None and self.example is None:
+            raise ValueError("--model/--example: give a built-in example or a model factory")
+        if self.model and not (self.data or self.input_shape):
+            raise ValueError("--model: a factory needs --data pkg.mod:loader or --input-shape (e.g. 3,32,32)")
+        if "dp-balanced" in self.strategies and self.warmup < 3:
+            # its balancer observes its first 3 steps, and an observer slows every contender while it runs
+            log.warning("--warmup %d: dp-balanced calibrates during its first 3 steps, which slows the other contenders "
+                        "of those rounds; use --warmup 3 or more", self.warmup)
+        if self.optimizer not in ("adam", "sgd"):
+            raise ValueError(f"--optimizer: expected adam or sgd, got {self.optimizer!r}")
+
+
+@dataclass
+class ConfigResult:
+    strategy: str
+    devices: int
+    step_seconds: float
+    step_seconds_samples: list[float]
+    phase_seconds: dict[str, float]
+    samples_per_second: float = 0.0
+    speedup: float = 0.0
+    efficiency: float = 0.0
+    lost: dict[str, float] = field(default_factory=dict)  # fraction of this step lost to each phase vs one device
+    fastest_step_seconds: float = 0.0  # the least disturbed step
+    interleaved: bool = True  # took turns with the others, round by round (ddp runs in its own processes)
+    reference_seconds_samples: list[float] = field(default_factory=list)  # the reference work of each step's round
+
+    def summary(self) -> str:
+        text = f"{self.devices} device{'s' if self.devices > 1 else ''}: {self.speedup:.2f}x ({self.efficiency:.0%})"
+        parts = [f"{name} {share:.0%}" for name, share in sorted(self.lost.items(), key=lambda kv: -kv[1]) if share >= 0.005]
+        return text + (f"; lost to {', '.join(parts)}" if parts else "")
+
+
+@dataclass
+class BenchResult:
+    spec: BenchSpec
+    profile: dict[str, Any]
+    machine: dict[str, Any]
+    results: list[ConfigResult]
+
+    def baseline(self) -> ConfigResult:
+        single = [r for r in self.results if r.devices == 1]
+        return next((r for r in single if r.strategy == "single"), single[0] if single else self.results[0])
+
+    def to_dict(self) -> dict[str, Any]:
+        spec = asdict(self.spec)
+        spec.pop("progress")
+        return {"schema_version": SCHEMA_VERSION, "kind": "dpkit-bench", "spec": spec, "model": self.profile,
+                "machine": self.machine, "batch_size_per_device": self.spec.batch_size_per_device, "optimizer": self.spec.optimizer,
+                "precision": "32",
+                "results": [{**asdict(r), "summary": r.summary()} for r in self.results]}
+
+    def save_json(self, path: str | os.PathLike) -> Path:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+        return path
+
+    def format_table(self) -> str:
+        phases = [p for p in SHOWN_PHASES if any(p in r.phase_seconds for r in self.results)]
+        header = ["strategy", "devices", "step ms", "samples/s", "speedup", "eff"] + [f"{p} ms" for p in phases] + ["where it went"]
+        rows = []
+        for r in self.results:
+            row = [r.strategy, str(r.devices), f"{r.step_seconds * 1e3:.2f}", f"{r.samples_per_second:,.0f}",
+                   f"{r.speedup:.2f}x", f"{r.efficiency:.0%}"]
+            row += [f"{r.phase_seconds[p] * 1e3:.2f}" if p in r.phase_seconds else "-" for p in phases]
+            row.append(r.summary().split(": ", 1)[1])
+            rows.append(row)
+        widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(header)]
+        lines = ["  ".join(h.rjust(w) if i < len(header) - 1 else h for i, (h, w) in enumerate(zip(header, widths)))]
+        lines += ["  ".join(c.rjust(w) if i < len(header) - 1 else c for i, (c, w) in enumerate(zip(row, widths))) for row in rows]
+        return "\n".join(lines)
+
+    def save_png(self, path: str | os.PathLike) -> Path:
+        """Left: samples/s against devices per strategy; right: stacked time by phase per configuration."""
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        figure, (left, right) = plt.subplots(1, 2, figsize=(13, 4.5))
+        for strategy in dict.fromkeys(r.strategy for r in self.results):
+            points = sorted((r.devices, r.samples_per_second) for r in self.results if r.strategy == strategy)
+            left.plot([d for d, _ in points], [s for _, s in points], marker="s" if strategy == "single" else "o", label=strategy)
+        counts = sorted({r.devices for r in self.results})
+        base = self.baseline().samples_per_second
+        left.plot(counts, [base * n for n in counts], linestyle=":", color="grey", label="linear from one device")
+        left.set_xticks(counts)
+        left.set_xlabel("devices")
+        left.set_ylabel("samples/s (median step)")
+        left.set_title(f"throughput, batch {self.spec.batch_size_per_device} per device")
+        left.legend(fontsize="small")
+        labels = [f"{r.strategy}\n{r.devices}" for r in self.results]
+        bottoms = [0.0] * len(labels)
+        for phase in (p for p in SHOWN_PHASES if not p.endswith("_hidden")):  # hidden time is inside another phase
+            heights = [r.phase_seconds.get(phase, 0.0) * 1e3 for r in self.results]
+            if any(heights):
+                right.bar(labels, heights, bottom=bottoms, label=phase)
+                bottoms = [b + h for b, h in zip(bottoms, heights)]
+        right.set_ylabel("ms per observed step (slowest device per phase)")
+        right.tick_params(axis="x", labelsize="x-small", labelrotation=60)
+        right.legend(fontsize="x-small", loc="upper left", bbox_to_anchor=(1.01, 1.0))
+        figure.tight_layout()
+        figure.savefig(path, dpi=100)
+        plt.close(figure)
+        return path
+
+
+# ---- model and data -------------------------------------------------------------------------------
+
+def load_model_source(spec: BenchSpec) -> tuple[Callable[[], nn.Module], torch.Tensor, torch.Tensor, str]:
+    """(factory, x, y, name): the model factory and the data rows to cut batches from."""
+    from dpkit.examples import get_example, load_factory
+
+    example = get_example(spec.example) if not spec.model or not (spec.data or spec.input_shape) else None
+    factory = load_factory(spec.model) if spec.model else example.build_model
+    name = spec.model or spec.example
+    if spec.data:
+        data = load_factory(spec.data)(spec.seed)
+        x, y = data[0], data[1]
+    elif spec.model and spec.input_shape:
+        generator = torch.Generator().manual_seed(spec.seed)
+        rows = max(256, spec.batch_size_per_device * max(spec.device_counts))
+        x = torch.randn((rows, *spec.input_shape), generator=generator)
+        torch.manual_seed(spec.seed)
+        with torch.no_grad():
+            probe = factory()(x[:2])
+        if not isinstance(probe, torch.Tensor):
+            raise TypeError("--model: with --input-shape the model must return one tensor (the bench regresses it on noise)")
+        y = torch.randn((rows, *probe.shape[1:]), generator=generator)
+    else:
+        x, y = example.load_data(spec.seed)[:2]
+    return factory, x, y, name
+
+
+def criterion_for(target: torch.Tensor) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """Cross-entropy for class labels, mean squared error for anything else."""
+    return F.cross_entropy if not target.is_floating_point() else F.mse_loss
+
+
+def batch_rows(step: int, rows: int, total_rows: int) -> torch.Tensor:
+    """Row indices of the step's global batch, cycling through the data."""
+    start = (step * rows) % total_rows
+    return torch.arange(start, start + rows) % total_rows
+
+
+# ---- one in-process contender ---------------------------------------------------------------------
+
+class Contender:
+    """One (strategy, devices) configuration with its own engine, model copy and optimizer."""
+
+    def __init__(self, spec: BenchSpec, strategy: str, devices: int, factory: Callable[[], nn.Module],
+                 x: torch.Tensor, y: torch.Tensor, rank: int = 0, world_size: int = 1):
+        from dpkit.engine import Engine
+
+        self.strategy, self.devices = strategy, devices
+        options = {}
+        # one thread count for every contender: OpenMP threads are per calling thread, and on a busy
+        # machine a contender with more threads than free cores loses most of its time spinning
+        self.threads = spec.threads_per_device or None
+        if self.threads and spec.accelerator == "cpu" and strategy in ("replicated", "ddp"):
+            options["threads_per_device"] = self.threads
+        self.engine = Engine(strategy=strategy, accelerator=spec.accelerator, devices=devices, progress=False, **options)
+        torch.manual_seed(spec.seed)  # every contender starts from the same weights
+        model = factory()
+        optimizer = (torch.optim.Adam(model.parameters(), lr=spec.lr) if spec.optimizer == "adam"
+                     else torch.optim.SGD(model.parameters(), lr=spec.lr, momentum=0.9))
+        self.model, self.optimizer = self.engine.setup(model, optimizer)
+        self.criterion = self.engine.setup_criterion(criterion_for(y))
+        self.x, self.y = x, y
+        self.rank, self.world_size = rank, world_size
+        # the global batch of a step: per-device batch x all devices (ddp: this process's share of it)
+        self.global_rows = spec.batch_size_per_device * devices * world_size
+        self.share_rows = spec.batch_size_per_device * devices
+        self.step_index = 0
+        self.wrapped: tuple[str, ...] = LOOP_PHASES  # loop phases the bench times itself under an observer
+        self.times: list[float] = []
+        self.reference_times: list[float] = []
+
+    def batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        rows = batch_rows(self.step_index, self.global_rows, len(self.x))
+        rows = rows[self.rank * self.share_rows:(self.rank + 1) * self.share_rows]
+        self.step_index += 1
+        device = self.engine.device
+        return self.x[rows].to(device), self.y[rows].to(device)
+
+    def step(self, observer: Observer | None = None) -> float:
+        """One training step; its wall time in seconds."""
+        x, y = self.batch()
+        if self.threads and self.engine.device.type == "cpu" and torch.get_num_threads() != self.threads:
+            torch.set_num_threads(self.threads)  # the calling thread runs backward and the optimizer
+
+        def timed(name: str):
+            return observer.phase(name) if observer is not None and name in self.wrapped else contextlib.nullcontext()
+
+        start = time.perf_counter()
+        self.optimizer.zero_grad(set_to_none=True)
+        with timed("forward"):
+            output = self.model(x)
+        with timed("loss"):
+            loss = self.criterion(output, y)
+        del output
+        with timed("backward"):
+            self.engine.backward(loss)
+        self.optimizer.step()
+        if self.strategy == "ddp":
+            loss.item()  # the step is over when every rank's all-reduce is
+        return time.perf_counter() - start
+
+    def observe(self, steps: int) -> dict[str, float]:
+        """Seconds per step by phase (slowest device for each phase), over `steps` observed steps.
+
+        One trial step first finds the loop phases the strategy already reports through the observer,
+        so that the bench times only the others and nothing is counted twice."""
+        if steps == 0:
+            return {}
+        self.wrapped = ()
+        with Observer(memory=False, trace=False) as trial:
+            trial.watch(self.model)  # names the home device, so the report has a row for it
+            self.step(trial)
+        reported = {phase for device in trial.report().devices for phase in device.seconds_by_phase}
+        self.wrapped = tuple(p for p in LOOP_PHASES if p not in reported)
+        home = self.engine.device if self.strategy in ("single", "ddp") else None
+        per_step: list[dict[str, float]] = []
+        for _ in range(steps):  # one observer per step: a median per phase shrugs off a step the machine stalled
+            with Observer(home, memory=False, trace=False) as observer:
+                observer.watch(self.model)
+                self.step(observer)
+            slowest: dict[str, float] = {}
+            for device in observer.report().devices:
+                for phase, seconds in device.seconds_by_phase.items():
+                    slowest[phase] = max(slowest.get(phase, 0.0), seconds)
+                for phase, seconds in getattr(device, "hidden_seconds_by_phase", {}).items():
+                    slowest[f"{phase}_hidden"] = max(slowest.get(f"{phase}_hidden", 0.0), seconds)
+            per_step.append(slowest)
+        names = dict.fromkeys(name for step in per_step for name in step)
+        phase_seconds = {name: statistics.median([step.get(name, 0.0) for step in per_step]) for name in names}
+        if "all_reduce" in phase_seconds:
+            # ddp's all-reduce runs while backward computes: keep only what backward waited for (exposed) in
+            # the step's sum, and the rest as all_reduce_hidden; the bench's backward timer includes the wait
+            hidden = min(phase_seconds.get("all_reduce_hidden", 0.0), phase_seconds["all_reduce"])
+            exposed = phase_seconds["all_reduce"] - hidden
+            phase_seconds["all_reduce"] = exposed
+            phase_seconds["all_reduce_hidden"] = hidden
+            if "backward" in self.wrapped and "backward" in phase_seconds:
+                phase_seconds["backward"] = max(0.0, phase_seconds["backward"] - exposed)
+        return phase_seconds
+
+    def close(self) -> None:
+        self.engine.close()
+
+
+# ---- ddp through the launcher ---------------------------------------------------------------------
+
+def run_ddp(spec: BenchSpec, devices: int) -> tuple[list[float], dict[str, float]]:
+    """Launch `devices` worker processes; rank 0's step times and phase seconds."""
+    from dpkit.launch import launch
+
+    with tempfile.TemporaryDirectory(prefix="dpkit-bench-") as folder:
+        spec_path, out_path = Path(folder, "spec.json"), Path(folder, "out.json")
+        worker_spec = asdict(spec)
+        worker_spec.update(progress=False, device_counts=[devices])
+        spec_path.write_text(json.dumps(worker_spec))
+        launch("dpkit.bench", ["--worker", str(spec_path), str(out_path)], nproc_per_node=devices, module=True)
+        measured = json.loads(out_path.read_text())
+    return measured["times"], measured["phase_seconds"]
+
+
+def worker_main(spec_path: str, out_path: str) -> int:
+    """The ddp worker: warm up, time the steps, observe a few; rank 0 writes what it measured."""
+    data = json.loads(Path(spec_path).read_text())
+    if data.get("input_shape"):
+        data["input_shape"] = tuple(data["input_shape"])
+    spec = BenchSpec(**data)
+    factory, x, y, _ = load_model_source(spec)
+    world_size = int(os.environ["WORLD_SIZE"])
+    rank = int(os.environ["RANK"])
+    contender = Contender(spec, "ddp", world_size, factory, x, y, rank=rank, world_size=1)
+    # under the launcher, `devices` is this node's process count; every rank cuts its own share
+    contender.share_rows = spec.batch_size_per_device
+    contender.global_rows = spec.batch_size_per_device * world_size
+    for _ in range(spec.warmup):
+        contender.step()
+    times = [contender.step() for _ in range(spec.steps)]
+    phase_seconds = contender.observe(spec.observed_steps)
+    if rank == 0:
+        Path(out_path).write_text(json.dumps({"times": times, "phase_seconds": phase_seconds}))
+    contender.close()
+    return 0
+
+
+# ---- the whole bench ------------------------------------------------------------------------------
+
+def lost_by_phase(result: ConfigResult, baseline: ConfigResult) -> dict[str, float]:
+    """The share of this configuration's step that the one-device step did not spend, by phase:
+    phases that grew (communication, serialised launches, shared compute) against the baseline's."""
+    lost_total = max(0.0, 1.0 - baseline.step_seconds / result.step_seconds) if result.step_seconds > 0 else 0.0
+    step_phases = {phase: seconds for phase, seconds in result.phase_seconds.items() if not phase.endswith("_hidden")}
+    grown = {phase: seconds - baseline.phase_seconds.get(phase, 0.0) for phase, seconds in step_phases.items()}
+    grown = {phase: extra for phase, extra in grown.items() if extra > 0}
+    observed_total = sum(step_phases.values())
+    if not grown or lost_total == 0 or observed_total == 0:
+        return {"other": lost_total} if lost_total > 0.005 else {}
+    # observed steps run slower than the timed ones (observing costs); express growth in their scale
+    shares = {phase: extra / observed_total for phase, extra in grown.items()}
+    explained = sum(shares.values())
+    if explained > lost_total:  # never claim more than was lost
+        shares = {phase: share * lost_total / explained for phase, share in shares.items()}
+    elif lost_total - explained > 0.005:
+        shares["other"] = lost_total - explained
+    return shares
+
+
+class ReferenceWork:
+    """A fixed single-thread matrix product timed once per round beside the contenders: how fast the
+    machine was during this run. Two runs on a machine that other work loads differently can be
+    compared by the ratio of their reference times (the calibration test does)."""
+
+    def __init__(self, size: int = 256, repeats: int = 30):  # ~15 ms: longer than a scheduler slice, like a step
+        generator = torch.Generator().manual_seed(0)
+        self.a = torch.randn(size, size, generator=generator)
+        self.repeats = repeats
+        self.times: list[float] = []
+        self.reference_times: list[float] = []
+
+    def run(self) -> None:
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        start = time.perf_counter()
+        for _ in range(self.repeats):
+            torch.mm(self.a, self.a)
+        self.times.append(time.perf_counter() - start)
+        torch.set_num_threads(threads)
+
+
+def run_bench(spec: BenchSpec) -> BenchResult:
+    return run_benches([spec])[0]
+
+
+def run_benches(specs: list[BenchSpec]) -> list[BenchResult]:
+    """Several benches at once (two models, two batch sizes, ...): every in-process contender of every
+    spec takes its turn in the same rounds, so that the load of a shared machine hits them all alike and
+    their results can be compared with each other. Each spec runs its own warm-up and measured steps."""
+    if not specs:
+        raise ValueError("specs: expected at least one BenchSpec")
+    for spec in specs:
+        spec.check()
+    sources, plans = [], []
+    for spec in specs:
+        factory, x, y, name = load_model_source(spec)
+        profile = measure_model(factory, tuple(x.shape[1:]), input_dtype=x.dtype, name=name)
+        configs = [(s, n) for s in spec.strategies for n in spec.device_counts if not (s == "single" and n != 1)]
+        if ("single", 1) not in configs:
+            configs.insert(0, ("single", 1))  # the reference every speed-up is measured against
+        sources.append((factory, x, y, profile))
+        plans.append(configs)
+    total_steps = sum(len([c for c in configs if c[0] != "ddp"]) * (spec.warmup + spec.steps + spec.observed_steps + 1)
+                      + len([c for c in configs if c[0] == "ddp"]) for spec, configs in zip(specs, plans))
+    times: list[dict[tuple[str, int], list[float]]] = [{} for _ in specs]
+    phases: list[dict[tuple[str, int], dict[str, float]]] = [{} for _ in specs]
+    reference = ReferenceWork()
+    with tqdm(total=total_steps, desc="dpkit bench", unit="step", disable=not any(spec.progress for spec in specs)) as bar:
+        contenders: list[tuple[int, Contender]] = []
+        try:
+            for index, (spec, configs, (factory, x, y, _)) in enumerate(zip(specs, plans, sources)):
+                contenders += [(index, Contender(spec, s, n, factory, x, y)) for s, n in configs if s != "ddp"]
+            rounds = max(spec.warmup + spec.steps for spec in specs)
+            for round_index in range(rounds):
+                reference.run()
+                for index, contender in contenders:  # interleaved: one step each per round
+                    spec = specs[index]
+                    if round_index >= spec.warmup + spec.steps:
+                        continue
+                    seconds = contender.step()
+                    if round_index >= spec.warmup:
+                        contender.times.append(seconds)
+                        contender.reference_times.append(reference.times[-1])
+                    bar.update()
+            for index, contender in contenders:
+                key = (contender.strategy, contender.devices)
+                phases[index][key] = contender.observe(specs[index].observed_steps)
+                times[index][key] = contender.times
+                bar.update(specs[index].observed_steps + 1)
+        finally:
+            for _, contender in contenders:
+                contender.close()
+        for index, (spec, configs) in enumerate(zip(specs, plans)):
+            for strategy, devices in (c for c in configs if c[0] == "ddp"):
+                bar.set_postfix_str(f"ddp x{devices} (processes)")
+                times[index][(strategy, devices)], phases[index][(strategy, devices)] = run_ddp(spec, devices)
+                bar.update()
+    references = {(index, c.strategy, c.devices): c.reference_times for index, c in contenders}
+    benches = []
+    for index, (spec, configs, (_, _, _, profile)) in enumerate(zip(specs, plans, sources)):
+        results = [ConfigResult(s, n, statistics.median(times[index][(s, n)]), times[index][(s, n)], phases[index][(s, n)],
+                                fastest_step_seconds=min(times[index][(s, n)]), interleaved=s != "ddp",
+                                reference_seconds_samples=references.get((index, s, n), [])) for s, n in configs]
+        machine = machine_description(spec)
+        machine["reference_seconds"] = statistics.median(reference.times) if reference.times else None
+        bench = BenchResult(spec, profile.to_dict(), machine, results)
+        baseline = bench.baseline()
+        for result in results:
+            result.samples_per_second = spec.batch_size_per_device * result.devices / result.step_seconds
+            result.speedup = result.samples_per_second / baseline.samples_per_second
+            result.efficiency = result.speedup / result.devices
+            result.lost = lost_by_phase(result, baseline) if result is not baseline else {}
+        benches.append(bench)
+    return benches
+
+
+def machine_description(spec: BenchSpec) -> dict[str, Any]:
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    devices = resolve_devices(spec.accelerator, 1)
+    described = {"accelerator": devices[0].type, "cores": cores, "torch": torch.__version__,
+                 "load_average": os.getloadavg()[0] if hasattr(os, "getloadavg") else None}
+    if devices[0].type == "cuda":
+        described["device_name"] = torch.cuda.get_device_name(0)
+    return described
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(prog="python -m dpkit.bench", description="dpkit bench's ddp worker (started by the launcher)")
+    parser.add_argument("--worker", nargs=2, metavar=("SPEC", "OUT"), required=True)
+    arguments = parser.parse_args()
+    code = worker_main(*arguments.worker)
+    from dpkit.cli.main import exit_worker
+
+    exit_worker(code)

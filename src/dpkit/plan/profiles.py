@@ -1,0 +1,210 @@
+"""What the cost model needs to know about a model: its size, its work per sample, its kernels.
+
+A profile comes from one of three places:
+- `measure_model(factory, input_shape)`: the model is built on the meta device (no memory, no weights)
+  and one forward and backward is traced: FLOPs with torch's FlopCounterMode, kernels as the non-view
+  aten operators dispatched, activation bytes as what autograd saves for backward;
+- `builtin_profile(name, input_shape=..., seq_len=...)`: published numbers for models too big for this
+  machine, scaled to the input size asked for;
+- `ModelProfile(...)` with the numbers given directly (`dpkit plan --params ... --flops-per-sample ...`).
+All FLOP and byte counts are per sample of one forward pass, in fp32 (4-byte) terms.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, replace
+from typing import Any, Callable, Sequence
+
+import torch
+from torch import nn
+
+FP32_BYTES = 4
+
+
+@dataclass(frozen=True)
+class ModelProfile:
+    name: str
+    parameters: int                     # trainable parameter count
+    flops_per_sample: float             # forward pass; backward costs twice this
+    kernels_per_forward: int            # operators that launch work (what the host pays per launch)
+    activation_bytes_per_sample: float  # saved for backward (fp32)
+    output_bytes_per_sample: float      # what DataParallel gathers on device 0 (fp32)
+    input_bytes_per_sample: float       # what DataParallel scatters from device 0
+    parameter_tensors: int = 0          # tensors replicated / bucketed (0: unknown)
+    source: str = ""
+
+    @property
+    def parameter_bytes(self) -> int:
+        return self.parameters * FP32_BYTES
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "ModelProfile":
+        known = {name: data[name] for name in cls.__dataclass_fields__ if name in data}
+        return cls(**known)
+
+
+# ---- measuring a model ----------------------------------------------------------------------------
+
+class _KernelCounter(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts dispatched aten operators that do work (views and metadata-only operators launch nothing)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.kernels = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not func.is_view and func.__name__.split(".")[0] not in ("detach", "alias", "lift_fresh", "_to_copy") :
+            self.kernels += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _tensor_bytes(value: Any) -> int:
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    if isinstance(value, (list, tuple)):
+        return sum(_tensor_bytes(v) for v in value)
+    if isinstance(value, dict):
+        return sum(_tensor_bytes(v) for v in value.values())
+    return 0
+
+
+def measure_model(model_or_factory: nn.Module | Callable[[], nn.Module], input_shape: Sequence[int],
+                  *, input_dtype: torch.dtype = torch.float32, name: str = "model", batch: int = 2,
+                  device: str = "meta") -> ModelProfile:
+    """Trace one forward and backward of `batch` samples of shape `input_shape` and count per sample.
+
+    `device="meta"` builds a factory's model without memory; an nn.Module given directly is measured
+    on a meta copy (its weights are not touched). Integer `input_dtype` draws token ids below 2.
+    """
+    from torch.utils.flop_counter import FlopCounterMode
+
+    if isinstance(model_or_factory, nn.Module):
+        model = model_or_factory
+        if device == "meta":
+            import copy
+            model = copy.deepcopy(model).to("meta")
+    else:
+        with torch.device(device):
+            model = model_or_factory()
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"model factory: returned {type(model).__name__}, expected a torch.nn.Module")
+    shape = [batch, *(int(s) for s in input_shape)]
+    if input_dtype.is_floating_point:
+        x = torch.randn(shape, device=device, dtype=input_dtype)
+    else:
+        x = torch.randint(0, 2, shape, device=device, dtype=input_dtype)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    saved = {"bytes": 0}
+    seen: set[int] = set()
+    parameter_ids = {id(p) for p in model.parameters()}
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        # parameters (and views of them, such as a transposed weight) saved for backward are not
+        # activations; count each saved tensor once
+        base = tensor._base if tensor._base is not None else tensor
+        if id(tensor) not in seen and id(base) not in parameter_ids and id(tensor) not in parameter_ids:
+            seen.add(id(tensor))
+            saved["bytes"] += tensor.numel() * tensor.element_size()
+        return tensor
+
+    counter = _KernelCounter()
+    flops = FlopCounterMode(display=False)
+    with flops:
+        with counter, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            output = model(x)
+        forward_flops = flops.get_total_flops()
+        forward_kernels = counter.kernels
+        loss = sum(o.float().sum() for o in (output if isinstance(output, (list, tuple)) else [output]))
+        if loss.requires_grad:
+            loss.backward()
+    return ModelProfile(
+        name=name, parameters=sum(p.numel() for p in trainable), flops_per_sample=forward_flops / batch,
+        kernels_per_forward=forward_kernels, activation_bytes_per_sample=saved["bytes"] / batch,
+        output_bytes_per_sample=_tensor_bytes(output) / batch,
+        input_bytes_per_sample=x.numel() * x.element_size() / batch, parameter_tensors=len(trainable),
+        source=f"measured on the {device} device with FlopCounterMode (input {tuple(input_shape)})")
+
+
+# ---- built-in profiles ----------------------------------------------------------------------------
+
+def _cnn(name: str, parameters: float, macs_224: float, kernels: int, activation_bytes_224: float, tensors: int,
+         source: str) -> Callable[..., ModelProfile]:
+    """A convolutional net whose work and activations scale with the image area."""
+
+    def build(input_shape: Sequence[int] | None = None, seq_len: int | None = None) -> ModelProfile:
+        shape = tuple(input_shape) if input_shape else (3, 224, 224)
+        if len(shape) != 3:
+            raise ValueError(f"--input-shape: {name} takes channels,height,width such as 3,224,224, got {','.join(map(str, shape))}")
+        area = shape[1] * shape[2] / (224 * 224)
+        return ModelProfile(name, int(parameters), 2 * macs_224 * area, kernels, activation_bytes_224 * area,
+                            1000 * FP32_BYTES, math.prod(shape) * FP32_BYTES, tensors, source + f"; scaled to input {shape}")
+
+    return build
+
+
+def _transformer(name: str, parameters: float, layers: int, width: int, vocab: int, default_seq: int, heads: int,
+                 source: str) -> Callable[..., ModelProfile]:
+    """A transformer: forward FLOPs per token 2N + 2*layers*seq*width (Kaplan et al. 2020, Table 1),
+    activations per layer and sample seq*width*(34 + 5*heads*seq/width) bytes in 16-bit (Korthikanti et
+    al. 2022, eq. 1), doubled for fp32; the output is the logits, seq x vocab."""
+
+    def build(input_shape: Sequence[int] | None = None, seq_len: int | None = None) -> ModelProfile:
+        seq = int(seq_len or (input_shape[0] if input_shape else default_seq))
+        if seq < 1:
+            raise ValueError(f"--seq-len: expected a positive sequence length for {name}, got {seq}")
+        non_embedding = 12 * layers * width * width
+        flops = seq * (2 * non_embedding + 2 * layers * seq * width) + 2 * seq * width * vocab  # + the output projection
+        activations = 2 * layers * seq * width * (34 + 5 * heads * seq / width)
+        kernels = 22 * layers + 12
+        return ModelProfile(name, int(parameters), float(flops), kernels, float(activations), float(seq * vocab * FP32_BYTES),
+                            seq * 8.0, 4 + 12 * layers, source + f"; seq_len {seq}")
+
+    return build
+
+
+BUILTIN_PROFILES: dict[str, Callable[..., ModelProfile]] = {
+    "resnet50": _cnn("resnet50", 25.557e6, 4.09e9, 175, 103e6, 161,
+                     "He et al. 2016 (arXiv:1512.03385) and torchvision's model card: 25.6M parameters, 4.09 GMACs at 224x224; "
+                     "activations ~103 MB/sample fp32 (an estimate from the feature-map sizes)"),
+    "resnet101": _cnn("resnet101", 44.549e6, 7.80e9, 345, 155e6, 314,
+                      "He et al. 2016 and torchvision's model card: 44.5M parameters, 7.80 GMACs at 224x224; "
+                      "activations ~155 MB/sample fp32 (estimated the same way)"),
+    "bert-base": _transformer("bert-base", 110e6, 12, 768, 30522, 128, 12,
+                              "Devlin et al. 2019 (arXiv:1810.04805): 110M parameters, 12 layers, width 768, 12 heads, vocab 30522"),
+    "bert-large": _transformer("bert-large", 340e6, 24, 1024, 30522, 128, 16,
+                               "Devlin et al. 2019: 340M parameters, 24 layers, width 1024, 16 heads"),
+    "gpt2-124m": _transformer("gpt2-124m", 124e6, 12, 768, 50257, 1024, 12,
+                              "Radford et al. 2019 (GPT-2 report) / Hugging Face gpt2: 124M parameters, 12 layers, width 768, context 1024"),
+    "gpt2-1.5b": _transformer("gpt2-1.5b", 1.558e9, 48, 1600, 50257, 1024, 25,
+                              "Radford et al. 2019: 1.5B parameters, 48 layers, width 1600, context 1024"),
+    "llama-7b": _transformer("llama-7b", 6.738e9, 32, 4096, 32000, 2048, 32,
+                             "Touvron et al. 2023 (arXiv:2302.13971): 6.7B parameters, 32 layers, width 4096, 32 heads, context 2048"),
+}
+
+
+def builtin_profile(name: str, input_shape: Sequence[int] | None = None, seq_len: int | None = None) -> ModelProfile:
+    if name not in BUILTIN_PROFILES:
+        raise ValueError(f"--model: unknown built-in model {name!r}; choose one of {', '.join(BUILTIN_PROFILES)} "
+                         "or give a factory as 'package.module:factory'")
+    return BUILTIN_PROFILES[name](input_shape, seq_len)
+
+
+def given_profile(parameters: float, flops_per_sample: float | None = None, *, name: str = "given", kernels_per_forward: int = 200,
+                  activation_bytes_per_sample: float | None = None, output_bytes_per_sample: float = 4000.0,
+                  input_bytes_per_sample: float = 3 * 224 * 224 * 4.0) -> ModelProfile:
+    """A profile from numbers; what is not given is estimated from the parameter count (a transformer-like
+    6N training FLOPs per token at 512 tokens per sample, and 16 activation bytes per parameter)."""
+    if parameters is None or parameters <= 0:
+        raise ValueError(f"--params: expected a positive parameter count, got {parameters!r}")
+    flops = flops_per_sample if flops_per_sample is not None else 2.0 * parameters * 512
+    activations = activation_bytes_per_sample if activation_bytes_per_sample is not None else 16.0 * parameters / 8
+    return ModelProfile(name, int(parameters), float(flops), int(kernels_per_forward), float(activations),
+                        float(output_bytes_per_sample), float(input_bytes_per_sample), 0, "given on the command line")
+
+
+def with_name(profile: ModelProfile, name: str) -> ModelProfile:
+    return replace(profile, name=name)

@@ -1,0 +1,51 @@
+"""`dpkit bench`: five strategies on 1, 2 and 3 virtual CPU devices in one command."""
+
+import json
+
+from dpkit.bench import ConfigResult, lost_by_phase
+from dpkit.cli.main import main
+
+
+def test_bench_runs_every_strategy_and_device_count(tmp_path, capsys):
+    out, png = tmp_path / "bench.json", tmp_path / "bench.png"
+    code = main(["bench", "--example", "digits", "--devices", "1,2,3", "--batch-size-per-device", "16", "--steps", "2",
+                 "--warmup", "1", "--observed-steps", "1", "--no-progress", "--json", str(out), "--png", str(png)])
+    assert code == 0
+    data = json.loads(out.read_text())
+    configurations = [(r["strategy"], r["devices"]) for r in data["results"]]
+    assert configurations[0] == ("single", 1)
+    for strategy in ("dp", "dp-balanced", "replicated", "ddp"):
+        assert [n for s, n in configurations if s == strategy] == [1, 2, 3]
+    for r in data["results"]:
+        assert len(r["step_seconds_samples"]) == 2 and r["step_seconds"] > 0
+        assert r["samples_per_second"] == r["devices"] * 16 / r["step_seconds"]
+        assert abs(r["efficiency"] - r["speedup"] / r["devices"]) < 1e-9
+        assert r["summary"].startswith(f"{r['devices']} device")
+    dp2 = next(r for r in data["results"] if r["strategy"] == "dp" and r["devices"] == 2)
+    assert {"scatter", "replicate", "gather"} <= set(dp2["phase_seconds"])
+    ddp2 = next(r for r in data["results"] if r["strategy"] == "ddp" and r["devices"] == 2)
+    assert ddp2["phase_seconds"]  # measured inside the launched workers
+    assert data["model"]["parameters"] > 0 and data["machine"]["reference_seconds"] > 0
+    assert png.stat().st_size > 0
+    table = capsys.readouterr().out
+    assert "where it went" in table and "ddp" in table
+
+
+def test_lost_efficiency_is_split_among_the_phases_that_grew():
+    baseline = ConfigResult("single", 1, 0.010, [0.010], {"forward": 0.004, "backward": 0.005})
+    two = ConfigResult("dp", 2, 0.020, [0.020], {"forward": 0.004, "backward": 0.005, "replicate": 0.003, "gather": 0.001})
+    two.speedup, two.efficiency = 1.0, 0.5
+    lost = lost_by_phase(two, baseline)
+    assert abs(sum(lost.values()) - 0.5) < 1e-9  # half the step is lost against one device
+    assert lost["replicate"] > lost["gather"] > 0 and "forward" not in lost
+    two.lost = lost
+    assert two.summary().startswith("2 devices: 1.00x (50%); lost to replicate")
+
+
+def test_bad_arguments_get_one_line(capsys):
+    assert main(["bench", "--strategies", "single,fsdp"]) == 2
+    assert "--strategies" in capsys.readouterr().err
+    assert main(["bench", "--devices", "1,x"]) == 2
+    assert "--devices" in capsys.readouterr().err
+    assert main(["bench", "--model", "widths:narrow"]) == 2
+    assert "--input-shape" in capsys.readouterr().err

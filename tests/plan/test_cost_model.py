@@ -1,0 +1,115 @@
+"""The cost model's formulas, and the behaviour that follows from them."""
+
+from dataclasses import replace
+
+import pytest
+
+from dpkit.plan.catalogue import Catalogue, Link
+from dpkit.plan.cost_model import (CostConstants, Hardware, exposed_all_reduce_seconds, memory_per_device, predict,
+                                   predict_all, ring_all_reduce_seconds, root_fan_seconds, transfer_seconds)
+from dpkit.plan.profiles import builtin_profile
+
+CATALOGUE = Catalogue.load()
+LINK = Link("test", 10e9, 10e9, 1e-5, "test")
+
+
+def test_alpha_beta_transfer():
+    assert transfer_seconds(LINK, 1e9) == pytest.approx(1e-5 + 0.1)
+    assert transfer_seconds(LINK, 1e9, messages=3) == pytest.approx(3e-5 + 0.1)
+
+
+def test_ring_all_reduce_moves_2_n_minus_1_over_n_of_the_bytes():
+    for devices in (2, 4, 8):
+        expected = 2 * (devices - 1) * 1e-5 + 2 * (devices - 1) / devices * 1e9 / 10e9
+        assert ring_all_reduce_seconds(LINK, 1e9, devices) == pytest.approx(expected)
+    assert ring_all_reduce_seconds(LINK, 1e9, 1) == 0.0
+    # the bytes per device approach twice the message, so time barely grows from 4 to 8 devices
+    assert ring_all_reduce_seconds(LINK, 1e9, 8) / ring_all_reduce_seconds(LINK, 1e9, 4) < 1.2
+
+
+def test_broadcast_through_one_root_grows_with_the_other_devices():
+    assert root_fan_seconds(LINK, 1e9, 0) == 0.0
+    assert root_fan_seconds(LINK, 1e9, 7) == pytest.approx(7 * (1e-5 + 0.1))
+
+
+def test_ddp_hides_the_all_reduce_behind_backward_except_the_last_bucket():
+    profile = builtin_profile("resnet50")  # ~102 MB of gradients: 4 buckets of 25 MiB
+    hardware = Hardware(CATALOGUE.gpu("a100-80gb-sxm"), CATALOGUE.link("pcie4"))
+    buckets = -(-profile.parameter_bytes // CostConstants().bucket_bytes)
+    assert buckets == 4
+    whole = ring_all_reduce_seconds(hardware.link, profile.parameter_bytes, 8, messages=buckets)
+    long_backward = exposed_all_reduce_seconds(profile, hardware, "ddp", 8, backward_seconds=10.0, constants=CostConstants())
+    no_backward = exposed_all_reduce_seconds(profile, hardware, "ddp", 8, backward_seconds=0.0, constants=CostConstants())
+    assert long_backward == pytest.approx(whole / buckets)
+    assert no_backward == pytest.approx(whole)
+
+
+def test_dp_pays_per_step_replication_and_reduce_that_ddp_does_not():
+    profile = builtin_profile("gpt2-124m", seq_len=1024)
+    hardware = Hardware(CATALOGUE.gpu("h100-sxm"), CATALOGUE.link("pcie4"))
+    dp = predict(profile, hardware, "dp", 8, 8, "bf16-mixed")
+    ddp = predict(profile, hardware, "ddp", 8, 8, "bf16-mixed")
+    assert dp.breakdown["replicate"] > 0 and dp.breakdown["reduce"] > 0 and dp.breakdown["gather"] > 0
+    assert "replicate" not in ddp.breakdown and "all_reduce" in ddp.breakdown
+    assert ddp.samples_per_second > dp.samples_per_second
+
+
+def test_dp_stops_scaling_on_a_slow_link_and_ddp_keeps_going():
+    profile = builtin_profile("gpt2-124m", seq_len=1024)
+    hardware = Hardware(CATALOGUE.gpu("h100-sxm"), CATALOGUE.link("pcie4"))
+    plan = predict_all(profile, hardware, ["single", "dp", "ddp"], [1, 2, 4, 8], 8, "bf16-mixed")
+    dp = {p.devices: p.samples_per_second for p in plan if p.strategy == "dp"}
+    ddp = {p.devices: p.samples_per_second for p in plan if p.strategy == "ddp"}
+    assert dp[8] < 2 * dp[1]
+    assert ddp[8] > ddp[4] > ddp[2] > ddp[1]
+
+
+def test_a_faster_link_only_helps_communication():
+    profile = builtin_profile("bert-base")
+    slow = Hardware(CATALOGUE.gpu("a100-80gb-sxm"), CATALOGUE.link("pcie3"))
+    fast = replace(slow, link=CATALOGUE.link("nvlink3"))
+    for strategy in ("dp", "ddp"):
+        a, b = predict(profile, slow, strategy, 4, 32), predict(profile, fast, strategy, 4, 32)
+        assert b.step_seconds < a.step_seconds
+        assert a.breakdown["forward"] == b.breakdown["forward"]
+
+
+def test_dp_device_zero_holds_the_optimizer_state_and_the_gathered_outputs():
+    profile = builtin_profile("gpt2-124m", seq_len=1024)
+    peaks, _ = memory_per_device(profile, "dp", 4, 8)
+    ddp_peaks, _ = memory_per_device(profile, "ddp", 4, 8)
+    assert peaks[0] > peaks[1] == peaks[2] == peaks[3]
+    assert len(set(ddp_peaks)) == 1
+
+
+def test_largest_batch_fits_and_one_more_does_not():
+    profile = builtin_profile("resnet50")
+    hardware = Hardware(CATALOGUE.gpu("t4"), CATALOGUE.link("pcie3"))
+    largest = predict(profile, hardware, "ddp", 2, 1).max_batch_per_device
+    usable = hardware.gpu.memory_bytes * CostConstants().memory_headroom
+    assert max(memory_per_device(profile, "ddp", 2, largest)[0]) <= usable
+    assert max(memory_per_device(profile, "ddp", 2, largest + 1)[0]) > usable
+    assert "does not fit" in predict(profile, hardware, "ddp", 2, largest + 50).notes[0]
+
+
+def test_multi_node_ddp_is_bound_by_the_slower_network():
+    profile = builtin_profile("bert-large")
+    node = Hardware(CATALOGUE.gpu("a100-80gb-sxm"), CATALOGUE.link("nvlink3"))
+    two_slow = replace(node, nodes=2, network=CATALOGUE.network("eth-10g"))
+    two_fast = replace(node, nodes=2, network=CATALOGUE.network("ib-400g"))
+    slow, fast = predict(profile, two_slow, "ddp", 8, 16), predict(profile, two_fast, "ddp", 8, 16)
+    assert slow.breakdown["all_reduce"] > 10 * fast.breakdown["all_reduce"]
+    # only ddp spans nodes; speed-ups are against one device on one node
+    planned = predict_all(profile, two_fast, ["single", "dp", "ddp"], [1, 8], 16)
+    assert [(p.strategy, p.devices, p.nodes) for p in planned] == [("single", 1, 1), ("ddp", 1, 2), ("ddp", 8, 2)]
+
+
+def test_bad_arguments_name_themselves():
+    profile = builtin_profile("resnet50")
+    hardware = Hardware(CATALOGUE.gpu("t4"), CATALOGUE.link("pcie3"))
+    with pytest.raises(ValueError, match="--strategies"):
+        predict(profile, hardware, "fsdp", 2, 8)
+    with pytest.raises(ValueError, match="--batch-size-per-device"):
+        predict(profile, hardware, "ddp", 2, 0)
+    with pytest.raises(ValueError, match="--precision"):
+        predict(profile, hardware, "ddp", 2, 8, precision="fp8")

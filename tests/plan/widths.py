@@ -1,0 +1,15 @@
+"""Model factories of two widths for the calibration test (imported by the bench and its workers)."""
+
+from torch import nn
+
+
+def mlp(width: int) -> nn.Module:
+    return nn.Sequential(nn.Linear(64, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU(), nn.Linear(width, 10))
+
+
+def narrow() -> nn.Module:
+    return mlp(512)
+
+
+def wide() -> nn.Module:
+    return mlp(1024)
