@@ -136,3 +136,20 @@ def test_load_puts_a_checkpoint_into_every_replica(tmp_path, strategy, devices):
     model.eval()
     with torch.no_grad():
         assert torch.allclose(model(x), saved(x), atol=1e-6)  # every replica answers with the loaded weights
+
+
+@pytest.mark.parametrize("strategy,devices", [("single", 1), ("dp", 2), ("replicated", 2)])
+def test_step_after_a_plain_backward_is_an_error_not_a_silent_no_op(strategy, devices):
+    engine = Engine(strategy=strategy, accelerator="cpu", devices=devices, progress=False)
+    model = nn.Linear(3, 2)
+    before = model.weight.detach().clone()
+    model, optimizer = engine.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    criterion = engine.setup_criterion(nn.MSELoss())
+    x, y = torch.randn(4, 3), torch.randn(4, 2)
+    criterion(model(x), y).backward()
+    with pytest.raises(RuntimeError, match=r"engine.backward\(loss\) instead of loss.backward\(\)"):
+        optimizer.step()
+    optimizer.zero_grad()
+    engine.backward(criterion(model(x), y))
+    optimizer.step()
+    assert not torch.equal(dpkit.unwrap_model(model).weight, before)

@@ -114,6 +114,12 @@ class EngineOptimizer:
             self.optimizer.zero_grad(set_to_none=set_to_none)
 
     def step(self, closure: Callable | None = None) -> Any:
+        if self.accumulation.micro_batches == 0:
+            # a plain loss.backward() bypasses the Engine's count: stepping silently never would be worse
+            raise RuntimeError(
+                "optimizer.step(): no engine.backward(loss) since the last step; in an Engine loop call "
+                "engine.backward(loss) instead of loss.backward() (it weights, accumulates and exchanges the gradients)"
+            )
         if not self.accumulation.complete:
             return None  # still accumulating micro-batches
         self.accumulation.count_step()
