@@ -70,6 +70,10 @@ class ShardedLoader(ResumableLoader):
         super().__init__(loader, batch_sampler=global_batches, rank=strategy.rank, world_size=strategy.world_size)
 
 
+# DDP modules whose process group was destroyed: see DDP.teardown
+_KEPT_UNTIL_EXIT: list[nn.Module] = []
+
+
 class DDP(Strategy):
     name = "ddp"
 
@@ -218,5 +222,11 @@ class DDP(Strategy):
             # every rank arrives before any closes its connections: a rank that tears gloo down while a
             # peer is still finishing its last collective can abort at exit ("terminate called ...")
             dist.barrier()
+            if self.ddp is not None:
+                # Freeing DDP's Reducer right away frees the gloo process group, whose destructor joins gloo's
+                # worker thread while holding the GIL; if that thread is still freeing a finished work that
+                # holds Python tensors (all_gather_object's), it waits for the GIL: a deadlock, seen under load
+                # at the end of `dpkit profile --strategy ddp`. Kept for the life of the process instead.
+                _KEPT_UNTIL_EXIT.append(self.ddp)
             dist.destroy_process_group()
         self.ddp = None
