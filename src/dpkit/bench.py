@@ -33,6 +33,7 @@ from tqdm import tqdm
 
 from dpkit.devices import resolve_devices
 from dpkit.observe import Observer
+from dpkit.observe.plots import save_scaling_figure
 from dpkit.observe.timing import PHASES
 from dpkit.plan.profiles import measure_model
 
@@ -154,39 +155,15 @@ class BenchResult:
 
     def save_png(self, path: str | os.PathLike) -> Path:
         """Left: samples/s against devices per strategy; right: stacked time by phase per configuration."""
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        figure, (left, right) = plt.subplots(1, 2, figsize=(13, 4.5))
-        for strategy in dict.fromkeys(r.strategy for r in self.results):
-            points = sorted((r.devices, r.samples_per_second) for r in self.results if r.strategy == strategy)
-            left.plot([d for d, _ in points], [s for _, s in points], marker="s" if strategy == "single" else "o", label=strategy)
-        counts = sorted({r.devices for r in self.results})
-        base = self.baseline().samples_per_second
-        left.plot(counts, [base * n for n in counts], linestyle=":", color="grey", label="linear from one device")
-        left.set_xticks(counts)
-        left.set_xlabel("devices")
-        left.set_ylabel("samples/s (median step)")
-        left.set_title(f"throughput, batch {self.spec.batch_size_per_device} per device")
-        left.legend(fontsize="small")
-        labels = [f"{r.strategy}\n{r.devices}" for r in self.results]
-        bottoms = [0.0] * len(labels)
-        for phase in (p for p in SHOWN_PHASES if not p.endswith("_hidden")):  # hidden time is inside another phase
-            heights = [r.phase_seconds.get(phase, 0.0) * 1e3 for r in self.results]
-            if any(heights):
-                right.bar(labels, heights, bottom=bottoms, label=phase)
-                bottoms = [b + h for b, h in zip(bottoms, heights)]
-        right.set_ylabel("ms per observed step (slowest device per phase)")
-        right.tick_params(axis="x", labelsize="x-small", labelrotation=60)
-        right.legend(fontsize="x-small", loc="upper left", bbox_to_anchor=(1.01, 1.0))
-        figure.tight_layout()
-        figure.savefig(path, dpi=100)
-        plt.close(figure)
-        return path
+        throughput: dict[str, list[tuple[int, float]]] = {}
+        for r in self.results:
+            throughput.setdefault(r.strategy, []).append((r.devices, r.samples_per_second))
+        return save_scaling_figure(
+            path, throughput, [(f"{r.strategy}\n{r.devices}", r.phase_seconds) for r in self.results],
+            [p for p in SHOWN_PHASES if not p.endswith("_hidden")],  # hidden time is inside another phase
+            title=f"throughput, batch {self.spec.batch_size_per_device} per device",
+            throughput_label="samples/s (median step)", phase_label="ms per observed step (slowest device per phase)",
+            linear_from=self.baseline().samples_per_second)
 
 
 # ---- model and data -------------------------------------------------------------------------------

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from dpkit.observe.plots import save_scaling_figure
 from dpkit.plan.advisor import Recommendation, recommend
 from dpkit.plan.catalogue import Link
 from dpkit.plan.cost_model import PHASE_ORDER, CostConstants, Hardware, Prediction, predict_all
@@ -57,35 +58,13 @@ class Plan:
 
     def save_png(self, path: str | Path) -> Path:
         """Left: predicted samples/s against devices per strategy; right: the step broken into phases."""
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        figure, (left, right) = plt.subplots(1, 2, figsize=(13, 4.5))
-        for strategy in dict.fromkeys(p.strategy for p in self.predictions):
-            points = sorted((p.total_devices, p.samples_per_second) for p in self.predictions if p.strategy == strategy)
-            left.plot([d for d, _ in points], [s for _, s in points], marker="o", label=strategy)
-        left.set_xlabel("devices")
-        left.set_ylabel("samples/s (predicted)")
-        left.set_title(f"{self.profile.name} on {self.hardware.gpu.name} / {self.hardware.link.name}")
-        left.legend(fontsize="small")
-        labels = [f"{p.strategy}\n{p.total_devices}" for p in self.predictions]
-        bottoms = [0.0] * len(labels)
-        for name in PHASE_ORDER:
-            heights = [p.breakdown.get(name, 0.0) * 1e3 for p in self.predictions]
-            if any(heights):
-                right.bar(labels, heights, bottom=bottoms, label=name)
-                bottoms = [b + h for b, h in zip(bottoms, heights)]
-        right.set_ylabel("ms per step (predicted)")
-        right.tick_params(axis="x", labelsize="x-small", labelrotation=60)
-        right.legend(fontsize="x-small", loc="upper left", bbox_to_anchor=(1.01, 1.0))
-        figure.tight_layout()
-        figure.savefig(path, dpi=100)
-        plt.close(figure)
-        return path
+        throughput: dict[str, list[tuple[int, float]]] = {}
+        for p in self.predictions:
+            throughput.setdefault(p.strategy, []).append((p.total_devices, p.samples_per_second))
+        return save_scaling_figure(
+            path, throughput, [(f"{p.strategy}\n{p.total_devices}", p.breakdown) for p in self.predictions], PHASE_ORDER,
+            title=f"{self.profile.name} on {self.hardware.gpu.name} / {self.hardware.link.name}",
+            throughput_label="samples/s (predicted)", phase_label="ms per step (predicted)")
 
 
 def faster_link(hardware: Hardware, links: dict[str, Link]) -> Hardware | None:
