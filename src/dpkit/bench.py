@@ -34,6 +34,7 @@ from tqdm import tqdm
 from dpkit.devices import resolve_devices
 from dpkit.observe import Observer
 from dpkit.observe.plots import save_scaling_figure
+from dpkit.observe.report import write_json
 from dpkit.observe.timing import PHASES
 from dpkit.plan.profiles import measure_model
 
@@ -133,10 +134,7 @@ class BenchResult:
                 "results": [{**asdict(r), "summary": r.summary()} for r in self.results]}
 
     def save_json(self, path: str | os.PathLike) -> Path:
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(self.to_dict(), indent=2) + "\n")
-        return path
+        return write_json(self.to_dict(), path)
 
     def format_table(self) -> str:
         phases = [p for p in SHOWN_PHASES if any(p in r.phase_seconds for r in self.results)]

@@ -88,4 +88,5 @@ def test_ordinary_outputs_raise_no_false_alarm(outputs, dim, rows, input_sizes):
 
     with warnings_module.catch_warnings():
         warnings_module.simplefilter("error")
-        gather(outputs, CPU, dim=dim, rows=rows, input_sizes=input_sizes)
+        gathered = gather(outputs, CPU, dim=dim, rows=rows, input_sizes=input_sizes)
+    assert gathered.shape[dim] == sum(o.shape[dim] for o in outputs)

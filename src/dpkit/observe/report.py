@@ -13,6 +13,14 @@ from dpkit.observe.timing import PHASES, Span
 SCHEMA_VERSION = 1
 
 
+def write_json(data: Any, path: str | Path) -> Path:
+    """`data` as indented JSON at `path`, creating its folder (reports of profile, bench and plan)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=2) + "\n")
+    return path
+
+
 @dataclass
 class DeviceReport:
     device: str
@@ -73,10 +81,7 @@ class Report:
         }
 
     def save_json(self, path: str | Path) -> Path:
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(self.to_dict(), indent=2) + "\n")
-        return path
+        return write_json(self.to_dict(), path)
 
     def format_table(self) -> str:
         """Per device: rows, peak and its breakdown (MiB), then milliseconds per phase."""

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from dpkit.observe.plots import save_scaling_figure
+from dpkit.observe.report import write_json
 from dpkit.plan.advisor import Recommendation, recommend
 from dpkit.plan.catalogue import Link
 from dpkit.plan.cost_model import PHASE_ORDER, CostConstants, Hardware, Prediction, predict_all
@@ -32,10 +32,7 @@ class Plan:
                 "predictions": [p.to_dict() for p in self.predictions], "recommendation": self.recommendation.to_dict()}
 
     def save_json(self, path: str | Path) -> Path:
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(self.to_dict(), indent=2) + "\n")
-        return path
+        return write_json(self.to_dict(), path)
 
     def format_table(self) -> str:
         phases = [name for name in PHASE_ORDER if any(name in p.breakdown for p in self.predictions)]
