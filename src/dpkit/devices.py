@@ -203,3 +203,51 @@ def tensor_device(tensor: torch.Tensor, virtual_cpu_device: DeviceLike) -> torch
     if tensor.device.type == "cpu":
         return parse_device(virtual_cpu_device)
     return parse_device(tensor.device)
+
+
+# --- host memory for virtual CPU devices ----------------------------------------------------------------
+# glibc's malloc hands every block over 128 KiB back to the kernel when it is freed (it raises that limit
+# as it sees larger blocks, up to twice a freed block for trimming). A training step frees and allocates
+# the same activations and gradients every time, so each step page-faults them in again and the kernel
+# zeroes them; several replica threads, each with its own malloc arena, pay it once per replica. Measured
+# on an MLP 3x1536, batch 256 per replica, one thread: backward 53 ms -> 45 ms with freed blocks kept.
+# Keeping them is what PyTorch's CUDA caching allocator does on GPUs, and what jemalloc/tcmalloc do when
+# preloaded for CPU training.
+MMAP_THRESHOLD_BYTES = 32 << 20  # glibc's ceiling for M_MMAP_THRESHOLD on 64-bit: larger blocks stay mmapped
+TRIM_THRESHOLD_BYTES = 1 << 30   # free memory a malloc heap keeps at its top before giving it back
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+_USER_ALLOCATOR_SETTINGS = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_", "GLIBC_TUNABLES", "LD_PRELOAD")
+HOST_MEMORY_ENV = "DPKIT_KEEP_HOST_MEMORY"  # "0" leaves malloc as it is
+_host_memory_kept: bool | None = None
+
+
+def keep_freed_host_memory() -> bool:
+    """Make glibc's malloc keep freed blocks up to 32 MiB for reuse instead of returning them to the kernel
+    (process-wide; once). Returns whether it is in effect.
+
+    Left alone (False) when not on glibc, when DPKIT_KEEP_HOST_MEMORY=0, or when the user already chose
+    malloc's behaviour (MALLOC_*_ environment variables, GLIBC_TUNABLES, or a preloaded allocator). The
+    price is resident memory: up to TRIM_THRESHOLD_BYTES of freed memory per malloc arena stays with the
+    process, as a caching allocator's pool does.
+    """
+    global _host_memory_kept
+    if _host_memory_kept is not None:
+        return _host_memory_kept
+    _host_memory_kept = False
+    if os.environ.get(HOST_MEMORY_ENV, "1") == "0" or any(os.environ.get(name) for name in _USER_ALLOCATOR_SETTINGS):
+        return False
+    import ctypes
+    import platform
+
+    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+        return False
+    try:
+        libc = ctypes.CDLL(None)
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return False
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    # setting either switches off glibc's dynamic adjustment of both; a fixed trim threshold alone (with the
+    # mmap threshold back at 128 KiB) would be worse than nothing, so the mmap threshold goes first
+    _host_memory_kept = bool(mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)) and bool(mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES))
+    return _host_memory_kept

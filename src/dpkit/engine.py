@@ -35,7 +35,7 @@ from tqdm import tqdm
 
 from dpkit.arguments import check_int
 from dpkit.checkpoint import CheckpointCorruptError, check_state_dict, load_model, save_model, clean_state_dict, unwrap_model
-from dpkit.devices import DeviceLike, resolve_devices
+from dpkit.devices import DeviceLike, keep_freed_host_memory, resolve_devices
 from dpkit.parallel import hooks
 from dpkit.parallel.nested import map_leaves
 from dpkit.precision import Precision
@@ -177,6 +177,11 @@ class Engine:
         if devices == "auto" and strategy == "single":
             devices = 1
         self.devices = resolve_devices(accelerator, devices)
+        if self.devices[0].type == "cpu":
+            # before any step, so every step of the process runs alike: glibc would otherwise hand each
+            # freed activation and gradient back to the kernel and page-fault it in again the next step
+            # (devices.keep_freed_host_memory; DPKIT_KEEP_HOST_MEMORY=0 leaves malloc alone)
+            keep_freed_host_memory()
         self.strategy: Strategy = create_strategy(strategy, self.devices, **strategy_options)
         self.precision = Precision(precision, self.devices[0].type)
         if self.precision.scaler is not None and not self.strategy.supports_grad_scaler:

@@ -111,7 +111,10 @@ def profile(args: argparse.Namespace) -> tuple[Report | None, float]:
     y = y.to(dtype) if y.is_floating_point() else y
     optimizer = (torch.optim.Adam(model.parameters(), lr=args.lr) if args.optimizer == "adam"
                  else torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9))
-    engine = Engine(strategy=args.strategy, accelerator=devices[0].type, devices=devices, progress=not args.no_progress)
+    # replicated on virtual CPU devices would share one copy of the weights among its replicas (faster
+    # here); the profile measures the layout GPUs have, a copy and an optimizer state per device
+    options = {"share_weights": False} if args.strategy == "replicated" else {}
+    engine = Engine(strategy=args.strategy, accelerator=devices[0].type, devices=devices, progress=not args.no_progress, **options)
     try:
         model, engine_optimizer = engine.setup(model, optimizer)
         criterion = engine.setup_criterion(criterion_for(y))

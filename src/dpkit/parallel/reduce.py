@@ -20,6 +20,12 @@ every GPU side by side.
 
 A parameter that has a gradient in some replicas but not in others gets zeros in the others first (its
 sum is the others' sum); one that has none anywhere keeps None.
+
+With `everywhere=False` the sum is a reduce rather than an all-reduce: only replica 0's .grad receives it,
+and the other replicas' gradients are released (None) afterwards, so a later backward before the next
+zero_grad() adds only new gradient there and the next sum counts nothing twice. The replicated strategy
+uses it on virtual CPU devices, where every replica's parameters share replica 0's storage and one
+optimizer step updates them all.
 """
 
 from __future__ import annotations
@@ -66,19 +72,20 @@ def fill_missing_grads(group: Sequence[torch.Tensor]) -> bool:
     return True
 
 
-def sum_slice(group: Sequence[torch.Tensor], k: int, slices: int) -> None:
-    """Slice k (of `slices`) of one parameter's gradient, summed over replicas in replica order and
-    written back to every replica."""
+def sum_slice(group: Sequence[torch.Tensor], k: int, slices: int, everywhere: bool = True) -> None:
+    """Slice k (of `slices`) of one parameter's gradient, summed over replicas in replica order into
+    replica 0's and, with `everywhere`, written back to every replica."""
     grads = [p.grad for p in group]
     if grads[0] is None:
         return
+    receivers = grads if everywhere else grads[:1]
     with torch.no_grad():
         if not all(g.is_contiguous() for g in grads):  # rare layouts: whole tensors, by slice 0
             if k == 0:
                 total = grads[0].clone()
                 for g in grads[1:]:
                     total.add_(g.to(total.device))
-                for g in grads:
+                for g in receivers:
                     g.copy_(total)
             return
         numel = grads[0].numel()
@@ -89,8 +96,9 @@ def sum_slice(group: Sequence[torch.Tensor], k: int, slices: int) -> None:
         total = parts[0]  # replica 0's slice becomes the sum in place
         for part in parts[1:]:
             total.add_(part)
-        for part in parts[1:]:
-            part.copy_(total)
+        if everywhere:
+            for part in parts[1:]:
+                part.copy_(total)
 
 
 class _Round:
@@ -147,7 +155,7 @@ class _Round:
                 if not self.work:
                     return
                 item = self.work.popleft()
-            sum_slice(*item)
+            sum_slice(*item, everywhere=self.gradient_sum.everywhere)
 
 
 class GradientSum:
@@ -160,10 +168,13 @@ class GradientSum:
         overlap: on virtual CPU devices, sum buckets while other replicas are still in backward
             (False: backward everywhere first, then the sum; kept for measuring the difference).
         threads: intra-op threads per replica thread on virtual CPU devices (default: a fair share).
+        everywhere: every replica's .grad receives the sum (an all-reduce); False: only replica 0's, and the
+            others' gradients are released after each sum (a reduce; virtual CPU devices only).
     """
 
     def __init__(self, params: Sequence[Sequence[torch.Tensor]], devices: Sequence[torch.device], *,
-                 bucket_cap_bytes: int = DEFAULT_BUCKET_CAP_BYTES, overlap: bool = True, threads: int | None = None):
+                 bucket_cap_bytes: int = DEFAULT_BUCKET_CAP_BYTES, overlap: bool = True, threads: int | None = None,
+                 everywhere: bool = True):
         if len(params) != len(devices):
             raise ValueError(f"params: has {len(params)} replicas' lists for {len(devices)} devices; give one list per device")
         counts = {len(p) for p in params}
@@ -174,6 +185,9 @@ class GradientSum:
         self.params = [list(p) for p in params]
         self.groups = list(zip(*self.params))  # groups[position]: that parameter in every replica
         self.on_cpu = all(d.type == "cpu" for d in self.devices)
+        if not everywhere and not self.on_cpu:
+            raise ValueError("everywhere: False (a reduce into replica 0) is only for virtual CPU devices, whose replicas share memory")
+        self.everywhere = everywhere
         self.overlap = overlap
         self.threads = threads
         self.slices = len(self.devices)
@@ -216,9 +230,17 @@ class GradientSum:
         def job(k: int) -> None:
             with hooks.replica_phase("all_reduce"):
                 for group in self.groups:
-                    sum_slice(group, k, self.slices)
+                    sum_slice(group, k, self.slices, self.everywhere)
 
         run_replicas(self.devices, job, generators=False, threads=self.threads)
+        self._release_others()
+
+    def _release_others(self) -> None:
+        """After a reduce into replica 0: the other replicas start their next gradient from nothing."""
+        if not self.everywhere:
+            for replica_params in self.params[1:]:
+                for p in replica_params:
+                    p.grad = None
 
     def _sum_cuda(self) -> None:
         from torch.cuda import comm
@@ -279,3 +301,4 @@ class GradientSum:
 
         # on Ctrl-C the round is aborted, so replicas waiting for one that never starts give up
         run_replicas(self.devices, backward_then_sum, generators=False, threads=self.threads, on_interrupt=round_.abort)
+        self._release_others()

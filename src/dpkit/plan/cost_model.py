@@ -160,8 +160,9 @@ def step_breakdown(profile: ModelProfile, hardware: Hardware, strategy: str, dev
         phases["forward"] = forward_compute
         phases["launch"] = max(0.0, serial_launch - forward_compute)
     # backward: autograd's device threads launch without the GIL (GPU); on CPU autograd runs every
-    # replica's backward in the one calling thread, one after the other
-    if shared and threads:
+    # replica's backward in the one calling thread, one after the other, except under replicated, whose
+    # replicas run their own backward in their own threads
+    if shared and threads and strategy != "replicated":
         phases["backward"] = local * 2 * B * profile.flops_per_sample / rate
     else:
         phases["backward"] = backward_compute if shared else max(backward_compute, backward_launch)
@@ -185,10 +186,15 @@ def step_breakdown(profile: ModelProfile, hardware: Hardware, strategy: str, dev
     if strategy in ("dp", "dp-balanced"):
         # backward of the broadcast: every replica's gradients summed into device 0's
         phases["reduce"] = root_fan_seconds(link, params_bytes, others) + others * 3 * params_bytes / memory_rate
-    if strategy in ("replicated", "ddp") and total > 1:
+    # replicated on virtual CPU devices: the replicas share replica 0's weights, so the sum is a reduce into
+    # it in memory and the optimizer steps once; elsewhere every replica holds and steps its own copy
+    shared_weights = strategy == "replicated" and shared
+    if shared_weights and total > 1:
+        phases["all_reduce"] = others * 3 * params_bytes / memory_rate
+    elif strategy in ("replicated", "ddp") and total > 1:
         phases["all_reduce"] = exposed_all_reduce_seconds(profile, hardware, strategy, devices, phases["backward"], constants)
     traffic = OPTIMIZER_TRAFFIC_BYTES_PER_PARAMETER[optimizer] * profile.parameters
-    steps_in_process = local if strategy == "replicated" else 1  # replicated steps every replica's copy
+    steps_in_process = local if strategy == "replicated" and not shared_weights else 1
     phases["optimizer"] = traffic / memory_rate * (steps_in_process if shared else 1) + \
         steps_in_process * max(1, profile.parameter_tensors) * constants.launch_seconds / 4  # foreach kernels
     phases["overhead"] = constants.step_overhead_seconds + (constants.thread_seconds * local * 3 if threads and local > 1 else 0.0)

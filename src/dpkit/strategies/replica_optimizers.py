@@ -1,7 +1,10 @@
-"""replicated's optimizers: the user's optimizer steps replica 0, a clone of it steps each other replica."""
+"""replicated's optimizers. On GPUs (ReplicaOptimizers) the user's optimizer steps replica 0 and a clone
+of it steps each other replica; on virtual CPU devices (SharedOptimizer) the replicas share replica 0's
+parameters and the user's optimizer steps once, its parameters split among the replica threads."""
 
 from __future__ import annotations
 
+import collections
 import copy
 import inspect
 from typing import Any, Callable, Sequence
@@ -97,3 +100,139 @@ class ReplicaOptimizers:
     def load_state_dict(self, state_dict: dict) -> None:
         for optimizer in self.optimizers:
             optimizer.load_state_dict(copy.deepcopy(state_dict))
+
+
+# torch.optim's optimizers whose step treats every parameter on its own (state keyed by the parameter,
+# nothing computed across parameters): stepping disjoint shards of the parameters does the same arithmetic
+# as one step over all of them. LBFGS (one state for all parameters, closures) is not one of them.
+PER_PARAMETER = tuple(getattr(torch.optim, name) for name in (
+    "SGD", "Adam", "AdamW", "Adagrad", "Adadelta", "Adamax", "NAdam", "RAdam", "RMSprop", "Rprop", "ASGD", "Adafactor",
+) if hasattr(torch.optim, name))
+
+
+def balanced_shards(params: Sequence[torch.Tensor], shards: int) -> list[list[int]]:
+    """Parameter positions in `shards` groups of about equal element count (largest first to the lightest
+    group), each group in position order; groups left empty are dropped."""
+    groups: list[list[int]] = [[] for _ in range(shards)]
+    load = [0] * shards
+    for position in sorted(range(len(params)), key=lambda k: (-params[k].numel(), k)):
+        lightest = load.index(min(load))
+        groups[lightest].append(position)
+        load[lightest] += params[position].numel()
+    return [sorted(group) for group in groups if group]
+
+
+class SharedOptimizer:
+    """replicated on virtual CPU devices: every replica's parameters share replica 0's storage, so the
+    user's optimizer steps once per step and every replica sees the result.
+
+    That step runs on all the replica threads at once: the parameters are split into one shard per thread
+    (balanced by size), and a shard optimizer (the user's type and hyperparameters over that shard) steps
+    each, in the user's optimizer's own state dict, so optimizer.state_dict(), checkpoints and schedulers
+    see one ordinary optimizer. Hyperparameters (a scheduler's lr) are copied from the user's groups
+    before every step. It is the same arithmetic for the optimizers in PER_PARAMETER; for others, or when
+    the user's optimizer has step hooks of its own or a replaced step(), the user's optimizer.step() runs
+    whole on the calling thread.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, replica_params: Sequence[Sequence[nn.Parameter]],
+                 devices: Sequence[torch.device], threads: int | None):
+        self.optimizer = optimizer
+        self.replica_params = [list(params) for params in replica_params]
+        self.devices = list(devices)
+        self.threads = threads
+        self._layout: tuple | None = None  # the param groups the shards were built for
+        self._shards: list[tuple[torch.optim.Optimizer, list[int]]] = []  # (shard optimizer, its user group per group)
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return self.optimizer.param_groups
+
+    @property
+    def state(self) -> Any:
+        return self.optimizer.state
+
+    @property
+    def defaults(self) -> dict:
+        return self.optimizer.defaults
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+        for params in self.replica_params[1:]:
+            for p in params:
+                if p.grad is None:
+                    continue
+                if set_to_none:
+                    p.grad = None
+                else:
+                    if p.grad.grad_fn is not None:
+                        p.grad.detach_()
+                    else:
+                        p.grad.requires_grad_(False)
+                    p.grad.zero_()
+
+    def shardable(self) -> bool:
+        """Whether the step may run in shards (see the class doc)."""
+        optimizer = self.optimizer
+        step = vars(optimizer).get("step")  # an instance attribute: someone replaced step()
+        return (len(self.devices) > 1 and type(optimizer) in PER_PARAMETER
+                and not optimizer._optimizer_step_pre_hooks and not optimizer._optimizer_step_post_hooks
+                and (step is None or getattr(step, "_wrapped_by_lr_sched", False)))
+
+    def _build_shards(self) -> None:
+        groups = self.optimizer.param_groups
+        layout = tuple(tuple(id(p) for p in group["params"]) for group in groups)
+        if layout == self._layout:
+            return
+        params = [p for group in groups for p in group["params"]]
+        self._shards = []
+        for positions in balanced_shards(params, len(self.devices)):
+            mine = set(positions)
+            shard_groups, user_groups, start = [], [], 0
+            for g, group in enumerate(groups):
+                chosen = [p for k, p in enumerate(group["params"], start) if k in mine]
+                start += len(group["params"])
+                if chosen:
+                    shard_groups.append({**{key: v for key, v in group.items() if key != "params"}, "params": chosen})
+                    user_groups.append(g)
+            shard = type(self.optimizer)(shard_groups, **_constructor_defaults(self.optimizer))
+            self._shards.append((shard, user_groups))
+        self._layout = layout
+
+    def step(self, closure: Callable | None = None) -> None:
+        if closure is not None:
+            raise TypeError("optimizer.step(closure): strategy 'replicated' steps every replica once and takes no closure")
+        if not self.shardable():
+            self.optimizer.step()
+            return
+        self._build_shards()
+        optimizer = self.optimizer
+        state, known = optimizer.state, len(optimizer.state)
+        for shard, user_groups in self._shards:
+            shard.state = state  # the user's entries, whatever load_state_dict put there last
+            for mine, g in zip(shard.param_groups, user_groups):
+                for key, value in optimizer.param_groups[g].items():
+                    if key != "params":
+                        mine[key] = value
+
+        def step_shard(k: int) -> None:
+            with hooks.replica_phase("optimizer"):
+                self._shards[k][0].step()
+
+        run_replicas(self.devices[:len(self._shards)], step_shard, generators=False, threads=self.threads)
+        if len(state) != known:  # new entries arrived in thread order: keep the order one step would give
+            ordered = collections.defaultdict(dict)
+            for group in optimizer.param_groups:
+                for p in group["params"]:
+                    if p in state:
+                        ordered[p] = state[p]
+            ordered.update((key, value) for key, value in state.items() if key not in ordered)
+            optimizer.state = ordered
+        if getattr(vars(optimizer).get("step"), "_wrapped_by_lr_sched", False):
+            optimizer._opt_called = True  # what the scheduler's wrapper of step() records
+
+    def state_dict(self) -> dict:
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.optimizer.load_state_dict(state_dict)

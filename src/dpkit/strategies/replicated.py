@@ -6,6 +6,12 @@ Nothing is broadcast per step and no output is gathered on the first device: rep
 stay equal because they apply the same summed gradient with the same optimizer. Each replica's graph is
 its own, so its backward runs in its thread, side by side with the others.
 
+On virtual CPU devices, which share one memory, the replicas share more: every replica's parameters are
+views of replica 0's storage (its own Parameter objects, so its own .grad), the gradient sum is a reduce
+into replica 0, and the user's optimizer steps once, split by parameter among the replica threads
+(replica_optimizers.SharedOptimizer). That is the same arithmetic with one copy of the weights and of the
+optimizer state instead of one per device, and no step done twice. Buffers stay per replica.
+
 In the user's loop `model(x)` returns a DeferredOutput while training; the criterion from
 `engine.setup_criterion(criterion)` runs every replica's forward and loss on its slice of the batch and
 returns their sample-weighted mean as one autograd node (strategies/replica_loss.py), so `loss.backward()`
@@ -27,7 +33,7 @@ import torch
 from torch import nn
 
 from dpkit.arguments import check_int
-from dpkit.devices import cpu_threads_per_device
+from dpkit.devices import cpu_threads_per_device, keep_freed_host_memory
 from dpkit.parallel import hooks, sync_batchnorm
 from dpkit.parallel.apply import run_replicas
 from dpkit.parallel.replicate import check_replicable
@@ -36,7 +42,7 @@ from dpkit.parallel.reduce import GradientSum
 from dpkit.parallel.scatter import batch_size_of, plan_split, scatter
 from dpkit.strategies.base import DeferredOutput, Strategy, defers
 from dpkit.strategies.replica_loss import ReplicaStep, replica_loss
-from dpkit.strategies.replica_optimizers import ReplicaOptimizers, clone_optimizer
+from dpkit.strategies.replica_optimizers import ReplicaOptimizers, SharedOptimizer, clone_optimizer
 
 
 class ReplicatedModule(nn.Module):
@@ -66,9 +72,17 @@ class Replicated(Strategy):
     supports_grad_scaler = False  # one scaler over per-replica optimizers is not wired up yet
 
     def __init__(self, devices: Sequence[torch.device], *, threads_per_device: int | None = None,
-                 overlap_reduce: bool = True):
+                 overlap_reduce: bool = True, share_weights: bool | None = None):
         super().__init__(devices)
         self.on_cpu = all(device.type == "cpu" for device in self.devices)
+        if share_weights not in (None, True, False):
+            raise TypeError(f"share_weights: expected True, False or None (virtual CPU devices share), got {share_weights!r}")
+        if share_weights and not self.on_cpu:
+            raise ValueError("share_weights: True needs virtual CPU devices ('cpu:0', 'cpu:1', …), which share one "
+                             f"memory; devices {[str(d) for d in self.devices]} each hold their own copy")
+        # virtual CPU devices share one memory, so by default their replicas share replica 0's weights;
+        # False keeps a copy and an optimizer per device, as on GPUs (dpkit profile measures that layout)
+        self.shares_weights = (self.on_cpu if share_weights is None else share_weights) and len(self.devices) > 1
         if threads_per_device is not None:
             check_int(threads_per_device, "threads_per_device", meaning="intra-op threads per virtual CPU device")
         # intra-op threads per replica: a fair share of the cores unless given
@@ -85,16 +99,28 @@ class Replicated(Strategy):
     def wrap_model(self, model: nn.Module) -> nn.Module:
         check_replicable(model)  # a compiled, scripted or lazy module cannot be copied per device
         model = model.to(self.root_device)
-        self.replicas = [model] + [copy.deepcopy(model).to(device) for device in self.devices[1:]]
+        if self.shares_weights:
+            keep_freed_host_memory()  # each replica thread would otherwise page-fault its activations every step
+        self.replicas = [model] + [self._replica(model, device) for device in self.devices[1:]]
         self.params = [list(replica.parameters()) for replica in self.replicas]
         self.buffers = [list(replica.buffers()) for replica in self.replicas]
         sync_batchnorm.link_replicas(self.replicas)  # SyncBatchNorm: whole-batch statistics, running stats on the user's
         if self.gradients is not None:
             self.gradients.remove_hooks()
-        self.gradients = GradientSum(self.params, self.devices, overlap=self.overlap_reduce, threads=self.threads)
+        self.gradients = GradientSum(self.params, self.devices, overlap=self.overlap_reduce, threads=self.threads,
+                                     everywhere=not self.shares_weights)
         return ReplicatedModule(self, model)
 
-    def wrap_optimizer(self, optimizer: torch.optim.Optimizer) -> ReplicaOptimizers:
+    def _replica(self, model: nn.Module, device: torch.device) -> nn.Module:
+        replica = copy.deepcopy(model).to(device)
+        if self.shares_weights:
+            for mine, first in zip(replica.parameters(), model.parameters()):
+                mine.data = first.data  # its own leaf (own .grad, own hooks) over replica 0's storage
+        return replica
+
+    def wrap_optimizer(self, optimizer: torch.optim.Optimizer) -> ReplicaOptimizers | SharedOptimizer:
+        if self.shares_weights:
+            return SharedOptimizer(optimizer, self.params, self.devices, self.threads)
         clones = [clone_optimizer(optimizer, self.params[0], self.params[i]) for i in range(1, len(self.replicas))]
         return ReplicaOptimizers([optimizer, *clones], self.devices, self.threads)
 
@@ -206,5 +232,6 @@ class Replicated(Strategy):
         with torch.no_grad():
             for i in range(1, len(self.replicas)):
                 for mine, first in zip(self.params[i], self.params[0]):
-                    mine.copy_(first)
+                    if mine.data_ptr() != first.data_ptr():  # shared storage is already equal
+                        mine.copy_(first)
         self._sync_buffers()
