@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 from typing import Any, Callable, Protocol, Sequence
 
 import torch
@@ -149,6 +151,8 @@ class DataParallel(nn.Module):
     def check_placement(self) -> None:
         """Every parameter and buffer must be on the primary device before any replica runs."""
         primary = self.primary_device
+        if all(tensor_on(t, primary) for t in itertools.chain(self.module.parameters(), self.module.buffers())):
+            return  # every forward: without building the names
         for kind, named in (("parameter", self.module.named_parameters()), ("buffer", self.module.named_buffers())):
             for name, tensor in named:
                 if not tensor_on(tensor, primary):

@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable, Iterator
 
+import torch
 from torch.utils import _pytree as pytree
 
 
@@ -76,8 +77,15 @@ def _never(_: Any) -> bool:
 
 def _open(obj: Any) -> tuple[list[str], list[Any], Callable[[list[Any]], Any]] | None:
     """(path suffixes, children, rebuild from new children) of a container, or None for a leaf."""
-    if obj is None:
+    if obj is None or isinstance(obj, torch.Tensor):
         return None
+    # every forward walks its inputs and outputs: the plain containers without pytree's lookups, with the
+    # paths pytree.keystr gives them
+    kind = type(obj)
+    if kind is tuple or kind is list:
+        return [f"[{i}]" for i in range(len(obj))], list(obj), kind
+    if kind is dict:
+        return [f"[{key!r}]" for key in obj], list(obj.values()), lambda values: dict(zip(obj, values))
     if _opened_here(obj):
         parts = children(obj)
         return [suffix for suffix, _ in parts], [child for _, child in parts], lambda values: rebuild(obj, values)

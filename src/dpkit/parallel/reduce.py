@@ -21,6 +21,10 @@ every GPU side by side.
 A parameter that has a gradient in some replicas but not in others gets zeros in the others first (its
 sum is the others' sum); one that has none anywhere keeps None.
 
+After an all-reduce every replica holds the sum; `release_copies()`, called before the next backward,
+drops the other replicas' copies again (replica 0 keeps the sum), so a second backward before zero_grad()
+adds only its new gradient and the next sum counts the first one once, as one device would.
+
 With `everywhere=False` the sum is a reduce rather than an all-reduce: only replica 0's .grad receives it,
 and the other replicas' gradients are released (None) afterwards, so a later backward before the next
 zero_grad() adds only new gradient there and the next sum counts nothing twice. The replicated strategy
@@ -193,6 +197,7 @@ class GradientSum:
         self.slices = len(self.devices)
         self.buckets = plan_buckets(self.params[0], bucket_cap_bytes) if self.params else []
         self._thread = threading.local()  # .round: the round the backward in this thread belongs to
+        self._holding_copies = False  # replicas other than 0 hold the last sum (after an all-reduce)
         self._handles: list[Any] = []
         if self.on_cpu and len(self.devices) > 1 and overlap:
             bucket_of = {position: b for b, bucket in enumerate(self.buckets) for position in bucket}
@@ -217,12 +222,14 @@ class GradientSum:
 
     # --- after backward ------------------------------------------------------------------------------
     def sum_now(self) -> None:
-        """Every replica's gradient becomes the sum over replicas (gradients already computed)."""
+        """Replica 0's gradient becomes the sum over replicas, and every replica's with `everywhere`
+        (gradients already computed)."""
         if len(self.devices) < 2 or not self.groups:
             return
         if not self.on_cpu:
             with hooks.phase("all_reduce", self.devices[0]):
                 self._sum_cuda()
+            self._holding_copies = True
             return
         for group in self.groups:
             fill_missing_grads(group)
@@ -236,11 +243,24 @@ class GradientSum:
         self._release_others()
 
     def _release_others(self) -> None:
-        """After a reduce into replica 0: the other replicas start their next gradient from nothing."""
-        if not self.everywhere:
-            for replica_params in self.params[1:]:
-                for p in replica_params:
-                    p.grad = None
+        """After a reduce into replica 0 the other replicas start their next gradient from nothing; after an
+        all-reduce they keep the sum (their optimizers step with it) until release_copies()."""
+        if self.everywhere:
+            self._holding_copies = True
+        else:
+            self._drop_other_gradients()
+
+    def release_copies(self) -> None:
+        """Before a backward: drop the sum the other replicas received from the last all-reduce, if no
+        zero_grad() came between (replica 0 keeps it), so the next sum does not count it once per replica."""
+        if self._holding_copies:
+            self._drop_other_gradients()
+            self._holding_copies = False
+
+    def _drop_other_gradients(self) -> None:
+        for replica_params in self.params[1:]:
+            for p in replica_params:
+                p.grad = None
 
     def _sum_cuda(self) -> None:
         from torch.cuda import comm
@@ -265,6 +285,7 @@ class GradientSum:
         one device, buckets are summed as they become final (see the module doc). On GPUs one autograd
         call runs them all (torch's engine runs each GPU's part in its own thread).
         """
+        self.release_copies()
         if not self.on_cpu:
             torch.autograd.backward([loss for _, loss, _ in roots], [grad for _, _, grad in roots])
             if sync:

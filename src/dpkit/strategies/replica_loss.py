@@ -43,6 +43,7 @@ class ReplicaStep:
         roots = [(i, loss, (grad_output * w).to(loss.device)) for i, loss, w in zip(self.indices, self.losses, self.weights)]
         self.losses = None  # the graphs are freed by this backward
         if self.joined:  # a per-replica backward would walk into the other replicas' graphs
+            self.gradients.release_copies()
             torch.autograd.backward([loss for _, loss, _ in roots], [grad for _, _, grad in roots])
             if self.sync():
                 self.gradients.sum_now()

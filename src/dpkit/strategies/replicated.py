@@ -213,6 +213,7 @@ class Replicated(Strategy):
                 "(the criterion from engine.setup_criterion(criterion)), and this one does not require grad"
             )
         before = self._replica_backwards
+        self.gradients.release_copies()  # the gathered-outputs path below adds into the replicas' gradients directly
         with self.gradient_sync(sync):
             (loss * scale if scale != 1.0 else loss).backward()
         if sync and self._replica_backwards == before:

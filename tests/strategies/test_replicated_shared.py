@@ -1,0 +1,177 @@
+"""replicated on virtual CPU devices shares replica 0's weights and steps the user's optimizer once, in
+per-thread shards. It must be the same arithmetic as the layout GPUs get (a copy and an optimizer per
+device, share_weights=False), bit for bit, and the user's optimizer must still behave as one optimizer."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dpkit.engine import Engine
+from dpkit.strategies.replica_optimizers import SharedOptimizer, balanced_shards
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.body = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh())
+        self.head = nn.Linear(16, 3)
+
+    def forward(self, x):
+        return self.head(self.body(x))
+
+
+def data(rows: int = 11, seed: int = 1):
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(rows, 6, generator=generator), torch.randint(0, 3, (rows,), generator=generator)
+
+
+OPTIMIZERS = {
+    "sgd-momentum": lambda params: torch.optim.SGD(params, lr=0.3, momentum=0.9, nesterov=True),
+    "adam": lambda params: torch.optim.Adam(params, lr=0.05, amsgrad=True),
+    "adamw-two-groups": lambda params: torch.optim.AdamW(
+        [{"params": params[:2], "lr": 0.02}, {"params": params[2:], "weight_decay": 0.3}], lr=0.05),
+    "rmsprop": lambda params: torch.optim.RMSprop(params, lr=0.01, momentum=0.5),
+    "adagrad": lambda params: torch.optim.Adagrad(params, lr=0.1),
+}
+
+
+def train(share_weights: bool | None, make_optimizer, devices: int = 3, steps: int = 4):
+    engine = Engine(strategy="replicated", accelerator="cpu", devices=devices, progress=False, share_weights=share_weights)
+    model = Net()
+    model, optimizer = engine.setup(model, make_optimizer(list(model.parameters())))
+    criterion = engine.setup_criterion(F.cross_entropy)
+    for step in range(steps):
+        x, y = data(11, seed=step)  # 4, 4, 3 rows
+        optimizer.zero_grad()
+        engine.backward(criterion(model(x), y))
+        optimizer.step()
+    return engine, model, optimizer
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_shared_weights_equal_a_copy_per_device_bit_for_bit(name):
+    shared_engine, shared, shared_optimizer = train(None, OPTIMIZERS[name])
+    copies_engine, copies, copies_optimizer = train(False, OPTIMIZERS[name])
+    assert shared_engine.strategy.shares_weights and not copies_engine.strategy.shares_weights
+    assert isinstance(shared_optimizer.optimizer, SharedOptimizer) and shared_optimizer.optimizer.shardable()
+    for mine, theirs in zip(shared.module.parameters(), copies.module.parameters()):
+        assert torch.equal(mine, theirs)
+    # the user's optimizer holds the whole state, in the order one optimizer over all parameters gives it
+    mine, theirs = shared_optimizer.state_dict(), copies_optimizer.state_dict()
+    assert list(mine["state"]) == list(theirs["state"]) == list(range(len(list(shared.module.parameters()))))
+    for index, state in theirs["state"].items():
+        assert state.keys() == mine["state"][index].keys()
+        for key, value in state.items():
+            assert torch.equal(torch.as_tensor(value), torch.as_tensor(mine["state"][index][key])), (index, key)
+    assert mine["param_groups"] == theirs["param_groups"]
+
+
+def test_replicas_share_storage_and_keep_their_own_leaves_and_buffers():
+    engine = Engine(strategy="replicated", accelerator="cpu", devices=2, progress=False)
+    model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
+    model, _ = engine.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    first, second = engine.strategy.replicas
+    for a, b in zip(first.parameters(), second.parameters()):
+        assert a.data_ptr() == b.data_ptr() and a is not b
+    for a, b in zip(first.buffers(), second.buffers()):
+        assert a.data_ptr() != b.data_ptr()  # each replica updates its own running statistics in its thread
+
+
+def test_the_step_splits_the_parameters_evenly_by_size():
+    sizes = [torch.empty(n) for n in (100, 10, 60, 50, 5, 1)]
+    shards = balanced_shards(sizes, 2)
+    loads = sorted(sum(sizes[k].numel() for k in shard) for shard in shards)
+    assert loads == [111, 115]
+    assert sorted(k for shard in shards for k in shard) == list(range(6))
+    assert all(shard == sorted(shard) for shard in shards)
+    assert len(balanced_shards(sizes[:1], 3)) == 1  # no empty shard optimizers
+
+
+def test_a_scheduler_on_the_users_optimizer_sees_its_steps_and_sets_every_shards_lr():
+    engine = Engine(strategy="replicated", accelerator="cpu", devices=2, progress=False)
+    model = Net()
+    user_optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+    model, optimizer = engine.setup(model, user_optimizer)
+    scheduler = torch.optim.lr_scheduler.StepLR(user_optimizer, step_size=1, gamma=0.0)  # lr 0 after one step
+    criterion = engine.setup_criterion(F.cross_entropy)
+    x, y = data(8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # torch warns when scheduler.step() comes before any optimizer.step()
+        optimizer.zero_grad()
+        engine.backward(criterion(model(x), y))
+        optimizer.step()
+        scheduler.step()
+    before = [p.clone() for p in model.module.parameters()]
+    optimizer.zero_grad()
+    engine.backward(criterion(model(x), y))
+    optimizer.step()
+    assert all(torch.equal(a, b) for a, b in zip(before, model.module.parameters()))  # every shard got lr 0
+
+
+def test_an_optimizer_with_its_own_step_hook_steps_whole_and_once():
+    engine = Engine(strategy="replicated", accelerator="cpu", devices=3, progress=False)
+    model = Net()
+    user_optimizer = torch.optim.Adam(model.parameters(), lr=0.05)
+    calls = []
+    user_optimizer.register_step_post_hook(lambda optimizer, args, kwargs: calls.append(optimizer))
+    model, optimizer = engine.setup(model, user_optimizer)
+    assert not optimizer.optimizer.shardable()
+    criterion = engine.setup_criterion(F.cross_entropy)
+    x, y = data(9)
+    reference = Net()
+    reference_optimizer = torch.optim.Adam(reference.parameters(), lr=0.05)
+    for _ in range(2):
+        optimizer.zero_grad()
+        engine.backward(criterion(model(x), y))
+        optimizer.step()
+        reference_optimizer.zero_grad()
+        F.cross_entropy(reference(x), y).backward()
+        reference_optimizer.step()
+    assert calls == [user_optimizer, user_optimizer]
+    for mine, theirs in zip(model.module.parameters(), reference.parameters()):
+        assert torch.allclose(mine, theirs, atol=1e-6)
+
+
+def test_lbfgs_is_not_split():
+    engine = Engine(strategy="replicated", accelerator="cpu", devices=2, progress=False)
+    model = Net()
+    _, optimizer = engine.setup(model, torch.optim.LBFGS(model.parameters()))
+    assert isinstance(optimizer.optimizer, SharedOptimizer) and not optimizer.optimizer.shardable()
+
+
+@pytest.mark.parametrize("share_weights", [None, False])
+def test_two_summed_backwards_before_one_step_count_each_gradient_once(share_weights):
+    """Two backwards, each ending with the sum, add up as on one device: the second sum must not count the
+    first one's result again in every replica."""
+    engine = Engine(strategy="replicated", accelerator="cpu", devices=3, progress=False, share_weights=share_weights)
+    model = Net()
+    model, optimizer = engine.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    criterion = engine.setup_criterion(F.cross_entropy)
+    reference = Net()
+    for seed in (1, 2):
+        x, y = data(10, seed)
+        if seed == 1:
+            criterion(model(x), y).backward()
+        else:
+            engine.backward(criterion(model(x), y))
+        F.cross_entropy(reference(x), y).backward()
+    for mine, theirs in zip(model.module.parameters(), reference.parameters()):
+        assert torch.allclose(mine.grad, theirs.grad, atol=1e-6)
+    optimizer.step()
+    for mine, theirs in zip(model.module.parameters(), reference.parameters()):
+        assert torch.allclose(mine, theirs - 0.1 * theirs.grad, atol=1e-6)
+
+
+def test_share_weights_true_needs_virtual_cpu_devices():
+    from dpkit.strategies.replicated import Replicated
+
+    with pytest.raises(ValueError, match="share_weights: True needs virtual CPU devices"):
+        Replicated([torch.device("cuda", 0), torch.device("cuda", 1)], share_weights=True)
+    with pytest.raises(TypeError, match="share_weights: expected True, False or None"):
+        Replicated([torch.device("cpu", 0), torch.device("cpu", 1)], share_weights="yes")
