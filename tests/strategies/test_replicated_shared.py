@@ -12,7 +12,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from dpkit.engine import Engine
+from dpkit.strategies import replica_optimizers
 from dpkit.strategies.replica_optimizers import SharedOptimizer, balanced_shards
+
+
+@pytest.fixture(autouse=True)
+def shard_small_models(monkeypatch, request):
+    """These models are tiny; the sharded step is what most tests here check, so shard from one element."""
+    if "whole" not in request.node.name:
+        monkeypatch.setattr(replica_optimizers, "MIN_SHARDED_ELEMENTS", 1)
 
 
 class Net(nn.Module):
@@ -114,7 +122,7 @@ def test_a_scheduler_on_the_users_optimizer_sees_its_steps_and_sets_every_shards
     assert all(torch.equal(a, b) for a, b in zip(before, model.module.parameters()))  # every shard got lr 0
 
 
-def test_an_optimizer_with_its_own_step_hook_steps_whole_and_once():
+def test_an_optimizer_with_its_own_step_hook_steps_unsplit_and_once():
     engine = Engine(strategy="replicated", accelerator="cpu", devices=3, progress=False)
     model = Net()
     user_optimizer = torch.optim.Adam(model.parameters(), lr=0.05)
@@ -136,6 +144,16 @@ def test_an_optimizer_with_its_own_step_hook_steps_whole_and_once():
     assert calls == [user_optimizer, user_optimizer]
     for mine, theirs in zip(model.module.parameters(), reference.parameters()):
         assert torch.allclose(mine, theirs, atol=1e-6)
+
+
+def test_a_small_model_steps_whole_on_the_calling_thread():
+    engine = Engine(strategy="replicated", accelerator="cpu", devices=2, progress=False)
+    small, large = Net(), nn.Linear(1024, 1024)
+    _, small_optimizer = engine.setup(small, torch.optim.SGD(small.parameters(), lr=0.1))
+    assert not small_optimizer.optimizer.shardable()  # a few hundred elements: hand-offs would cost more
+    other = Engine(strategy="replicated", accelerator="cpu", devices=2, progress=False)
+    _, large_optimizer = other.setup(large, torch.optim.SGD(large.parameters(), lr=0.1))
+    assert large_optimizer.optimizer.shardable()  # 1024 * 1025 elements
 
 
 def test_lbfgs_is_not_split():

@@ -52,7 +52,7 @@ class CostConstants:
     compute_efficiency: float = 0.45          # achieved / peak dense FLOP/s of a training step
     launch_seconds: float = 6e-6              # host time to launch one kernel from eager PyTorch
     step_overhead_seconds: float = 1e-3       # the Python of one step outside the kernels
-    thread_seconds: float = 60e-6             # starting and joining one replica's thread (dp, replicated)
+    thread_seconds: float = 60e-6             # handing the replicas' threads their jobs and joining them (dp, replicated)
     bucket_bytes: int = 25 * 2**20            # DDP's default bucket_cap_mb
     memory_headroom: float = 0.9              # usable fraction of device memory (allocator, CUDA context)
     source: str = "defaults (docs/cost-model.md)"
@@ -197,7 +197,9 @@ def step_breakdown(profile: ModelProfile, hardware: Hardware, strategy: str, dev
     steps_in_process = local if strategy == "replicated" and not shared_weights else 1
     phases["optimizer"] = traffic / memory_rate * (steps_in_process if shared else 1) + \
         steps_in_process * max(1, profile.parameter_tensors) * constants.launch_seconds / 4  # foreach kernels
-    phases["overhead"] = constants.step_overhead_seconds + (constants.thread_seconds * local * 3 if threads and local > 1 else 0.0)
+    # the replicas' threads are handed their jobs together and waited for together: about three hand-offs
+    # a step (forward, backward, step or gather), each costing one thread's wake-up and join, not one per replica
+    phases["overhead"] = constants.step_overhead_seconds + (constants.thread_seconds * 3 if threads and local > 1 else 0.0)
     return {name: phases[name] for name in PHASE_ORDER if name in phases and phases[name] > 0}
 
 

@@ -110,6 +110,11 @@ PER_PARAMETER = tuple(getattr(torch.optim, name) for name in (
 ) if hasattr(torch.optim, name))
 
 
+# below this many parameter elements the whole step is a few microsecond-sized kernels: handing shards to
+# the replica threads costs more than it saves, and the user's optimizer steps whole on the calling thread
+MIN_SHARDED_ELEMENTS = 1 << 20
+
+
 def balanced_shards(params: Sequence[torch.Tensor], shards: int) -> list[list[int]]:
     """Parameter positions in `shards` groups of about equal element count (largest first to the lightest
     group), each group in position order; groups left empty are dropped."""
@@ -130,9 +135,9 @@ class SharedOptimizer:
     (balanced by size), and a shard optimizer (the user's type and hyperparameters over that shard) steps
     each, in the user's optimizer's own state dict, so optimizer.state_dict(), checkpoints and schedulers
     see one ordinary optimizer. Hyperparameters (a scheduler's lr) are copied from the user's groups
-    before every step. It is the same arithmetic for the optimizers in PER_PARAMETER; for others, or when
-    the user's optimizer has step hooks of its own or a replaced step(), the user's optimizer.step() runs
-    whole on the calling thread.
+    before every step. It is the same arithmetic for the optimizers in PER_PARAMETER; for others, for
+    models under MIN_SHARDED_ELEMENTS parameters, or when the user's optimizer has step hooks of its own or
+    a replaced step(), the user's optimizer.step() runs whole on the calling thread.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, replica_params: Sequence[Sequence[nn.Parameter]],
@@ -175,7 +180,8 @@ class SharedOptimizer:
         """Whether the step may run in shards (see the class doc)."""
         optimizer = self.optimizer
         step = vars(optimizer).get("step")  # an instance attribute: someone replaced step()
-        return (len(self.devices) > 1 and type(optimizer) in PER_PARAMETER
+        elements = sum(p.numel() for group in optimizer.param_groups for p in group["params"])
+        return (len(self.devices) > 1 and elements >= MIN_SHARDED_ELEMENTS and type(optimizer) in PER_PARAMETER
                 and not optimizer._optimizer_step_pre_hooks and not optimizer._optimizer_step_post_hooks
                 and (step is None or getattr(step, "_wrapped_by_lr_sched", False)))
 
