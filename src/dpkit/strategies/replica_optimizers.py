@@ -53,49 +53,64 @@ def clone_optimizer(optimizer: torch.optim.Optimizer, params: Sequence[nn.Parame
     return clone
 
 
-class ReplicaOptimizers:
+def copy_hyperparameters(source_groups: Sequence[dict], target_groups: Sequence[dict]) -> None:
+    """Every setting but the parameters, group by group (a scheduler's lr reaches the clones)."""
+    for mine, theirs in zip(target_groups, source_groups):
+        for key, value in theirs.items():
+            if key != "params":
+                mine[key] = value
+
+
+def refuse_closure(closure: Callable | None) -> None:
+    if closure is not None:
+        raise TypeError("optimizer.step(closure): strategy 'replicated' steps every replica once and takes no closure")
+
+
+class _UsersOptimizer:
+    """What the user sees of replicated's optimizers: their own optimizer's groups, state and state dict."""
+
+    user: torch.optim.Optimizer
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return self.user.param_groups
+
+    @property
+    def state(self) -> Any:
+        return self.user.state
+
+    @property
+    def defaults(self) -> dict:
+        return self.user.defaults
+
+    def state_dict(self) -> dict:
+        return self.user.state_dict()
+
+
+class ReplicaOptimizers(_UsersOptimizer):
     """The user's optimizer (replica 0's) and a clone per other replica; step() steps each replica in its
     device's thread, after copying the user's hyperparameters (a scheduler's lr) to the clones."""
 
     def __init__(self, optimizers: list[torch.optim.Optimizer], devices: Sequence[torch.device], threads: int | None):
         self.optimizers = optimizers
+        self.user = optimizers[0]
         self.devices = list(devices)
         self.threads = threads
-
-    @property
-    def param_groups(self) -> list[dict]:
-        return self.optimizers[0].param_groups
-
-    @property
-    def state(self) -> Any:
-        return self.optimizers[0].state
-
-    @property
-    def defaults(self) -> dict:
-        return self.optimizers[0].defaults
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for optimizer in self.optimizers:
             optimizer.zero_grad(set_to_none=set_to_none)
 
     def step(self, closure: Callable | None = None) -> None:
-        if closure is not None:
-            raise TypeError("optimizer.step(closure): strategy 'replicated' steps every replica once and takes no closure")
-        first = self.optimizers[0].param_groups
+        refuse_closure(closure)
         for optimizer in self.optimizers[1:]:
-            for mine, theirs in zip(optimizer.param_groups, first):
-                for key, value in theirs.items():
-                    if key != "params":
-                        mine[key] = value
+            copy_hyperparameters(self.user.param_groups, optimizer.param_groups)
 
         def step_one(i: int) -> None:
             with hooks.replica_phase("optimizer"):
                 self.optimizers[i].step()
 
         run_replicas(self.devices, step_one, generators=False, threads=self.threads)
-
-    def state_dict(self) -> dict:
-        return self.optimizers[0].state_dict()
 
     def load_state_dict(self, state_dict: dict) -> None:
         for optimizer in self.optimizers:
@@ -127,7 +142,7 @@ def balanced_shards(params: Sequence[torch.Tensor], shards: int) -> list[list[in
     return [sorted(group) for group in groups if group]
 
 
-class SharedOptimizer:
+class SharedOptimizer(_UsersOptimizer):
     """replicated on virtual CPU devices: every replica's parameters share replica 0's storage, so the
     user's optimizer steps once per step and every replica sees the result.
 
@@ -142,24 +157,12 @@ class SharedOptimizer:
 
     def __init__(self, optimizer: torch.optim.Optimizer, replica_params: Sequence[Sequence[nn.Parameter]],
                  devices: Sequence[torch.device], threads: int | None):
-        self.optimizer = optimizer
+        self.optimizer = self.user = optimizer
         self.replica_params = [list(params) for params in replica_params]
         self.devices = list(devices)
         self.threads = threads
         self._layout: tuple | None = None  # the param groups the shards were built for
         self._shards: list[tuple[torch.optim.Optimizer, list[int]]] = []  # (shard optimizer, its user group per group)
-
-    @property
-    def param_groups(self) -> list[dict]:
-        return self.optimizer.param_groups
-
-    @property
-    def state(self) -> Any:
-        return self.optimizer.state
-
-    @property
-    def defaults(self) -> dict:
-        return self.optimizer.defaults
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.optimizer.zero_grad(set_to_none=set_to_none)
@@ -206,8 +209,7 @@ class SharedOptimizer:
         self._layout = layout
 
     def step(self, closure: Callable | None = None) -> None:
-        if closure is not None:
-            raise TypeError("optimizer.step(closure): strategy 'replicated' steps every replica once and takes no closure")
+        refuse_closure(closure)
         if not self.shardable():
             self.optimizer.step()
             return
@@ -216,10 +218,7 @@ class SharedOptimizer:
         state, known = optimizer.state, len(optimizer.state)
         for shard, user_groups in self._shards:
             shard.state = state  # the user's entries, whatever load_state_dict put there last
-            for mine, g in zip(shard.param_groups, user_groups):
-                for key, value in optimizer.param_groups[g].items():
-                    if key != "params":
-                        mine[key] = value
+            copy_hyperparameters([optimizer.param_groups[g] for g in user_groups], shard.param_groups)
 
         def step_shard(k: int) -> None:
             with hooks.replica_phase("optimizer"):
@@ -236,9 +235,6 @@ class SharedOptimizer:
             optimizer.state = ordered
         if getattr(vars(optimizer).get("step"), "_wrapped_by_lr_sched", False):
             optimizer._opt_called = True  # what the scheduler's wrapper of step() records
-
-    def state_dict(self) -> dict:
-        return self.optimizer.state_dict()
 
     def load_state_dict(self, state_dict: dict) -> None:
         self.optimizer.load_state_dict(state_dict)
