@@ -4,6 +4,7 @@ device, share_weights=False), bit for bit, and the user's optimizer must still b
 
 from __future__ import annotations
 
+import collections
 import warnings
 
 import pytest
@@ -13,7 +14,7 @@ from torch import nn
 
 from dpkit.engine import Engine
 from dpkit.strategies import replica_optimizers
-from dpkit.strategies.replica_optimizers import SharedOptimizer, balanced_shards
+from dpkit.strategies.replica_optimizers import SharedOptimizer, balanced_shards, even_runs
 
 
 @pytest.fixture(autouse=True)
@@ -49,9 +50,19 @@ OPTIMIZERS = {
 }
 
 
-def train(share_weights: bool | None, make_optimizer, devices: int = 3, steps: int = 4):
+class WideNet(Net):
+    """A hidden layer of 64 x 2048 weights: the sharded step cuts it in pieces (one per device thread)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.body = nn.Sequential(nn.Linear(6, 64), nn.Tanh(), nn.Linear(64, 2048), nn.Tanh())
+        self.head = nn.Linear(2048, 3)
+
+
+def train(share_weights: bool | None, make_optimizer, devices: int = 3, steps: int = 4, net=Net):
     engine = Engine(strategy="replicated", accelerator="cpu", devices=devices, progress=False, share_weights=share_weights)
-    model = Net()
+    model = net()
     model, optimizer = engine.setup(model, make_optimizer(list(model.parameters())))
     criterion = engine.setup_criterion(F.cross_entropy)
     for step in range(steps):
@@ -62,22 +73,88 @@ def train(share_weights: bool | None, make_optimizer, devices: int = 3, steps: i
     return engine, model, optimizer
 
 
+CUT_OPTIMIZERS = {  # every kind of elementwise state: moments, a max, per-element step sizes, scalar tensors
+    **OPTIMIZERS,
+    "rprop": lambda params: torch.optim.Rprop(params, lr=0.01),
+    "asgd": lambda params: torch.optim.ASGD(params, lr=0.05, t0=1),
+    "nadam": lambda params: torch.optim.NAdam(params, lr=0.05),
+    "adamax": lambda params: torch.optim.Adamax(params, lr=0.05),
+    "sgd-plain": lambda params: torch.optim.SGD(params, lr=0.1),
+}
+
+
+def assert_same_training(shared, shared_optimizer, copies, copies_optimizer):
+    for mine, theirs in zip(shared.module.parameters(), copies.module.parameters()):
+        assert torch.equal(mine, theirs)
+    # the user's optimizer holds the whole state, in the order one optimizer over all parameters gives it
+    mine, theirs = shared_optimizer.state_dict(), copies_optimizer.state_dict()
+    assert list(mine["state"]) == list(theirs["state"]) == sorted(theirs["state"])
+    for index, state in theirs["state"].items():
+        assert state.keys() == mine["state"][index].keys()
+        for key, value in state.items():
+            assert torch.equal(torch.as_tensor(value), torch.as_tensor(mine["state"][index][key])), (index, key)
+    assert mine["param_groups"] == theirs["param_groups"]
+
+
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
 def test_shared_weights_equal_a_copy_per_device_bit_for_bit(name):
     shared_engine, shared, shared_optimizer = train(None, OPTIMIZERS[name])
     copies_engine, copies, copies_optimizer = train(False, OPTIMIZERS[name])
     assert shared_engine.strategy.shares_weights and not copies_engine.strategy.shares_weights
     assert isinstance(shared_optimizer.optimizer, SharedOptimizer) and shared_optimizer.optimizer.shardable()
-    for mine, theirs in zip(shared.module.parameters(), copies.module.parameters()):
-        assert torch.equal(mine, theirs)
-    # the user's optimizer holds the whole state, in the order one optimizer over all parameters gives it
-    mine, theirs = shared_optimizer.state_dict(), copies_optimizer.state_dict()
-    assert list(mine["state"]) == list(theirs["state"]) == list(range(len(list(shared.module.parameters()))))
-    for index, state in theirs["state"].items():
-        assert state.keys() == mine["state"][index].keys()
-        for key, value in state.items():
-            assert torch.equal(torch.as_tensor(value), torch.as_tensor(mine["state"][index][key])), (index, key)
-    assert mine["param_groups"] == theirs["param_groups"]
+    assert_same_training(shared, shared_optimizer, copies, copies_optimizer)
+
+
+@pytest.mark.parametrize("name", sorted(CUT_OPTIMIZERS))
+def test_a_parameter_cut_between_threads_steps_bit_for_bit_as_one_tensor(name):
+    shared_engine, shared, shared_optimizer = train(None, CUT_OPTIMIZERS[name], net=WideNet)
+    _, copies, copies_optimizer = train(False, CUT_OPTIMIZERS[name], net=WideNet)
+    pieces = shared_optimizer.optimizer._pieces
+    weight = shared.module.module.body[2].weight
+    assert [p is weight for _, p, _, _ in pieces] == [True, True, True]  # one piece per device thread
+    assert all(lo % replica_optimizers.CUT_ALIGN_ELEMENTS == 0 for _, _, lo, _ in pieces)
+    assert not any(piece in shared_optimizer.state for piece, _, _, _ in pieces)  # lent for the step only
+    assert_same_training(shared, shared_optimizer, copies, copies_optimizer)
+
+
+def test_a_cut_parameter_resumes_from_a_loaded_state_bit_for_bit():
+    straight_engine, straight, straight_optimizer = train(None, CUT_OPTIMIZERS["adam"], net=WideNet, steps=4)
+    first_engine, first, first_optimizer = train(None, CUT_OPTIMIZERS["adam"], net=WideNet, steps=2)
+    engine = Engine(strategy="replicated", accelerator="cpu", devices=3, progress=False)
+    model = WideNet()
+    model, optimizer = engine.setup(model, torch.optim.Adam(model.parameters(), lr=0.05, amsgrad=True))
+    model.module.load_state_dict(first.module.state_dict())
+    engine.strategy.weights_loaded()
+    optimizer.load_state_dict(first_optimizer.state_dict())
+    criterion = engine.setup_criterion(F.cross_entropy)
+    for step in (2, 3):
+        x, y = data(11, seed=step)
+        optimizer.zero_grad()
+        engine.backward(criterion(model(x), y))
+        optimizer.step()
+    assert optimizer.optimizer._pieces  # the loaded state was stepped in pieces
+    assert_same_training(model, optimizer, straight, straight_optimizer)
+
+
+def test_even_runs_cut_large_parameters_on_aligned_elements_and_move_other_cuts_to_an_edge():
+    align, large = replica_optimizers.CUT_ALIGN_ELEMENTS, replica_optimizers.MIN_CUT_ELEMENTS * 3
+    sizes = [10, large, 7, large, 0, 5]
+    runs = even_runs(sizes, 4, [True] * len(sizes))
+    covered = collections.defaultdict(list)
+    for run in runs:
+        assert [position for position, _, _ in run] == sorted(position for position, _, _ in run)
+        for position, lo, hi in run:
+            covered[position].append((lo, hi))
+            assert lo % align == 0 or lo == 0
+    for position, size in enumerate(sizes):  # every element exactly once, the empty parameter too
+        spans = sorted(covered[position])
+        assert spans[0][0] == 0 and spans[-1][1] == size
+        assert all(a[1] == b[0] for a, b in zip(spans, spans[1:]))
+    loads = [sum(hi - lo for _, lo, hi in run) for run in runs]
+    assert max(loads) - min(loads) <= 2 * align
+    uncut = even_runs(sizes, 4, [True, False, True, False, True, True])
+    assert all((lo, hi) == (0, sizes[position]) for run in uncut for position, lo, hi in run)
+    assert len(even_runs([3], 4, [True])) == 1  # no empty shard optimizers
 
 
 def test_replicas_share_storage_and_keep_their_own_leaves_and_buffers():

@@ -9,7 +9,7 @@ Each job runs in its device's worker thread with
 - on virtual CPU devices a fair share of torch's intra-op threads and, unless asked not to, its own
   torch.Generator seeded from the default CPU generator *in the calling thread*, so
   `torch.manual_seed` fixes dropout in every replica (threads would otherwise race on the one CPU
-  generator);
+  generator); a caller that passes a RandomnessWatch gets it only while its jobs may draw;
 - `dpkit.parallel.hooks.replica(i, device)` entered around it, for whoever observes.
 
 Results come back in replica order after every job has finished. An error is re-raised in the caller
@@ -38,7 +38,7 @@ import torch.utils._pytree
 
 from dpkit.devices import DeviceLike, cpu_threads_per_device, parse_device
 from dpkit.parallel import hooks
-from dpkit.parallel.replica_rng import ReplicaGenerator, replica_seeds
+from dpkit.parallel.replica_rng import RandomnessWatch, ReplicaGenerator, replica_seeds
 from dpkit.parallel.streams import current_stream, device_context
 
 # how long the caller sleeps between checks for Ctrl-C while it waits for replicas
@@ -106,14 +106,14 @@ def _passes_through(error: BaseException | None) -> bool:
 
 
 def _run_job(job: Callable[[int], Any], index: int, device: torch.device, context: CallerContext, stream: Any,
-             seed: int | None, threads: int | None) -> Any:
+             mode: ReplicaGenerator | None, threads: int | None) -> Any:
     if threads is not None and torch.get_num_threads() != threads:
         torch.set_num_threads(threads)
     with contextlib.ExitStack() as stack:
         stack.enter_context(device_context(device, stream))
         stack.enter_context(context.enter())
-        if seed is not None:
-            stack.enter_context(ReplicaGenerator(seed))
+        if mode is not None:
+            stack.enter_context(mode)
         stack.enter_context(hooks.replica(index, device))
         return job(index)
 
@@ -145,7 +145,7 @@ def _abandon(devices: Sequence[torch.device], futures: Sequence[Future]) -> None
                 _abandoned[str(device)] = future
 
 
-def run_replicas(devices: Sequence[torch.device], job: Callable[[int], Any], *, generators: bool = True,
+def run_replicas(devices: Sequence[torch.device], job: Callable[[int], Any], *, generators: bool | RandomnessWatch = True,
                  threads: int | None = None, on_interrupt: Callable[[], None] | None = None) -> list[Any]:
     """[job(0), …, job(n-1)], job(i) run in the worker thread of devices[i], all side by side.
 
@@ -154,7 +154,8 @@ def run_replicas(devices: Sequence[torch.device], job: Callable[[int], Any], *, 
         job: called with the replica index; whatever it returns is that replica's result.
         generators: give each replica on a virtual CPU device its own seeded generator for random
             operators (dropout). Jobs that draw no random numbers (backward, optimizer steps) pass False:
-            it saves drawing seeds and the per-operator dispatch.
+            it saves drawing seeds and the per-operator dispatch. A RandomnessWatch gives the generators
+            while the call site's jobs may draw, and learns from each run whether they do.
         threads: intra-op threads per replica on virtual CPU devices (default: the cores shared evenly).
         on_interrupt: called when the caller stops waiting (KeyboardInterrupt, SystemExit), before those
             jobs that have not started are dropped: jobs that wait for each other use it to give up.
@@ -173,7 +174,10 @@ def run_replicas(devices: Sequence[torch.device], job: Callable[[int], Any], *, 
     if len({str(d) for d in devices}) != n:
         raise ValueError(f"devices: {[str(d) for d in devices]} names a device twice; each replica needs its own device")
     on_cpu = all(device.type == "cpu" for device in devices)
-    seeds = replica_seeds(n) if (on_cpu and generators) else [None] * n
+    watch = generators if isinstance(generators, RandomnessWatch) else None
+    protect = on_cpu and (watch.protects() if watch is not None else bool(generators))
+    modes = [ReplicaGenerator(seed) for seed in replica_seeds(n)] if protect else [None] * n
+    state_before = torch.default_generator.get_state() if (on_cpu and watch is not None and not protect) else None
     if on_cpu and threads is None:
         threads = cpu_threads_per_device(n)
     elif not on_cpu:
@@ -182,8 +186,8 @@ def run_replicas(devices: Sequence[torch.device], job: Callable[[int], Any], *, 
         _wait_for_abandoned(devices)
     futures: list[Future] = []
     try:
-        for i, (device, stream, seed) in enumerate(zip(devices, streams, seeds)):
-            futures.append(worker_for(device).submit(_run_job, job, i, device, context, stream, seed, threads))
+        for i, (device, stream, mode) in enumerate(zip(devices, streams, modes)):
+            futures.append(worker_for(device).submit(_run_job, job, i, device, context, stream, mode, threads))
         pending = set(futures)
         while pending:  # short slices: a signal in the caller is handled within one slice
             done, pending = concurrent.futures.wait(pending, timeout=WAIT_SLICE_SECONDS)
@@ -199,6 +203,10 @@ def run_replicas(devices: Sequence[torch.device], job: Callable[[int], Any], *, 
     if failures:
         first = next(((i, e) for i, e in failures if not isinstance(e, PeerFailed)), failures[0])
         _rethrow(first[0], devices[first[0]], first[1])
+    if protect and watch is not None:
+        watch.protected_run(modes)
+    elif state_before is not None:
+        watch.unprotected_run(state_before)
     return [future.result() for future in futures]
 
 
@@ -218,13 +226,13 @@ def _as_device_list(devices: Sequence[DeviceLike] | None, inputs: Sequence[Any],
 
 
 def parallel_apply(modules: Sequence[Callable], inputs: Sequence[Any], kwargs_tup: Sequence[dict] | None = None,
-                   devices: Sequence[DeviceLike] | None = None) -> list[Any]:
+                   devices: Sequence[DeviceLike] | None = None, *, generators: bool | RandomnessWatch = True) -> list[Any]:
     """torch.nn.parallel.parallel_apply on dpkit's runner: modules[i](*inputs[i], **kwargs_tup[i]) on devices[i].
 
     As in torch, an input that is a tuple or a list is the argument list and anything else (a bare tensor)
     is one argument. Devices accept dpkit's specs: ints (CUDA indices), "cuda:1", "cpu:3", torch.device;
     without devices, each module runs on its input's device (CPU inputs on cpu:0, cpu:1, …). Outputs come
-    in module order; an error names the replica and device.
+    in module order; an error names the replica and device. `generators` is run_replicas'.
     """
     n = len(modules)
     if len(inputs) != n:
@@ -239,4 +247,4 @@ def parallel_apply(modules: Sequence[Callable], inputs: Sequence[Any], kwargs_tu
     def job(i: int) -> Any:
         return modules[i](*arguments[i], **(kwargs_tup[i] or {}))
 
-    return run_replicas(device_list, job)
+    return run_replicas(device_list, job, generators=generators)

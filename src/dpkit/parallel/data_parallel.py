@@ -15,6 +15,7 @@ from dpkit.parallel.apply import parallel_apply
 from dpkit.parallel.balance import BALANCE_MODES
 from dpkit.parallel.gather import gather
 from dpkit.parallel.nested import leaves
+from dpkit.parallel.replica_rng import TrainingModeWatches
 from dpkit.parallel.replicate import check_replicable, replicate
 from dpkit.arguments import check_dim
 from dpkit.parallel.scatter import batch_size_of, check_chunk_sizes, other_sizes, plan_split, scatter, unwrap_broadcasts
@@ -138,6 +139,7 @@ class DataParallel(nn.Module):
             self.balancer = planner if planner is not None else self.balance_planner(balance, limits)
         self.last_split_sizes: list[int] | None = None
         self.last_devices: list[torch.device] | None = None  # the devices that got rows (and a replica)
+        self.randomness = TrainingModeWatches("DataParallel's replicas")  # per-replica generators while they draw
 
     def balance_planner(self, mode: str, max_bytes_per_device: list[float | None]) -> ChunkPlanner:
         """The planner for balance=mode; here none can measure (parallel/ measures nothing itself)."""
@@ -178,7 +180,8 @@ class DataParallel(nn.Module):
         devices = self.last_devices = [device for device, _, _ in chunks]
         replicas = self.replicate_to(devices, with_loss)
         replicas = sync_batchnorm.synced_replicas(self.module, replicas)  # SyncBatchNorm layers meet across replicas
-        outputs = parallel_apply(replicas, [a for _, a, _ in chunks], [k for _, _, k in chunks], devices)
+        outputs = parallel_apply(replicas, [a for _, a, _ in chunks], [k for _, _, k in chunks], devices,
+                                 generators=self.randomness(self.module))
         if hooks.listening():
             self.announce_outputs(outputs, chunks)
         return self.combine(outputs, plan.sizes, with_loss, inputs, kwargs)

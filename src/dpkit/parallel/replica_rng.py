@@ -4,14 +4,20 @@ Every GPU has its own generator, so dropout in replicas on different GPUs is rep
 devices all share torch's one CPU generator, and threads drawing from it race. Inside a replica's
 thread this dispatch mode hands every random operator a per-replica generator, seeded from the
 default generator by the calling thread, so the same seed gives bitwise-identical results.
+
+The mode sees every operator a replica runs, which costs microseconds each. A RandomnessWatch lets a
+caller whose replicas draw nothing stop paying for it: see there.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+
+log = logging.getLogger("dpkit")
 
 _TAKES_GENERATOR: dict[Any, bool] = {}
 
@@ -42,6 +48,48 @@ class ReplicaGenerator(TorchDispatchMode):
                 self.generator = generator_for(self.seed)
             kwargs = dict(kwargs, generator=self.generator)
         return func(*args, **kwargs)
+
+
+class RandomnessWatch:
+    """Whether the replica jobs of one call site (a module in one training mode) draw random numbers,
+    learned as they run.
+
+    The first run protects every job with a ReplicaGenerator, which records whether it routed a draw. If
+    none did, later runs go without the mode; each of them compares the default CPU generator's state
+    before and after instead, which costs microseconds. A change means a job drew from the shared
+    generator (randomness that only starts later): that run's draws were not repeatable, a warning says
+    so once, and every later run is protected again. A run whose jobs drew is protected from then on.
+    """
+
+    def __init__(self, name: str = "replicas"):
+        self.name = name
+        self.draws: bool | None = None  # unknown until a protected run finishes
+
+    def protects(self) -> bool:
+        return self.draws is not False
+
+    def protected_run(self, modes: list["ReplicaGenerator"]) -> None:
+        if any(mode.generator is not None for mode in modes):
+            self.draws = True
+        elif self.draws is None:
+            self.draws = False
+
+    def unprotected_run(self, state_before: torch.Tensor) -> None:
+        if not torch.equal(state_before, torch.default_generator.get_state()):
+            log.warning("%s drew random numbers from torch's shared CPU generator in a step after steps that drew "
+                        "none, so that step's draws (dropout masks, ...) are not repeatable from the seed; from now "
+                        "on every replica gets its own seeded generator again", self.name)
+            self.draws = True
+
+
+class TrainingModeWatches:
+    """One RandomnessWatch per training mode of a module (dropout draws in training and not in eval)."""
+
+    def __init__(self, name: str):
+        self.watches = {True: RandomnessWatch(name), False: RandomnessWatch(name)}
+
+    def __call__(self, module: torch.nn.Module) -> RandomnessWatch:
+        return self.watches[bool(module.training)]
 
 
 def replica_seeds(n: int) -> list[int]:

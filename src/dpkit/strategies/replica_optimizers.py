@@ -4,9 +4,11 @@ parameters and the user's optimizer steps once, its parameters split among the r
 
 from __future__ import annotations
 
+import bisect
 import collections
 import copy
 import inspect
+import itertools
 from typing import Any, Callable, Sequence
 
 import torch
@@ -125,9 +127,23 @@ PER_PARAMETER = tuple(getattr(torch.optim, name) for name in (
 ) if hasattr(torch.optim, name))
 
 
+# the optimizers of PER_PARAMETER whose step is also elementwise inside a parameter: every state tensor of
+# the parameter's shape is updated element by element, and the rest of its state (the step count) is the
+# same for every element. Their parameters may be cut in pieces, each stepped with views of its state.
+# (Adafactor's factored state is not elementwise.)
+ELEMENTWISE = tuple(getattr(torch.optim, name) for name in (
+    "SGD", "Adam", "AdamW", "Adagrad", "Adadelta", "Adamax", "NAdam", "RAdam", "RMSprop", "Rprop", "ASGD",
+) if hasattr(torch.optim, name))
+
 # below this many parameter elements the whole step is a few microsecond-sized kernels: handing shards to
 # the replica threads costs more than it saves, and the user's optimizer steps whole on the calling thread
 MIN_SHARDED_ELEMENTS = 1 << 20
+
+# a cut inside a parameter falls on a multiple of this many elements from its start, so a vectorised kernel
+# walks a piece in the same chunks as the whole tensor and computes the same bits; parameters under
+# MIN_CUT_ELEMENTS are never cut (moving the cut to one of their edges unbalances the shards little)
+CUT_ALIGN_ELEMENTS = 4096
+MIN_CUT_ELEMENTS = 1 << 16
 
 
 def balanced_shards(params: Sequence[torch.Tensor], shards: int) -> list[list[int]]:
@@ -142,17 +158,57 @@ def balanced_shards(params: Sequence[torch.Tensor], shards: int) -> list[list[in
     return [sorted(group) for group in groups if group]
 
 
+def even_runs(sizes: Sequence[int], shards: int, cuttable: Sequence[bool]) -> list[list[tuple[int, int, int]]]:
+    """The parameters laid end to end in position order and cut into `shards` runs of about equal element
+    count. Run k lists (position, lo, hi): elements lo:hi of that flattened parameter, (0, size) when whole.
+    A cut falling inside a parameter that may not be cut (or is under MIN_CUT_ELEMENTS) moves to its
+    nearer edge; runs left empty are dropped."""
+    starts = list(itertools.accumulate(sizes, initial=0))
+    total = starts[-1]
+    cuts = [0]
+    for k in range(1, shards):
+        target = total * k // shards
+        j = min(bisect.bisect_right(starts, target) - 1, len(sizes) - 1)
+        start, size = starts[j], sizes[j]
+        if cuttable[j] and size >= MIN_CUT_ELEMENTS:
+            cut = min(start + round((target - start) / CUT_ALIGN_ELEMENTS) * CUT_ALIGN_ELEMENTS, start + size)
+        else:
+            cut = start if target - start < start + size - target else start + size
+        cuts.append(max(cut, cuts[-1]))
+    cuts.append(total)
+    runs: list[list[tuple[int, int, int]]] = [[] for _ in range(shards)]
+    for position, (start, size) in enumerate(zip(starts, sizes)):
+        for k in range(shards):
+            lo, hi = max(cuts[k], start), min(cuts[k + 1], start + size)
+            if hi > lo:
+                runs[k].append((position, lo - start, hi - start))
+        if size == 0:  # an empty parameter still gets its (empty) state, in the run where it starts
+            k = max(k for k in range(shards) if cuts[k] <= start)
+            runs[min(k, shards - 1)].append((position, 0, 0))
+    return [run for run in runs if run]
+
+
+def _piece_state(value: Any, param: torch.Tensor, lo: int, hi: int) -> Any:
+    """A cut parameter's state entry for its piece lo:hi: a view of an elementwise tensor (updated in place
+    in the user's state), a copy of anything else (the step count, the same in every piece)."""
+    if isinstance(value, torch.Tensor):
+        return value.view(-1)[lo:hi] if value.shape == param.shape else value.clone()
+    return copy.copy(value)
+
+
 class SharedOptimizer(_UsersOptimizer):
     """replicated on virtual CPU devices: every replica's parameters share replica 0's storage, so the
     user's optimizer steps once per step and every replica sees the result.
 
-    That step runs on all the replica threads at once: the parameters are split into one shard per thread
-    (balanced by size), and a shard optimizer (the user's type and hyperparameters over that shard) steps
-    each, in the user's optimizer's own state dict, so optimizer.state_dict(), checkpoints and schedulers
-    see one ordinary optimizer. Hyperparameters (a scheduler's lr) are copied from the user's groups
-    before every step. It is the same arithmetic for the optimizers in PER_PARAMETER; for others, for
-    models under MIN_SHARDED_ELEMENTS parameters, or when the user's optimizer has step hooks of its own or
-    a replaced step(), the user's optimizer.step() runs whole on the calling thread.
+    That step runs on all the replica threads at once: the parameters are split into one shard per thread,
+    and a shard optimizer (the user's type and hyperparameters over that shard) steps each, in the user's
+    optimizer's own state dict, so optimizer.state_dict(), checkpoints and schedulers see one ordinary
+    optimizer. Hyperparameters (a scheduler's lr) are copied from the user's groups before every step.
+    For the ELEMENTWISE optimizers the shards are equal runs of elements, cutting a large parameter in
+    pieces where needed (a piece steps views of the parameter, its gradient and its state); for the other
+    PER_PARAMETER ones they are whole parameters, balanced by size. It is the same arithmetic. For other
+    optimizers, for models under MIN_SHARDED_ELEMENTS parameters, or when the user's optimizer has step
+    hooks of its own or a replaced step(), the user's optimizer.step() runs whole on the calling thread.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, replica_params: Sequence[Sequence[nn.Parameter]],
@@ -161,8 +217,9 @@ class SharedOptimizer(_UsersOptimizer):
         self.replica_params = [list(params) for params in replica_params]
         self.devices = list(devices)
         self.threads = threads
-        self._layout: tuple | None = None  # the param groups the shards were built for
+        self._layout: tuple | None = None  # the param groups (and cut parameters' storage) the shards were built for
         self._shards: list[tuple[torch.optim.Optimizer, list[int]]] = []  # (shard optimizer, its user group per group)
+        self._pieces: list[tuple[torch.Tensor, nn.Parameter, int, int]] = []  # (piece, parameter, lo, hi) of cut ones
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.optimizer.zero_grad(set_to_none=set_to_none)
@@ -190,23 +247,42 @@ class SharedOptimizer(_UsersOptimizer):
 
     def _build_shards(self) -> None:
         groups = self.optimizer.param_groups
-        layout = tuple(tuple(id(p) for p in group["params"]) for group in groups)
+        layout = (tuple(tuple(id(p) for p in group["params"]) for group in groups),
+                  tuple((id(p), p.data_ptr()) for _, p, _, _ in self._pieces))
         if layout == self._layout:
             return
         params = [p for group in groups for p in group["params"]]
-        self._shards = []
-        for positions in balanced_shards(params, len(self.devices)):
-            mine = set(positions)
-            shard_groups, user_groups, start = [], [], 0
-            for g, group in enumerate(groups):
-                chosen = [p for k, p in enumerate(group["params"], start) if k in mine]
-                start += len(group["params"])
-                if chosen:
-                    shard_groups.append({**{key: v for key, v in group.items() if key != "params"}, "params": chosen})
-                    user_groups.append(g)
+        group_of = [g for g, group in enumerate(groups) for _ in group["params"]]
+        if type(self.optimizer) in ELEMENTWISE:
+            cuttable = [p.dim() > 0 and p.is_contiguous() for p in params]
+            runs = even_runs([p.numel() for p in params], len(self.devices), cuttable)
+        else:
+            runs = [[(k, 0, params[k].numel()) for k in shard] for shard in balanced_shards(params, len(self.devices))]
+        self._shards, self._pieces = [], []
+        for run in runs:
+            chosen: dict[int, list[torch.Tensor]] = {}
+            for position, lo, hi in run:
+                p = params[position]
+                if (lo, hi) != (0, p.numel()):
+                    piece = p.detach().view(-1)[lo:hi]  # a leaf over the parameter's storage
+                    self._pieces.append((piece, p, lo, hi))
+                    p = piece
+                chosen.setdefault(group_of[position], []).append(p)
+            shard_groups = [{**{key: v for key, v in groups[g].items() if key != "params"}, "params": chosen[g]} for g in chosen]
             shard = type(self.optimizer)(shard_groups, **_constructor_defaults(self.optimizer))
-            self._shards.append((shard, user_groups))
-        self._layout = layout
+            self._shards.append((shard, list(chosen)))
+        self._layout = (layout[0], tuple((id(p), p.data_ptr()) for _, p, _, _ in self._pieces))
+
+    def _cut_now(self) -> bool:
+        """Whether the cut parameters' gradients and state can be viewed piece by piece this step."""
+        state = self.optimizer.state
+        for _, p, _, _ in self._pieces:
+            if p.grad is not None and (p.grad.layout != torch.strided or p.grad.shape != p.shape or not p.grad.is_contiguous()):
+                return False
+            for value in state.get(p, {}).values():
+                if isinstance(value, torch.Tensor) and value.shape == p.shape and not value.is_contiguous():
+                    return False
+        return True
 
     def step(self, closure: Callable | None = None) -> None:
         refuse_closure(closure)
@@ -214,8 +290,12 @@ class SharedOptimizer(_UsersOptimizer):
             self.optimizer.step()
             return
         self._build_shards()
+        if not self._cut_now():  # a sparse or oddly laid out gradient or state: one whole step, as the user's
+            self.optimizer.step()
+            return
         optimizer = self.optimizer
         state, known = optimizer.state, len(optimizer.state)
+        given = self._lend_pieces(state)
         for shard, user_groups in self._shards:
             shard.state = state  # the user's entries, whatever load_state_dict put there last
             copy_hyperparameters([optimizer.param_groups[g] for g in user_groups], shard.param_groups)
@@ -224,7 +304,10 @@ class SharedOptimizer(_UsersOptimizer):
             with hooks.replica_phase("optimizer"):
                 self._shards[k][0].step()
 
-        run_replicas(self.devices[:len(self._shards)], step_shard, generators=False, threads=self.threads)
+        try:
+            run_replicas(self.devices[:len(self._shards)], step_shard, generators=False, threads=self.threads)
+        finally:
+            self._take_back_pieces(state, given)
         if len(state) != known:  # new entries arrived in thread order: keep the order one step would give
             ordered = collections.defaultdict(dict)
             for group in optimizer.param_groups:
@@ -235,6 +318,43 @@ class SharedOptimizer(_UsersOptimizer):
             optimizer.state = ordered
         if getattr(vars(optimizer).get("step"), "_wrapped_by_lr_sched", False):
             optimizer._opt_called = True  # what the scheduler's wrapper of step() records
+
+    def _lend_pieces(self, state: dict) -> dict:
+        """Each piece of a cut parameter gets views of its gradient and state, as entries of its own in the
+        user's state dict for the length of the step; returns what was lent."""
+        given = {}
+        for piece, p, lo, hi in self._pieces:
+            piece.grad = None if p.grad is None else p.grad.view(-1)[lo:hi]
+            entry = state.get(p)
+            state[piece] = {key: _piece_state(value, p, lo, hi) for key, value in (entry or {}).items()}
+            given[piece] = dict(state[piece])
+        return given
+
+    def _take_back_pieces(self, state: dict, given: dict) -> None:
+        """The pieces' entries leave the user's state; a cut parameter's state becomes the pieces' joined:
+        elementwise tensors updated in place stay the user's, new or replaced ones are concatenated, the rest
+        (the step count) comes from the first piece."""
+        pieces: dict[int, list] = {}
+        for piece, p, lo, hi in self._pieces:
+            piece.grad = None
+            pieces.setdefault(id(p), []).append((p, lo, hi, state.pop(piece, {}), given.get(piece, {})))
+        for parts in pieces.values():
+            p = parts[0][0]
+            parts.sort(key=lambda part: part[1])
+            if not any(part[3] for part in parts):
+                continue  # no gradient this step: nothing was stepped or created
+            joined = {}
+            for key in parts[0][3]:
+                values = [part[3].get(key) for part in parts]
+                if all(isinstance(v, torch.Tensor) and v.dim() == 1 and v.numel() == hi - lo
+                       for v, (_, lo, hi, _, _) in zip(values, parts)):
+                    if all(v is part[4].get(key) for v, part in zip(values, parts)):
+                        continue  # views of the user's tensor, updated in place
+                    joined[key] = torch.cat(values).view(p.shape)
+                else:
+                    joined[key] = values[0]
+            entry = state[p]  # created here if the parameter had no state yet
+            entry.update(joined)
 
     def load_state_dict(self, state_dict: dict) -> None:
         self.optimizer.load_state_dict(state_dict)

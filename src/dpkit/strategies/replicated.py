@@ -8,7 +8,7 @@ its own, so its backward runs in its thread, side by side with the others.
 
 On virtual CPU devices, which share one memory, the replicas share more: every replica's parameters are
 views of replica 0's storage (its own Parameter objects, so its own .grad), the gradient sum is a reduce
-into replica 0, and the user's optimizer steps once, split by parameter among the replica threads
+into replica 0, and the user's optimizer steps once, split in equal runs of elements among the replica threads
 (replica_optimizers.SharedOptimizer). That is the same arithmetic with one copy of the weights and of the
 optimizer state instead of one per device, and no step done twice. Buffers stay per replica.
 
@@ -36,6 +36,7 @@ from dpkit.arguments import check_int
 from dpkit.devices import cpu_threads_per_device, keep_freed_host_memory
 from dpkit.parallel import hooks, sync_batchnorm
 from dpkit.parallel.apply import run_replicas
+from dpkit.parallel.replica_rng import TrainingModeWatches
 from dpkit.parallel.replicate import check_replicable
 from dpkit.parallel.gather import gather
 from dpkit.parallel.reduce import GradientSum
@@ -94,6 +95,7 @@ class Replicated(Strategy):
         self.gradients: GradientSum | None = None
         self._sync = True  # whether a backward ends with the gradient sum; see gradient_sync()
         self._replica_backwards = 0  # backwards that went through the replicas' loss node
+        self.randomness = TrainingModeWatches("replicated's replicas")  # per-replica generators while they draw
 
     # --- setup -------------------------------------------------------------------------------------
     def wrap_model(self, model: nn.Module) -> nn.Module:
@@ -164,7 +166,8 @@ class Replicated(Strategy):
             return self.replicas[active[k]](*args_k, **kwargs_k)
 
         forward_one, _ = sync_batchnorm.synced_job(self.replicas[0], forward_one, len(active))
-        outputs = run_replicas([self.devices[i] for i in active], forward_one, threads=self.threads)
+        outputs = run_replicas([self.devices[i] for i in active], forward_one, threads=self.threads,
+                               generators=self.randomness(self.replicas[0]))
         with hooks.phase("gather", self.root_device):
             return gather(outputs, self.root_device, 0)
 
@@ -186,7 +189,8 @@ class Replicated(Strategy):
             return loss
 
         forward_and_loss, group = sync_batchnorm.synced_job(self.replicas[0], forward_and_loss, len(active))
-        losses = run_replicas([self.devices[i] for i in active], forward_and_loss, threads=self.threads)
+        losses = run_replicas([self.devices[i] for i in active], forward_and_loss, threads=self.threads,
+                              generators=self.randomness(self.replicas[0]))
         step = ReplicaStep(active, losses, weights, self.gradients, sync=lambda: self._sync, ran=self._count_backward)
         step.joined = group is not None and group.joined  # SyncBatchNorm joined the replicas' graphs
         with hooks.phase("loss", self.root_device):
