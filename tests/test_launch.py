@@ -244,3 +244,88 @@ def test_the_hang_rule_names_only_a_rank_left_behind_for_the_timeout():
     assert list(watch.hung) == [1] and "worker rank 1 (pid 101, node 0) made no progress for 11 s" in watch.hung[1]
     assert "rank(s) 0, 2 waited at collective 6" in watch.hung[1]
     watch._check(progress, {0: (-1, 100, 0), 1: (5, 101, 0), 2: (-1, 102, 0)}, now=70)  # finished ranks are not compared
+
+
+def _child_failed(*records, timestamp=1_000):
+    """A torchrun ChildFailedError of (rank, pid, exitcode) records, all at the same whole-second timestamp."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+    failures = {}
+    for rank, pid, exitcode in records:
+        failures[rank] = ProcessFailure(local_rank=rank, pid=pid, exitcode=exitcode, error_file="/nonexistent/error.json")
+        failures[rank].timestamp = timestamp
+    return ChildFailedError("worker", failures)
+
+
+def test_the_summary_names_the_worker_that_exited_first_not_the_lowest_rank():
+    from dpkit.launch import _failure_summary
+    # rank 1 crashed (exit 7); rank 0's collective lost its peer and it aborted 40 ms later, in the same
+    # whole second and the same agent poll
+    error = _child_failed((0, 100, -signal.SIGABRT), (1, 101, 7))
+    summary = _failure_summary(error, exit_times={101: 5.00, 100: 5.04})
+    assert summary.startswith("worker rank 1 (local rank 1, pid 101) exited with code 7; "
+                              "worker rank 0 (local rank 0, pid 100) was killed by signal SIGABRT"), summary
+    # without exit times (or with one missing), the same second: the signal death is the consequence
+    assert _failure_summary(error).startswith("worker rank 1 ")
+    assert _failure_summary(error, exit_times={101: 5.0}).startswith("worker rank 1 ")
+    # a worker killed first (the OOM killer's SIGKILL) is the culprit, before the peer that errored after it
+    error = _child_failed((0, 100, -signal.SIGKILL), (1, 101, 1))
+    assert _failure_summary(error, exit_times={100: 5.00, 101: 5.30}).startswith("worker rank 0 (local rank 0, pid 100) was killed by signal SIGKILL")
+    # the agent's SIGTERMs keep their place at the end
+    error = _child_failed((0, 100, -signal.SIGTERM), (1, 101, 3), (2, 102, 3))
+    summary = _failure_summary(error, exit_times={100: 5.2, 101: 5.1, 102: 5.0})
+    assert re.match(r"worker rank 2 .* exited with code 3; worker rank 1 .* exited with code 3; "
+                    r"the launcher then stopped worker rank\(s\) 0 \(each worker's own output is above\)$", summary), summary
+
+
+DIES_THEN_PEER_FAILS = textwrap.dedent("""
+    import os, signal, sys, time
+    marker = os.path.join(sys.argv[1], "rank1-gone")
+    if os.environ["RANK"] == "1":
+        time.sleep(1)
+        open(marker, "w").close()
+        if sys.argv[2] == "killed":
+            os.kill(os.getpid(), signal.SIGKILL)  # the first failure: killed (the OOM killer) ...
+        os._exit(7)  # ... or a crash with exit code 7
+    while not os.path.exists(marker):
+        time.sleep(0.001)
+    time.sleep(0.3)  # rank 0 notices its peer is gone and fails too, before the agent's next look
+    sys.exit(1)
+""")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="pidfds are Linux's")
+@pytest.mark.parametrize("how,named", [
+    ("killed", r"worker rank 1 \(local rank 1, pid \d+\) was killed by signal SIGKILL: [^;]*; worker rank 0 .* exited with code 1"),
+    ("exit-code", r"worker rank 1 \(local rank 1, pid \d+\) exited with code 7; worker rank 0 .* exited with code 1"),
+], ids=["killed", "exit-code"])
+def test_the_worker_that_failed_first_is_named_first_when_both_fail_in_one_poll(tmp_path, how, named):
+    script = tmp_path / "dies.py"
+    script.write_text(DIES_THEN_PEER_FAILS)
+    with pytest.raises(LaunchError) as error:  # one agent poll sees both exits (they are 0.3 s apart)
+        launch(str(script), [str(tmp_path), how], nproc_per_node=2, monitor_interval_seconds=2)
+    assert re.match(named, str(error.value)), str(error.value)
+    assert error.value.exit_codes == {0: 1, 1: -signal.SIGKILL if how == "killed" else 7}
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="pidfds are Linux's")
+def test_the_exit_watch_notes_which_child_exited_first():
+    from dpkit.launch import ExitWatch
+    watch = ExitWatch(expected=2).start()
+    children = [subprocess.Popen(["sleep", "60"]) for _ in range(2)]
+    try:
+        deadline = time.monotonic() + 10
+        while len(watch._watched) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        children[1].kill()
+        time.sleep(0.1)
+        children[0].kill()
+        for child in children:
+            child.wait()  # reaped before the watch stops: the exits were noted when they happened
+    finally:
+        for child in children:
+            child.kill()
+        watch.stop()
+    times = watch.exit_times
+    assert set(times) == {child.pid for child in children}
+    assert times[children[1].pid] < times[children[0].pid]
+    assert watch._watched == {}

@@ -14,6 +14,10 @@ summary, and three guards against faults torchrun leaves open:
   sequence number of its last collective in the rendezvous store, and the launcher stops a rank that
   has stayed behind the others for that long, naming it (not the ranks that were waiting for it);
 - a worker's rendezvous is bounded and Ctrl-C works while it waits (`rendezvous_store`).
+
+The failure summary names the worker that failed first: torchrun's failure timestamps count whole seconds,
+and the agent polls its workers every monitor interval, so a worker that died of another's failure (its
+collective lost its peer) can look as early as the culprit; `ExitWatch` notes when each worker exited.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import ipaddress
 import logging
 import os
 import runpy
+import select
 import signal
 import socket
 import sys
@@ -139,13 +144,35 @@ def _launcher_state(threads_per_process: int, master_addr: str, worker_env: "dic
             signal.signal(getattr(signal, name), handler)
 
 
-def _failure_summary(error: BaseException, hung: "dict[int, str] | None" = None) -> str:
-    """The failed workers first (a rank the hang watch stopped, named with why), then the ones the agent
-    stopped (SIGTERM) because of them."""
+def _failure_order(failures: "dict[int, Any]", exit_times: "dict[int, float] | None" = None) -> list[int]:
+    """The failed ranks, the first to fail first.
+
+    By `exit_times` (pid -> when the launcher saw that worker exit, `ExitWatch`) where every failure has
+    one, else by torchrun's timestamps (whole seconds). Among exits at the same time, one killed by a
+    signal comes after one that exited with an error code: a worker aborting (SIGABRT) because its peer's
+    connection closed is a consequence; then by rank.
+    """
+    exit_times = exit_times or {}
+    precise = bool(failures) and all(failure.pid in exit_times for failure in failures.values())
+
+    def key(rank: int) -> tuple:
+        failure = failures[rank]
+        when = exit_times[failure.pid] if precise else getattr(failure, "timestamp", 0)
+        killed = failure.exitcode is not None and failure.exitcode < 0
+        return when, killed, rank
+
+    return sorted(failures, key=key)
+
+
+def _failure_summary(error: BaseException, hung: "dict[int, str] | None" = None,
+                     exit_times: "dict[int, float] | None" = None) -> str:
+    """The failed workers first, the first to fail first (a rank the hang watch stopped, named with why),
+    then the ones the agent stopped (SIGTERM) because of them. `exit_times`: pid -> monotonic exit time."""
     failures = getattr(error, "failures", {}) or {}
     hung = hung or {}
     failed, stopped = [hung[rank] for rank in sorted(hung)], []
-    for rank, failure in sorted(failures.items()):
+    for rank in _failure_order(failures, exit_times):
+        failure = failures[rank]
         if rank in hung:
             continue
         if (failure.exitcode is not None and failure.exitcode == -signal.SIGTERM) or hung:
@@ -160,7 +187,7 @@ def _failure_summary(error: BaseException, hung: "dict[int, str] | None" = None)
         return str(error)
     summary = "; ".join(failed) if failed else "workers were stopped"
     if stopped:
-        summary += f"; the launcher then stopped worker rank(s) {', '.join(stopped)}"
+        summary += f"; the launcher then stopped worker rank(s) {', '.join(sorted(stopped, key=int))}"
     return summary + " (each worker's own output is above)"
 
 
@@ -229,16 +256,20 @@ def launch(script: str, script_args: Sequence[str] = (), *, nproc_per_node: int 
         if hang_timeout_seconds is not None:
             watch = HangWatch(master_addr, master_port, nnodes * nproc_per_node, node_rank, float(hang_timeout_seconds))
             watch.start()
+        exits = ExitWatch(nproc_per_node)
+        exits.start()
         try:
             elastic_launch(config=config, entrypoint=sys.executable)(*entry_args)
         except ChildFailedError as error:
             exit_codes = {rank: failure.exitcode for rank, failure in (getattr(error, "failures", {}) or {}).items()}
-            raise LaunchError(_failure_summary(error, watch.hung if watch else None), exit_codes) from None
+            exits.stop()
+            raise LaunchError(_failure_summary(error, watch.hung if watch else None, exits.exit_times), exit_codes) from None
         except SignalException as error:
             if error.sigval == signal.SIGINT:
                 raise KeyboardInterrupt from None
             raise StoppedBySignal(f"stopped by {signal.Signals(error.sigval).name}; the workers were stopped", int(error.sigval)) from None
         finally:
+            exits.stop()
             if watch is not None:
                 watch.stop()
 
@@ -260,6 +291,123 @@ def _quiet_torch_elastic() -> Iterator[None]:
     finally:
         for logger, level in saved:
             logger.setLevel(level)
+
+
+# --- which worker exited first --------------------------------------------------------------------------
+
+class ExitWatch:
+    """When each child process of the launcher exited, by its monotonic clock: `exit_times`, pid -> time.
+
+    Linux only (elsewhere `exit_times` stays empty and the summary orders by torchrun's timestamps). A
+    thread opens a pidfd for each child process (the workers torchrun's agent starts), which becomes
+    readable when that child exits, whether or not the agent has reaped it yet, and waits on them all at
+    once: two exits are told apart unless they happen within the same wake-up of the thread. Children are
+    looked for (in /proc; those from before `start` are not workers) only while fewer than `expected` of
+    them are being watched, so a running job costs nothing; after a restart the new workers are found
+    the same way.
+    """
+
+    def __init__(self, expected: int, find_interval_seconds: float = 0.05):
+        self.expected = expected
+        self.find_interval_seconds = find_interval_seconds
+        self.exit_times: dict[int, float] = {}
+        self._watched: dict[int, int] = {}  # pidfd -> pid
+        self._earlier: set[int] = set()  # children from before start: not workers
+        self._poller: Any = None
+        self._wake_read = self._wake_write = -1
+        self._lock = threading.Lock()
+        self._stopped = False
+        self._thread = threading.Thread(target=self._run, name="dpkit-exit-watch", daemon=True)
+
+    @staticmethod
+    def available() -> bool:
+        return sys.platform.startswith("linux") and hasattr(os, "pidfd_open") and hasattr(select, "poll") \
+            and os.path.isdir("/proc/self")
+
+    def start(self) -> "ExitWatch":
+        if self.available():
+            self._poller = select.poll()
+            self._earlier = set(self._children())
+            self._wake_read, self._wake_write = os.pipe()
+            self._poller.register(self._wake_read, select.POLLIN)
+            self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        """Note the exits that happened since the thread last looked (at the time of this call: later than any
+        exit it has noted), end the thread and close its descriptors. Idempotent."""
+        with self._lock:
+            if self._stopped:
+                return
+            self._stopped = True
+        if self._poller is None:
+            return
+        with contextlib.suppress(OSError):
+            os.write(self._wake_write, b"x")
+        self._thread.join(timeout=5)
+        if self._thread.is_alive():
+            return  # the descriptors stay open rather than closed under a running thread
+        with contextlib.suppress(Exception):
+            self._note_exits(0)
+        for fd in list(self._watched):
+            os.close(fd)
+        self._watched.clear()
+        os.close(self._wake_read)
+        os.close(self._wake_write)
+
+    def _children(self) -> list[int]:
+        me, children = os.getpid(), []
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit():
+                continue
+            try:
+                with open(f"/proc/{entry}/stat", "rb") as handle:
+                    fields = handle.read().rsplit(b")", 1)[1].split()
+            except (OSError, IndexError):
+                continue  # gone meanwhile
+            if len(fields) > 1 and int(fields[1]) == me:
+                children.append(int(entry))
+        return children
+
+    def _find_children(self) -> None:
+        watched = set(self._watched.values())
+        for pid in self._children():
+            if pid in watched or pid in self.exit_times or pid in self._earlier:
+                continue  # watched, or exited and not reaped yet
+            try:
+                fd = os.pidfd_open(pid)
+            except OSError:
+                continue  # exited and reaped meanwhile (or pidfds are not allowed here)
+            self._watched[fd] = pid
+            self._poller.register(fd, select.POLLIN)
+
+    def _note_exits(self, timeout_ms: "int | None") -> bool:
+        """Wait up to timeout_ms (None: for ever) for an exit or stop; returns False once stopped."""
+        events = self._poller.poll(timeout_ms)
+        now = time.monotonic()
+        running = True
+        for fd, _ in events:
+            if fd == self._wake_read:
+                running = False
+                continue
+            pid = self._watched.pop(fd, None)
+            if pid is None:
+                continue
+            self._poller.unregister(fd)
+            os.close(fd)
+            self.exit_times.setdefault(pid, now)
+        return running
+
+    def _run(self) -> None:
+        try:
+            while True:
+                finding = len(self._watched) < self.expected
+                if finding:
+                    self._find_children()
+                if not self._note_exits(int(self.find_interval_seconds * 1000) if finding else None):
+                    return
+        except Exception as error:  # never fail the launch over this; the summary falls back on torchrun's order
+            log.debug("launch: exit watch stopped: %s", error)
 
 
 # --- workers die with their launcher -----------------------------------------------------------------

@@ -72,6 +72,8 @@ class ShardedLoader(ResumableLoader):
 
 # DDP modules whose process group was destroyed: see DDP.teardown
 _KEPT_UNTIL_EXIT: list[nn.Module] = []
+# how long teardown gives the GIL away for gloo's threads to release their last collectives: see DDP.teardown
+_GLOO_RELEASE_SECONDS = 0.05
 
 
 class DDP(Strategy):
@@ -229,4 +231,11 @@ class DDP(Strategy):
                 # at the end of `dpkit profile --strategy ddp`. Kept for the life of the process instead.
                 _KEPT_UNTIL_EXIT.append(self.ddp)
             dist.destroy_process_group()
+            # gloo's worker threads drop their last collectives (the barrier's, and the all-reduce it waited
+            # for) just after those completed; a tensor Python once held (DDP's bucket, which went through
+            # the comm hook) takes the GIL to be freed. Should the script end within those moments, the
+            # thread takes the GIL while the interpreter finalizes, CPython ends it (pthread_exit), and in
+            # C++ that is std::terminate: "terminate called without an active exception", SIGABRT at exit.
+            # Giving the GIL away for a moment lets them finish first.
+            time.sleep(_GLOO_RELEASE_SECONDS)
         self.ddp = None
