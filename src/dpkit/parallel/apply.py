@@ -25,11 +25,11 @@ thread on a replica whose tensors the old job may still be writing, or hanging s
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
+import os
+import queue
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -46,23 +46,151 @@ WAIT_SLICE_SECONDS = 0.05
 # how long a call waits for a worker still running a job of an earlier, interrupted call
 ABANDONED_WAIT_SECONDS = 10.0
 
-_workers: dict[str, ThreadPoolExecutor] = {}
-_abandoned: dict[str, Future] = {}  # device -> the unfinished job of an interrupted call
-_workers_lock = threading.Lock()
-
 
 class PeerFailed(RuntimeError):
     """Raised inside a replica's job that stops because another replica failed; the runner reports the
     other replica's error, not this one."""
 
 
-def worker_for(device: torch.device) -> ThreadPoolExecutor:
+class _Call:
+    """One run_replicas call: counts its jobs down and opens `finished` (a lock held until then) when the
+    last one ends, or at once when one raises what passes through (KeyboardInterrupt, SystemExit)."""
+
+    __slots__ = ("left", "lock", "finished", "open")
+
+    def __init__(self, jobs: int):
+        self.left = jobs
+        self.lock = threading.Lock()
+        self.finished = threading.Lock()
+        self.finished.acquire()
+        self.open = False
+
+    def job_ended(self, error: BaseException | None) -> None:
+        with self.lock:
+            self.left -= 1
+            if (self.left == 0 or _passes_through(error)) and not self.open:
+                self.open = True
+                self.finished.release()
+
+    def wait(self) -> None:
+        """Until finished; in slices, so a signal in the caller is handled within one."""
+        while not self.finished.acquire(timeout=WAIT_SLICE_SECONDS):
+            pass
+
+
+class Job:
+    """A function queued on a device's worker thread: what concurrent.futures.Future offers that dpkit uses
+    (result, exception, done, cancel), without a condition variable per job."""
+
+    __slots__ = ("fn", "args", "call", "state", "value", "error", "_done")
+
+    def __init__(self, fn: Callable, args: tuple, call: _Call | None = None):
+        self.fn, self.args, self.call = fn, args, call
+        self.state = "queued"  # -> "running" -> "done", or "cancelled" before it runs
+        self.value: Any = None
+        self.error: BaseException | None = None
+        self._done = threading.Event() if call is None else None  # a lone job's result() waits on it
+
+    def run(self) -> None:
+        if self.state != "queued":
+            return
+        self.state = "running"
+        try:
+            self.value = self.fn(*self.args)
+        except BaseException as error:
+            self.error = error
+        finally:
+            self.fn = self.args = None
+            self.state = "done"
+            if self.call is not None:
+                self.call.job_ended(self.error)
+            if self._done is not None:
+                self._done.set()
+
+    def cancel(self) -> bool:
+        """Drop the job if it has not started; whether it was dropped."""
+        if self.state == "queued":
+            self.state = "cancelled"
+            return True
+        return self.state == "cancelled"
+
+    def done(self) -> bool:
+        return self.state in ("done", "cancelled")
+
+    def exception(self) -> BaseException | None:
+        return self.error
+
+    def result(self, timeout: float | None = None) -> Any:
+        if self._done is not None and not self._done.wait(timeout):
+            raise TimeoutError(f"the job did not finish within {timeout} s")
+        if self.error is not None:
+            raise self.error
+        return self.value
+
+
+class Worker:
+    """The one worker thread of a device: runs submitted jobs in order, for the life of the process."""
+
+    def __init__(self, key: str):
+        self.jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self.thread = threading.Thread(target=self._loop, name=f"dpkit-{key}_0")
+        self.thread.start()
+
+    def _loop(self) -> None:
+        while True:
+            job = self.jobs.get()
+            if job is None:
+                return
+            job.run()
+            del job  # hold nothing of a finished job while waiting for the next
+
+    def submit(self, fn: Callable, *args: Any) -> Job:
+        job = Job(fn, args)
+        self.jobs.put(job)
+        return job
+
+    def stop(self) -> None:
+        self.jobs.put(None)
+
+
+_workers: dict[str, Worker] = {}
+_abandoned: dict[str, Job] = {}  # device -> the unfinished job of an interrupted call
+_workers_lock = threading.Lock()
+
+
+def _stop_workers() -> None:
+    """At interpreter exit, before threads are torn down, as concurrent.futures does for its own workers."""
+    with _workers_lock:
+        workers = list(_workers.values())
+    for worker in workers:
+        worker.stop()
+    for worker in workers:
+        worker.thread.join()
+
+
+def _forget_workers_after_fork() -> None:
+    """A forked child (a DataLoader worker) has none of the parent's threads: it starts its own if it runs
+    replicas."""
+    global _workers_lock
+    _workers.clear()
+    _abandoned.clear()
+    _workers_lock = threading.Lock()
+
+
+threading._register_atexit(_stop_workers)
+os.register_at_fork(after_in_child=_forget_workers_after_fork)
+
+
+def worker_for(device: torch.device) -> Worker:
     """The one worker thread of a device, created on first use and kept for the process."""
     key = str(device)
-    with _workers_lock:
-        if key not in _workers:
-            _workers[key] = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"dpkit-{key}")
-        return _workers[key]
+    worker = _workers.get(key)
+    if worker is None:
+        with _workers_lock:
+            if key not in _workers:
+                _workers[key] = Worker(key)
+            worker = _workers[key]
+    return worker
 
 
 @dataclass(frozen=True)
@@ -123,26 +251,26 @@ def _wait_for_abandoned(devices: Sequence[torch.device]) -> None:
     with _workers_lock:
         busy = [(str(d), _abandoned[str(d)]) for d in devices if str(d) in _abandoned]
     deadline = time.monotonic() + ABANDONED_WAIT_SECONDS
-    for key, future in busy:
-        while not future.done():
+    for key, job in busy:
+        while not job.done():
             left = deadline - time.monotonic()
             if left <= 0:
                 raise RuntimeError(
                     f"device {key}: its worker thread is still running a replica job of an earlier call that was "
                     f"interrupted (waited {ABANDONED_WAIT_SECONDS:g} s); Python cannot stop it, so wait for it to "
                     "finish and call again, or restart the process")
-            concurrent.futures.wait([future], timeout=min(WAIT_SLICE_SECONDS, left))
+            time.sleep(min(0.01, left))
         with _workers_lock:
-            if _abandoned.get(key) is future:
+            if _abandoned.get(key) is job:
                 del _abandoned[key]
 
 
-def _abandon(devices: Sequence[torch.device], futures: Sequence[Future]) -> None:
+def _abandon(devices: Sequence[torch.device], jobs: Sequence[Job]) -> None:
     """The caller leaves (Ctrl-C): drop jobs not started yet, remember the ones still running."""
     with _workers_lock:
-        for device, future in zip(devices, futures):
-            if not future.cancel() and not future.done():
-                _abandoned[str(device)] = future
+        for device, job in zip(devices, jobs):
+            if not job.cancel() and not job.done():
+                _abandoned[str(device)] = job
 
 
 def run_replicas(devices: Sequence[torch.device], job: Callable[[int], Any], *, generators: bool | RandomnessWatch = True,
@@ -184,22 +312,22 @@ def run_replicas(devices: Sequence[torch.device], job: Callable[[int], Any], *, 
         threads = None
     if _abandoned:
         _wait_for_abandoned(devices)
-    futures: list[Future] = []
+    call = _Call(n)
+    jobs = [Job(_run_job, (job, i, device, context, stream, mode, threads), call)
+            for i, (device, stream, mode) in enumerate(zip(devices, streams, modes))]
     try:
-        for i, (device, stream, mode) in enumerate(zip(devices, streams, modes)):
-            futures.append(worker_for(device).submit(_run_job, job, i, device, context, stream, mode, threads))
-        pending = set(futures)
-        while pending:  # short slices: a signal in the caller is handled within one slice
-            done, pending = concurrent.futures.wait(pending, timeout=WAIT_SLICE_SECONDS)
-            for future in done:
-                if _passes_through(future.exception()):
-                    raise future.exception()
+        for device, queued in zip(devices, jobs):
+            worker_for(device).jobs.put(queued)
+        call.wait()
+        for queued in jobs:
+            if _passes_through(queued.error):
+                raise queued.error
     except BaseException:
         if on_interrupt is not None:
             on_interrupt()
-        _abandon(devices, futures)
+        _abandon(devices, jobs)
         raise
-    failures = [(i, f.exception()) for i, f in enumerate(futures) if f.exception() is not None]
+    failures = [(i, queued.error) for i, queued in enumerate(jobs) if queued.error is not None]
     if failures:
         first = next(((i, e) for i, e in failures if not isinstance(e, PeerFailed)), failures[0])
         _rethrow(first[0], devices[first[0]], first[1])
@@ -207,7 +335,7 @@ def run_replicas(devices: Sequence[torch.device], job: Callable[[int], Any], *, 
         watch.protected_run(modes)
     elif state_before is not None:
         watch.unprotected_run(state_before)
-    return [future.result() for future in futures]
+    return [queued.value for queued in jobs]
 
 
 def _as_device_list(devices: Sequence[DeviceLike] | None, inputs: Sequence[Any], n: int) -> list[torch.device]:
