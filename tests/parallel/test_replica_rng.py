@@ -80,3 +80,17 @@ def test_data_parallel_learns_per_training_mode_so_dropout_after_eval_repeats_fr
     first, again = run(), run()
     assert all(torch.equal(a, b) for a, b in zip(first, again))
     assert not torch.equal(first[0], first[1])  # dropout did draw
+
+
+def test_replicas_that_never_draw_leave_the_callers_random_stream_as_one_device_does():
+    """The first run's seeds are given back when no replica drew, so what the caller draws afterwards (a
+    shuffle, an augmentation) is the same as without replicas, and the same after a resume, whose watch
+    learns again."""
+    model = dpkit.DataParallel(nn.Linear(4, 2), DEVICES[:2])
+    torch.manual_seed(3)
+    for _ in range(3):
+        model(torch.ones(6, 4))
+    after_replicas = torch.rand(4)
+    torch.manual_seed(3)
+    assert torch.equal(after_replicas, torch.rand(4))
+    assert model.randomness(model.module).draws is False

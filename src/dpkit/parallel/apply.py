@@ -304,8 +304,11 @@ def run_replicas(devices: Sequence[torch.device], job: Callable[[int], Any], *, 
     on_cpu = all(device.type == "cpu" for device in devices)
     watch = generators if isinstance(generators, RandomnessWatch) else None
     protect = on_cpu and (watch.protects() if watch is not None else bool(generators))
+    # a watch's first run learns whether the replicas draw; if they do not, the seeds it drew are given back,
+    # so a model without randomness leaves the caller's random stream as one device would (and a resumed
+    # run, whose watch learns again, draws what the uninterrupted one did)
+    state_before = torch.default_generator.get_state() if (on_cpu and watch is not None and watch.draws is not True) else None
     modes = [ReplicaGenerator(seed) for seed in replica_seeds(n)] if protect else [None] * n
-    state_before = torch.default_generator.get_state() if (on_cpu and watch is not None and not protect) else None
     if on_cpu and threads is None:
         threads = cpu_threads_per_device(n)
     elif not on_cpu:
@@ -332,7 +335,8 @@ def run_replicas(devices: Sequence[torch.device], job: Callable[[int], Any], *, 
         first = next(((i, e) for i, e in failures if not isinstance(e, PeerFailed)), failures[0])
         _rethrow(first[0], devices[first[0]], first[1])
     if protect and watch is not None:
-        watch.protected_run(modes)
+        if not watch.protected_run(modes) and state_before is not None:
+            torch.default_generator.set_state(state_before)
     elif state_before is not None:
         watch.unprotected_run(state_before)
     return [queued.value for queued in jobs]

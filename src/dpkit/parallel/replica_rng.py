@@ -55,7 +55,8 @@ class RandomnessWatch:
     learned as they run.
 
     The first run protects every job with a ReplicaGenerator, which records whether it routed a draw. If
-    none did, later runs go without the mode; each of them compares the default CPU generator's state
+    none did, the seeds that run drew are given back to the default generator and later runs go without
+    the mode; each of them compares the default CPU generator's state
     before and after instead, which costs microseconds. A change means a job drew from the shared
     generator (randomness that only starts later): that run's draws were not repeatable, a warning says
     so once, and every later run is protected again. A run whose jobs drew is protected from then on.
@@ -68,11 +69,14 @@ class RandomnessWatch:
     def protects(self) -> bool:
         return self.draws is not False
 
-    def protected_run(self, modes: list["ReplicaGenerator"]) -> None:
-        if any(mode.generator is not None for mode in modes):
+    def protected_run(self, modes: list["ReplicaGenerator"]) -> bool:
+        """Learn from a run with generators; whether any replica drew."""
+        drew = any(mode.generator is not None for mode in modes)
+        if drew:
             self.draws = True
         elif self.draws is None:
             self.draws = False
+        return drew
 
     def unprotected_run(self, state_before: torch.Tensor) -> None:
         if not torch.equal(state_before, torch.default_generator.get_state()):
