@@ -80,6 +80,10 @@ CUT_OPTIMIZERS = {  # every kind of elementwise state: moments, a max, per-eleme
     "nadam": lambda params: torch.optim.NAdam(params, lr=0.05),
     "adamax": lambda params: torch.optim.Adamax(params, lr=0.05),
     "sgd-plain": lambda params: torch.optim.SGD(params, lr=0.1),
+    "adam-fused": lambda params: torch.optim.Adam(params, lr=0.05, fused=True),
+    "sgd-foreach-momentum": lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9, foreach=True),
+    "radam-maximize-decay": lambda params: torch.optim.RAdam(params, lr=0.05, maximize=True, weight_decay=0.1),
+    "adadelta": lambda params: torch.optim.Adadelta(params),
 }
 
 
