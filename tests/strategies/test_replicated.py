@@ -328,3 +328,44 @@ def test_ctrl_c_during_the_replicas_backward_stops_within_a_second():
     with pytest.raises(KeyboardInterrupt):
         engine.backward(loss)
     assert time.monotonic() - began < 1.2
+
+
+FREED_IN: list[str] = []  # module-level: a list on the model would be deep-copied with each replica
+
+
+class _FreedWhere:
+    """Notes the thread that frees it: stored on an autograd node, it goes when that node's graph goes."""
+
+    def __del__(self):
+        FREED_IN.append(threading.current_thread().name)
+
+
+class _Marked(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        ctx.marker = _FreedWhere()
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+class MarkedNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(4, 3)
+
+    def forward(self, x):
+        return _Marked.apply(self.linear(x))  # after the parameters, so the node is in the graph
+
+
+def test_each_replicas_graph_is_freed_in_its_own_thread_not_the_callers():
+    """A deep model's graph takes milliseconds to free; the caller would do it while every replica waits."""
+    FREED_IN.clear()
+    engine = Engine(strategy="replicated", accelerator="cpu", devices=2, progress=False)
+    model = MarkedNet()
+    model, optimizer = engine.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    criterion = engine.setup_criterion(F.cross_entropy)
+    engine.backward(criterion(model(torch.randn(6, 4)), torch.randint(0, 3, (6,))))
+    assert sorted(FREED_IN) == ["dpkit-cpu:0_0", "dpkit-cpu:1_0"]

@@ -281,7 +281,8 @@ class GradientSum:
     def backward(self, roots: Sequence[tuple[int, torch.Tensor, torch.Tensor]], *, sync: bool) -> None:
         """Run the backward of every (replica index, loss, grad_output) and, with sync, the sum.
 
-        On virtual CPU devices each replica's backward runs in its worker thread; with sync and more than
+        On virtual CPU devices each replica's backward runs in its worker thread, which also frees that
+        replica's graph: a list of roots is emptied, so pass the only reference; with sync and more than
         one device, buckets are summed as they become final (see the module doc). On GPUs one autograd
         call runs them all (torch's engine runs each GPU's part in its own thread).
         """
@@ -291,26 +292,36 @@ class GradientSum:
             if sync:
                 self.sum_now()
             return
-        by_replica = {i: (loss, grad) for i, loss, grad in roots}
+        # the roots leave the caller's list: each replica's thread then holds the last reference to its loss,
+        # so its graph (every node of its forward) is freed there, side by side, not on the calling thread
+        pending = roots if isinstance(roots, list) else list(roots)
+        by_replica: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        while pending:
+            root = pending.pop()
+            by_replica[root[0]] = root[1:]
+            del root
+        active = sorted(by_replica)
+
+        def run_backward(i: int) -> None:
+            loss, grad = by_replica.pop(i)
+            with hooks.replica_phase("backward"):
+                torch.autograd.backward(loss, grad)
+                del loss, grad  # the graph goes here, in this replica's thread
+
         if not (sync and self.overlap and len(self.devices) > 1 and self.groups):
             def backward_only(i: int) -> None:
-                with hooks.replica_phase("backward"):
-                    loss, grad = by_replica[i]
-                    torch.autograd.backward(loss, grad)
-            active = sorted(by_replica)
+                run_backward(i)
             run_replicas([self.devices[i] for i in active], lambda k: backward_only(active[k]), generators=False, threads=self.threads)
             if sync:
                 self.sum_now()
             return
-        round_ = _Round(self, list(by_replica))
+        round_ = _Round(self, active)
 
         def backward_then_sum(i: int) -> None:
             self._thread.round = round_
             try:
                 if i in by_replica:
-                    with hooks.replica_phase("backward"):
-                        loss, grad = by_replica[i]
-                        torch.autograd.backward(loss, grad)
+                    run_backward(i)
                     round_.backward_done()
                 with hooks.replica_phase("all_reduce"):
                     round_.help_sum()

@@ -119,10 +119,14 @@ class StepGroup:
             return [slot[i] for i in range(self.size)]
 
 
-def synced_job(module: Any, job: Callable[..., Any], size: int) -> tuple[Callable[..., Any], StepGroup | None]:
+def synced_job(module: Any, job: Callable[..., Any], size: int, *,
+               has_sync: bool | None = None) -> tuple[Callable[..., Any], StepGroup | None]:
     """`job` (called with the replica index first) as a member of a new step's rendezvous, or unchanged
-    when `module` has no SyncBatchNorm in training mode. Returns the job and the group."""
-    if size < 1 or not getattr(module, "training", False) or not has_sync_batchnorm(module):
+    when `module` has no SyncBatchNorm in training mode. Returns the job and the group. `has_sync`: what
+    has_sync_batchnorm(module) returns, when the caller knows (it walks every submodule)."""
+    if size < 1 or not getattr(module, "training", False):
+        return job, None
+    if not (has_sync if has_sync is not None else has_sync_batchnorm(module)):
         return job, None
     group = StepGroup(size)
 

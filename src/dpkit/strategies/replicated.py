@@ -95,6 +95,7 @@ class Replicated(Strategy):
         self.gradients: GradientSum | None = None
         self._sync = True  # whether a backward ends with the gradient sum; see gradient_sync()
         self._replica_backwards = 0  # backwards that went through the replicas' loss node
+        self.has_sync_batchnorm = False  # set with the replicas
         self.randomness = TrainingModeWatches("replicated's replicas")  # per-replica generators while they draw
 
     # --- setup -------------------------------------------------------------------------------------
@@ -107,6 +108,8 @@ class Replicated(Strategy):
         self.params = [list(replica.parameters()) for replica in self.replicas]
         self.buffers = [list(replica.buffers()) for replica in self.replicas]
         sync_batchnorm.link_replicas(self.replicas)  # SyncBatchNorm: whole-batch statistics, running stats on the user's
+        # the replicas are built once, so whether they hold SyncBatchNorm layers is known from here on
+        self.has_sync_batchnorm = sync_batchnorm.has_sync_batchnorm(model)
         if self.gradients is not None:
             self.gradients.remove_hooks()
         self.gradients = GradientSum(self.params, self.devices, overlap=self.overlap_reduce, threads=self.threads,
@@ -165,7 +168,7 @@ class Replicated(Strategy):
             args_k, kwargs_k = chunks[k]
             return self.replicas[active[k]](*args_k, **kwargs_k)
 
-        forward_one, _ = sync_batchnorm.synced_job(self.replicas[0], forward_one, len(active))
+        forward_one, _ = sync_batchnorm.synced_job(self.replicas[0], forward_one, len(active), has_sync=self.has_sync_batchnorm)
         outputs = run_replicas([self.devices[i] for i in active], forward_one, threads=self.threads,
                                generators=self.randomness(self.replicas[0]))
         with hooks.phase("gather", self.root_device):
@@ -188,7 +191,8 @@ class Replicated(Strategy):
                 raise ValueError(f"criterion: must return a scalar (0-dim) mean loss, got {type(loss).__name__} {getattr(loss, 'shape', '')}")
             return loss
 
-        forward_and_loss, group = sync_batchnorm.synced_job(self.replicas[0], forward_and_loss, len(active))
+        forward_and_loss, group = sync_batchnorm.synced_job(self.replicas[0], forward_and_loss, len(active),
+                                                            has_sync=self.has_sync_batchnorm)
         losses = run_replicas([self.devices[i] for i in active], forward_and_loss, threads=self.threads,
                               generators=self.randomness(self.replicas[0]))
         step = ReplicaStep(active, losses, weights, self.gradients, sync=lambda: self._sync, ran=self._count_backward)
