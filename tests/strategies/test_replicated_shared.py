@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from dpkit.engine import Engine
 from dpkit.strategies import replica_optimizers
@@ -225,6 +226,28 @@ def test_an_optimizer_with_its_own_step_hook_steps_unsplit_and_once():
     assert calls == [user_optimizer, user_optimizer]
     for mine, theirs in zip(model.module.parameters(), reference.parameters()):
         assert torch.allclose(mine, theirs, atol=1e-6)
+
+
+def test_a_global_optimizer_hook_sees_the_users_optimizer_once_per_step():
+    engine = Engine(strategy="replicated", accelerator="cpu", devices=3, progress=False)
+    model = WideNet()
+    user_optimizer = torch.optim.Adam(model.parameters(), lr=0.05)
+    model, optimizer = engine.setup(model, user_optimizer)
+    criterion = engine.setup_criterion(F.cross_entropy)
+    assert optimizer.optimizer.shardable()
+    seen = []
+    handle = register_optimizer_step_post_hook(lambda opt, args, kwargs: seen.append(opt))
+    try:
+        assert not optimizer.optimizer.shardable()
+        for step in range(2):
+            x, y = data(9, seed=step)
+            optimizer.zero_grad()
+            engine.backward(criterion(model(x), y))
+            optimizer.step()
+    finally:
+        handle.remove()
+    assert seen == [user_optimizer, user_optimizer]
+    assert optimizer.optimizer.shardable()  # split again once the hook is gone
 
 
 def test_a_small_model_steps_whole_on_the_calling_thread():

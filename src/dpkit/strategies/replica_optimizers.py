@@ -12,6 +12,7 @@ import itertools
 from typing import Any, Callable, Sequence
 
 import torch
+import torch.optim.optimizer as torch_optimizer
 from torch import nn
 
 from dpkit.parallel import hooks
@@ -188,6 +189,13 @@ def even_runs(sizes: Sequence[int], shards: int, cuttable: Sequence[bool]) -> li
     return [run for run in runs if run]
 
 
+def _global_step_hooks() -> bool:
+    """Whether torch.optim.optimizer.register_optimizer_step_pre_hook / _post_hook hooks are registered: they
+    would see each shard optimizer instead of the user's, once per shard."""
+    return bool(getattr(torch_optimizer, "_global_optimizer_pre_hooks", None)
+                or getattr(torch_optimizer, "_global_optimizer_post_hooks", None))
+
+
 def _piece_state(value: Any, param: torch.Tensor, lo: int, hi: int) -> Any:
     """A cut parameter's state entry for its piece lo:hi: a view of an elementwise tensor (updated in place
     in the user's state), a copy of anything else (the step count, the same in every piece)."""
@@ -207,8 +215,9 @@ class SharedOptimizer(_UsersOptimizer):
     For the ELEMENTWISE optimizers the shards are equal runs of elements, cutting a large parameter in
     pieces where needed (a piece steps views of the parameter, its gradient and its state); for the other
     PER_PARAMETER ones they are whole parameters, balanced by size. It is the same arithmetic. For other
-    optimizers, for models under MIN_SHARDED_ELEMENTS parameters, or when the user's optimizer has step
-    hooks of its own or a replaced step(), the user's optimizer.step() runs whole on the calling thread.
+    optimizers, for models under MIN_SHARDED_ELEMENTS parameters, or when step hooks are registered (on the
+    user's optimizer or for every optimizer) or step() is replaced, the user's optimizer.step() runs whole
+    on the calling thread.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, replica_params: Sequence[Sequence[nn.Parameter]],
@@ -243,6 +252,7 @@ class SharedOptimizer(_UsersOptimizer):
         elements = sum(p.numel() for group in optimizer.param_groups for p in group["params"])
         return (len(self.devices) > 1 and elements >= MIN_SHARDED_ELEMENTS and type(optimizer) in PER_PARAMETER
                 and not optimizer._optimizer_step_pre_hooks and not optimizer._optimizer_step_post_hooks
+                and not _global_step_hooks()
                 and (step is None or getattr(step, "_wrapped_by_lr_sched", False)))
 
     def _build_shards(self) -> None:
