@@ -14,6 +14,7 @@ from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from dpkit.engine import Engine
+from dpkit.observe import Observer
 from dpkit.strategies import replica_optimizers
 from dpkit.strategies.replica_optimizers import SharedOptimizer, balanced_shards, even_runs
 
@@ -248,6 +249,8 @@ def test_a_global_optimizer_hook_sees_the_users_optimizer_once_per_step():
         handle.remove()
     assert seen == [user_optimizer, user_optimizer]
     assert optimizer.optimizer.shardable()  # split again once the hook is gone
+    with Observer("cpu:0"):  # dpkit's own observer times each shard in its thread: the step stays split
+        assert optimizer.optimizer.shardable()
 
 
 def test_a_small_model_steps_whole_on_the_calling_thread():

@@ -13,6 +13,17 @@ if TYPE_CHECKING:
     from dpkit.observe.observer import Observer
 
 
+def shard_aware(hook: Any) -> Any:
+    """A global step hook marked as one that may see replicated's shard optimizers (one per device thread)
+    instead of the user's: with only such hooks registered, replicated still splits its step."""
+
+    def marked(*args: Any) -> Any:
+        return hook(*args)
+
+    marked.dpkit_shard_aware = True
+    return marked
+
+
 class OptimizerWatch:
     """While started, every optimizer.step() in the process is a phase of the observer."""
 
@@ -22,8 +33,8 @@ class OptimizerWatch:
         self._handles: list[Any] = []
 
     def start(self) -> None:
-        self._handles = [register_optimizer_step_pre_hook(self._before_step),
-                         register_optimizer_step_post_hook(self._after_step)]
+        self._handles = [register_optimizer_step_pre_hook(shard_aware(self._before_step)),
+                         register_optimizer_step_post_hook(shard_aware(self._after_step))]
 
     def stop(self) -> None:
         for handle in self._handles:

@@ -191,9 +191,11 @@ def even_runs(sizes: Sequence[int], shards: int, cuttable: Sequence[bool]) -> li
 
 def _global_step_hooks() -> bool:
     """Whether torch.optim.optimizer.register_optimizer_step_pre_hook / _post_hook hooks are registered: they
-    would see each shard optimizer instead of the user's, once per shard."""
-    return bool(getattr(torch_optimizer, "_global_optimizer_pre_hooks", None)
-                or getattr(torch_optimizer, "_global_optimizer_post_hooks", None))
+    would see each shard optimizer instead of the user's, once per shard. dpkit's own observer's hooks are
+    marked `dpkit_shard_aware` (they time each shard in its thread) and do not count."""
+    hooks = [*getattr(torch_optimizer, "_global_optimizer_pre_hooks", {}).values(),
+             *getattr(torch_optimizer, "_global_optimizer_post_hooks", {}).values()]
+    return any(not getattr(hook, "dpkit_shard_aware", False) for hook in hooks)
 
 
 def _piece_state(value: Any, param: torch.Tensor, lo: int, hi: int) -> Any:
