@@ -307,18 +307,21 @@ class SleepInBackwardOnReplicaOne(torch.autograd.Function):
         return grad
 
 
-class SlowBackwardNet(nn.Module):
-    def __init__(self):
+class LinearThen(nn.Module):
+    """nn.Linear(6, 3), then an autograd Function (after the parameters, so its node is in the graph)."""
+
+    def __init__(self, function: type[torch.autograd.Function]):
         super().__init__()
         self.linear = nn.Linear(6, 3)
+        self.function = function
 
     def forward(self, x):
-        return SleepInBackwardOnReplicaOne.apply(self.linear(x))
+        return self.function.apply(self.linear(x))
 
 
 def test_ctrl_c_during_the_replicas_backward_stops_within_a_second():
     engine = Engine(strategy="replicated", accelerator="cpu", devices=2)
-    model = SlowBackwardNet()
+    model = LinearThen(SleepInBackwardOnReplicaOne)
     model, _ = engine.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
     x, y = data(8)
     loss = engine.setup_criterion(F.cross_entropy)(model(x), y)
@@ -351,21 +354,12 @@ class _Marked(torch.autograd.Function):
         return grad
 
 
-class MarkedNet(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.linear = nn.Linear(4, 3)
-
-    def forward(self, x):
-        return _Marked.apply(self.linear(x))  # after the parameters, so the node is in the graph
-
-
 def test_each_replicas_graph_is_freed_in_its_own_thread_not_the_callers():
     """A deep model's graph takes milliseconds to free; the caller would do it while every replica waits."""
     FREED_IN.clear()
     engine = Engine(strategy="replicated", accelerator="cpu", devices=2, progress=False)
-    model = MarkedNet()
+    model = LinearThen(_Marked)
     model, optimizer = engine.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
     criterion = engine.setup_criterion(F.cross_entropy)
-    engine.backward(criterion(model(torch.randn(6, 4)), torch.randint(0, 3, (6,))))
+    engine.backward(criterion(model(torch.randn(6, 6)), torch.randint(0, 3, (6,))))
     assert sorted(FREED_IN) == ["dpkit-cpu:0_0", "dpkit-cpu:1_0"]

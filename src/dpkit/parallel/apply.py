@@ -38,7 +38,7 @@ import torch.utils._pytree
 
 from dpkit.devices import DeviceLike, cpu_threads_per_device, parse_device
 from dpkit.parallel import hooks
-from dpkit.parallel.replica_rng import RandomnessWatch, ReplicaGenerator, replica_seeds
+from dpkit.parallel.replica_rng import RandomnessWatch, ReplicaGenerator, replica_generators
 from dpkit.parallel.streams import current_stream, device_context
 
 # how long the caller sleeps between checks for Ctrl-C while it waits for replicas
@@ -80,7 +80,7 @@ class _Call:
 
 class Job:
     """A function queued on a device's worker thread: what concurrent.futures.Future offers that dpkit uses
-    (result, exception, done, cancel), without a condition variable per job."""
+    (result, done, cancel), without a condition variable per job."""
 
     __slots__ = ("fn", "args", "call", "state", "value", "error", "_done")
 
@@ -116,9 +116,6 @@ class Job:
 
     def done(self) -> bool:
         return self.state in ("done", "cancelled")
-
-    def exception(self) -> BaseException | None:
-        return self.error
 
     def result(self, timeout: float | None = None) -> Any:
         if self._done is not None and not self._done.wait(timeout):
@@ -302,13 +299,11 @@ def run_replicas(devices: Sequence[torch.device], job: Callable[[int], Any], *, 
     if len({str(d) for d in devices}) != n:
         raise ValueError(f"devices: {[str(d) for d in devices]} names a device twice; each replica needs its own device")
     on_cpu = all(device.type == "cpu" for device in devices)
-    watch = generators if isinstance(generators, RandomnessWatch) else None
-    protect = on_cpu and (watch.protects() if watch is not None else bool(generators))
-    # a watch's first run learns whether the replicas draw; if they do not, the seeds it drew are given back,
-    # so a model without randomness leaves the caller's random stream as one device would (and a resumed
-    # run, whose watch learns again, draws what the uninterrupted one did)
-    state_before = torch.default_generator.get_state() if (on_cpu and watch is not None and watch.draws is not True) else None
-    modes = [ReplicaGenerator(seed) for seed in replica_seeds(n)] if protect else [None] * n
+    watch = generators if on_cpu and isinstance(generators, RandomnessWatch) else None
+    if watch is not None:
+        modes, state_before = watch.begin(n)
+    else:
+        modes = replica_generators(n) if on_cpu and generators else [None] * n
     if on_cpu and threads is None:
         threads = cpu_threads_per_device(n)
     elif not on_cpu:
@@ -334,11 +329,8 @@ def run_replicas(devices: Sequence[torch.device], job: Callable[[int], Any], *, 
     if failures:
         first = next(((i, e) for i, e in failures if not isinstance(e, PeerFailed)), failures[0])
         _rethrow(first[0], devices[first[0]], first[1])
-    if protect and watch is not None:
-        if not watch.protected_run(modes) and state_before is not None:
-            torch.default_generator.set_state(state_before)
-    elif state_before is not None:
-        watch.unprotected_run(state_before)
+    if watch is not None:
+        watch.end(modes, state_before)
     return [queued.value for queued in jobs]
 
 

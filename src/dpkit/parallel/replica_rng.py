@@ -52,14 +52,16 @@ class ReplicaGenerator(TorchDispatchMode):
 
 class RandomnessWatch:
     """Whether the replica jobs of one call site (a module in one training mode) draw random numbers,
-    learned as they run.
+    learned as they run; `begin` and `end` bracket each run.
 
     The first run protects every job with a ReplicaGenerator, which records whether it routed a draw. If
-    none did, the seeds that run drew are given back to the default generator and later runs go without
-    the mode; each of them compares the default CPU generator's state
-    before and after instead, which costs microseconds. A change means a job drew from the shared
-    generator (randomness that only starts later): that run's draws were not repeatable, a warning says
-    so once, and every later run is protected again. A run whose jobs drew is protected from then on.
+    none did, the seeds that run drew are given back to the default generator (a model without randomness
+    leaves the caller's random stream as one device would, and a resumed run, whose watch learns again,
+    draws what the uninterrupted one did), and later runs go without the mode; each of them compares the
+    default CPU generator's state before and after instead, which costs microseconds. A change means a job
+    drew from the shared generator (randomness that only starts later): that run's draws were not
+    repeatable, a warning says so once, and every later run is protected again. A run whose jobs drew is
+    protected from then on.
     """
 
     def __init__(self, name: str = "replicas"):
@@ -69,17 +71,21 @@ class RandomnessWatch:
     def protects(self) -> bool:
         return self.draws is not False
 
-    def protected_run(self, modes: list["ReplicaGenerator"]) -> bool:
-        """Learn from a run with generators; whether any replica drew."""
-        drew = any(mode.generator is not None for mode in modes)
-        if drew:
-            self.draws = True
-        elif self.draws is None:
-            self.draws = False
-        return drew
+    def begin(self, n: int) -> tuple[list["ReplicaGenerator | None"], torch.Tensor | None]:
+        """For a run of n jobs: a generator per job (None while unprotected), and the default generator's
+        state before the run (to give seeds back, or to see whether it moved) unless the jobs are known to draw."""
+        state_before = torch.default_generator.get_state() if self.draws is not True else None
+        return (replica_generators(n) if self.protects() else [None] * n), state_before
 
-    def unprotected_run(self, state_before: torch.Tensor) -> None:
-        if not torch.equal(state_before, torch.default_generator.get_state()):
+    def end(self, modes: list["ReplicaGenerator | None"], state_before: torch.Tensor | None) -> None:
+        """Learn from the finished run that `begin` prepared."""
+        if modes and modes[0] is not None:
+            if any(mode.generator is not None for mode in modes):
+                self.draws = True
+            elif state_before is not None:
+                self.draws = False
+                torch.default_generator.set_state(state_before)
+        elif state_before is not None and not torch.equal(state_before, torch.default_generator.get_state()):
             log.warning("%s drew random numbers from torch's shared CPU generator in a step after steps that drew "
                         "none, so that step's draws (dropout masks, ...) are not repeatable from the seed; from now "
                         "on every replica gets its own seeded generator again", self.name)
@@ -99,6 +105,11 @@ class TrainingModeWatches:
 def replica_seeds(n: int) -> list[int]:
     """n seeds drawn from the default CPU generator in the calling thread (so seeding torch fixes them)."""
     return [int(s) for s in torch.randint(0, 2**62, (n,), dtype=torch.int64)]
+
+
+def replica_generators(n: int) -> list[ReplicaGenerator]:
+    """One ReplicaGenerator per replica job, seeded from the default CPU generator in the calling thread."""
+    return [ReplicaGenerator(seed) for seed in replica_seeds(n)]
 
 
 def generator_for(seed: int) -> torch.Generator:

@@ -9,7 +9,7 @@ import collections
 import copy
 import inspect
 import itertools
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import torch
 import torch.optim.optimizer as torch_optimizer
@@ -198,6 +198,13 @@ def _global_step_hooks() -> bool:
     return any(not getattr(hook, "dpkit_shard_aware", False) for hook in hooks)
 
 
+class _SteppedPiece(NamedTuple):
+    param: nn.Parameter
+    size: int
+    state: dict  # the piece's state after the step
+    lent: dict   # what it was lent before (views of the user's tensors, copies of the rest)
+
+
 def _piece_state(value: Any, param: torch.Tensor, lo: int, hi: int) -> Any:
     """A cut parameter's state entry for its piece lo:hi: a view of an elementwise tensor (updated in place
     in the user's state), a copy of anything else (the step count, the same in every piece)."""
@@ -257,12 +264,16 @@ class SharedOptimizer(_UsersOptimizer):
                 and not _global_step_hooks()
                 and (step is None or getattr(step, "_wrapped_by_lr_sched", False)))
 
+    def _layout_now(self) -> tuple:
+        """What the shards depend on: the parameters of each group, and where the cut ones' storage is (a
+        parameter whose .data was replaced needs new pieces)."""
+        return (tuple(tuple(id(p) for p in group["params"]) for group in self.optimizer.param_groups),
+                tuple((id(p), p.data_ptr()) for _, p, _, _ in self._pieces))
+
     def _build_shards(self) -> None:
-        groups = self.optimizer.param_groups
-        layout = (tuple(tuple(id(p) for p in group["params"]) for group in groups),
-                  tuple((id(p), p.data_ptr()) for _, p, _, _ in self._pieces))
-        if layout == self._layout:
+        if self._layout_now() == self._layout:
             return
+        groups = self.optimizer.param_groups
         params = [p for group in groups for p in group["params"]]
         group_of = [g for g, group in enumerate(groups) for _ in group["params"]]
         if type(self.optimizer) in ELEMENTWISE:
@@ -283,7 +294,7 @@ class SharedOptimizer(_UsersOptimizer):
             shard_groups = [{**{key: v for key, v in groups[g].items() if key != "params"}, "params": chosen[g]} for g in chosen]
             shard = type(self.optimizer)(shard_groups, **_constructor_defaults(self.optimizer))
             self._shards.append((shard, list(chosen)))
-        self._layout = (layout[0], tuple((id(p), p.data_ptr()) for _, p, _, _ in self._pieces))
+        self._layout = self._layout_now()
 
     def _cut_now(self) -> bool:
         """Whether the cut parameters' gradients and state can be viewed piece by piece this step."""
@@ -307,7 +318,7 @@ class SharedOptimizer(_UsersOptimizer):
             return
         optimizer = self.optimizer
         state, known = optimizer.state, len(optimizer.state)
-        given = self._lend_pieces(state)
+        lent = self._lend_pieces(state)
         for shard, user_groups in self._shards:
             shard.state = state  # the user's entries, whatever load_state_dict put there last
             copy_hyperparameters([optimizer.param_groups[g] for g in user_groups], shard.param_groups)
@@ -319,7 +330,7 @@ class SharedOptimizer(_UsersOptimizer):
         try:
             run_replicas(self.devices[:len(self._shards)], step_shard, generators=False, threads=self.threads)
         finally:
-            self._take_back_pieces(state, given)
+            self._take_back_pieces(state, lent)
         if len(state) != known:  # new entries arrived in thread order: keep the order one step would give
             ordered = collections.defaultdict(dict)
             for group in optimizer.param_groups:
@@ -334,39 +345,34 @@ class SharedOptimizer(_UsersOptimizer):
     def _lend_pieces(self, state: dict) -> dict:
         """Each piece of a cut parameter gets views of its gradient and state, as entries of its own in the
         user's state dict for the length of the step; returns what was lent."""
-        given = {}
+        lent = {}
         for piece, p, lo, hi in self._pieces:
             piece.grad = None if p.grad is None else p.grad.view(-1)[lo:hi]
-            entry = state.get(p)
-            state[piece] = {key: _piece_state(value, p, lo, hi) for key, value in (entry or {}).items()}
-            given[piece] = dict(state[piece])
-        return given
+            state[piece] = {key: _piece_state(value, p, lo, hi) for key, value in state.get(p, {}).items()}
+            lent[piece] = dict(state[piece])
+        return lent
 
-    def _take_back_pieces(self, state: dict, given: dict) -> None:
+    def _take_back_pieces(self, state: dict, lent: dict) -> None:
         """The pieces' entries leave the user's state; a cut parameter's state becomes the pieces' joined:
         elementwise tensors updated in place stay the user's, new or replaced ones are concatenated, the rest
         (the step count) comes from the first piece."""
-        pieces: dict[int, list] = {}
-        for piece, p, lo, hi in self._pieces:
+        by_param: dict[int, list[_SteppedPiece]] = {}
+        for piece, p, lo, hi in self._pieces:  # in lo order within each parameter
             piece.grad = None
-            pieces.setdefault(id(p), []).append((p, lo, hi, state.pop(piece, {}), given.get(piece, {})))
-        for parts in pieces.values():
-            p = parts[0][0]
-            parts.sort(key=lambda part: part[1])
-            if not any(part[3] for part in parts):
+            by_param.setdefault(id(p), []).append(_SteppedPiece(p, hi - lo, state.pop(piece, {}), lent.get(piece, {})))
+        for parts in by_param.values():
+            if not any(part.state for part in parts):
                 continue  # no gradient this step: nothing was stepped or created
             joined = {}
-            for key in parts[0][3]:
-                values = [part[3].get(key) for part in parts]
-                if all(isinstance(v, torch.Tensor) and v.dim() == 1 and v.numel() == hi - lo
-                       for v, (_, lo, hi, _, _) in zip(values, parts)):
-                    if all(v is part[4].get(key) for v, part in zip(values, parts)):
-                        continue  # views of the user's tensor, updated in place
-                    joined[key] = torch.cat(values).view(p.shape)
+            for key in parts[0].state:
+                values = [part.state.get(key) for part in parts]
+                if all(isinstance(v, torch.Tensor) and v.dim() == 1 and v.numel() == part.size for v, part in zip(values, parts)):
+                    if any(v is not part.lent.get(key) for v, part in zip(values, parts)):
+                        joined[key] = torch.cat(values).view(parts[0].param.shape)
+                    # else: views of the user's tensor, updated in place
                 else:
                     joined[key] = values[0]
-            entry = state[p]  # created here if the parameter had no state yet
-            entry.update(joined)
+            state[parts[0].param].update(joined)  # the entry is created here if the parameter had no state yet
 
     def load_state_dict(self, state_dict: dict) -> None:
         self.optimizer.load_state_dict(state_dict)
