@@ -82,6 +82,27 @@ def test_dp_device_zero_holds_the_optimizer_state_and_the_gathered_outputs():
     assert len(set(ddp_peaks)) == 1
 
 
+def test_on_virtual_cpu_devices_only_optimizer_steps_that_run_at_once_crowd_the_cores():
+    # one pool of 2 cores shared by 3 virtual devices: the replicas' forwards crowd it, but dp steps the
+    # optimizer once in the calling thread while the replicas wait, replicated on shared weights splits
+    # its one step among the replicas' threads, and ddp's processes each step their own copy at once
+    profile = builtin_profile("resnet50")
+    cpu = replace(CATALOGUE.gpu("a100-80gb-sxm"), memory_bytes_per_second=20e9)
+    hardware = Hardware(cpu, LINK, shared_compute=True, compute_slots=2.0)
+
+    def optimizer(strategy, devices):
+        return predict(profile, hardware, strategy, devices, 32).breakdown["optimizer"]
+
+    alone = optimizer("single", 1)
+    assert optimizer("dp", 3) == pytest.approx(alone)
+    assert optimizer("dp-balanced", 3) == pytest.approx(alone)
+    assert optimizer("replicated", 2) < 0.6 * alone  # two threads, two cores: about half
+    assert optimizer("replicated", 3) == pytest.approx(optimizer("replicated", 2))  # the cores bound the split
+    assert optimizer("ddp", 3) == pytest.approx(1.5 * alone, rel=0.05)  # 3 copies on 2 cores
+    forward = {n: predict(profile, hardware, "dp", n, 32).breakdown["forward"] for n in (1, 3)}
+    assert forward[3] == pytest.approx(1.5 * forward[1])
+
+
 def test_largest_batch_fits_and_one_more_does_not():
     profile = builtin_profile("resnet50")
     hardware = Hardware(CATALOGUE.gpu("t4"), CATALOGUE.link("pcie3"))

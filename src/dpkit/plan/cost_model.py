@@ -195,7 +195,15 @@ def step_breakdown(profile: ModelProfile, hardware: Hardware, strategy: str, dev
         phases["all_reduce"] = exposed_all_reduce_seconds(profile, hardware, strategy, devices, phases["backward"], constants)
     traffic = OPTIMIZER_TRAFFIC_BYTES_PER_PARAMETER[optimizer] * profile.parameters
     steps_in_process = local if strategy == "replicated" and not shared_weights else 1
-    phases["optimizer"] = traffic / memory_rate * (steps_in_process if shared else 1) + \
+    if not shared:
+        optimizer_memory = traffic / memory_rate
+    elif shared_weights:  # one step, its parameters split among the replicas' threads
+        optimizer_memory = traffic / (hardware.gpu.memory_bytes_per_second * min(local, hardware.compute_slots))
+    elif strategy == "replicated" or (strategy == "ddp" and total > 1):  # every replica steps its copy at once
+        optimizer_memory = traffic / memory_rate * steps_in_process
+    else:  # one thread steps while the replicas' threads wait: nothing crowds it
+        optimizer_memory = traffic / hardware.gpu.memory_bytes_per_second
+    phases["optimizer"] = optimizer_memory + \
         steps_in_process * max(1, profile.parameter_tensors) * constants.launch_seconds / 4  # foreach kernels
     # the replicas' threads are handed their jobs together and waited for together: about three hand-offs
     # a step (forward, backward, step or gather), each costing one thread's wake-up and join, not one per replica
