@@ -103,6 +103,18 @@ def test_on_virtual_cpu_devices_only_optimizer_steps_that_run_at_once_crowd_the_
     assert forward[3] == pytest.approx(1.5 * forward[1])
 
 
+def test_replicated_on_virtual_cpu_devices_holds_one_copy_of_the_weights_and_state():
+    # virtual CPU devices: replicas are views of replica 0's weights, stepped once by one optimizer
+    profile = builtin_profile("resnet50")
+    params, state = profile.parameter_bytes, 8 * profile.parameters  # Adam: two moments
+    shared, _ = memory_per_device(profile, "replicated", 3, 0, shared_weights=True)
+    assert shared == [2 * params + state, params, params]  # the others: their gradients until the sum
+    copies, _ = memory_per_device(profile, "replicated", 3, 0)  # GPUs: a copy and a state per device
+    assert copies == [2 * params + state] * 3
+    cpu = Hardware(replace(CATALOGUE.gpu("a100-80gb-sxm"), memory_bytes_per_second=20e9), LINK, shared_compute=True)
+    assert predict(profile, cpu, "replicated", 3, 1).peak_bytes_per_device[1] < copies[1]
+
+
 def test_largest_batch_fits_and_one_more_does_not():
     profile = builtin_profile("resnet50")
     hardware = Hardware(CATALOGUE.gpu("t4"), CATALOGUE.link("pcie3"))

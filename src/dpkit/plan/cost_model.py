@@ -241,8 +241,11 @@ def exposed_all_reduce_seconds(profile: ModelProfile, hardware: Hardware, strate
 # ---- memory -------------------------------------------------------------------------------------
 
 def memory_per_device(profile: ModelProfile, strategy: str, devices: int, batch_per_device: int, precision: str = "32",
-                      optimizer: str = "adam") -> tuple[list[int], list[float]]:
-    """(peak bytes per device, bytes per extra sample per device). Device 0 first."""
+                      optimizer: str = "adam", shared_weights: bool = False) -> tuple[list[int], list[float]]:
+    """(peak bytes per device, bytes per extra sample per device). Device 0 first.
+
+    `shared_weights`: replicated on virtual CPU devices, whose replicas are views of replica 0's weights and
+    step once with one optimizer state: the other replicas hold only their gradients until the sum."""
     params = profile.parameter_bytes
     grads = params
     state = OPTIMIZER_STATE_BYTES_PER_PARAMETER[optimizer] * profile.parameters
@@ -258,6 +261,9 @@ def memory_per_device(profile: ModelProfile, strategy: str, devices: int, batch_
     elif strategy == "dp-balanced":
         fixed = [params + grads + state] + [replica_fixed] * (devices - 1)
         slope = [per_sample] * devices
+    elif strategy == "replicated" and shared_weights:
+        fixed = [params + grads + state] + [grads] * (devices - 1)
+        slope = [per_sample] * devices
     else:
         buckets = grads if strategy == "ddp" and devices > 1 else 0  # DDP's gradient buckets are a second copy
         fixed = [params + grads + state + buckets] * devices
@@ -268,7 +274,8 @@ def memory_per_device(profile: ModelProfile, strategy: str, devices: int, batch_
 
 def largest_batch_per_device(profile: ModelProfile, hardware: Hardware, strategy: str, devices: int, precision: str,
                              optimizer: str, constants: CostConstants) -> int:
-    peaks_at_zero, slopes = memory_per_device(profile, strategy, devices, 0, precision, optimizer)
+    peaks_at_zero, slopes = memory_per_device(profile, strategy, devices, 0, precision, optimizer,
+                                              shared_weights=hardware.shared_compute)
     usable = hardware.gpu.memory_bytes * constants.memory_headroom
     fits = [int((usable - fixed) // slope) if slope > 0 else 10**9 for fixed, slope in zip(peaks_at_zero, slopes)]
     return max(0, min(fits))
@@ -286,7 +293,8 @@ def predict(profile: ModelProfile, hardware: Hardware, strategy: str, devices: i
         raise ValueError(f"--optimizer: expected one of {', '.join(OPTIMIZER_STATE_BYTES_PER_PARAMETER)}, got {optimizer!r}")
     breakdown = step_breakdown(profile, hardware, strategy, devices, batch_per_device, precision, constants, optimizer)
     step = sum(breakdown.values())
-    peaks, _ = memory_per_device(profile, strategy, devices, batch_per_device, precision, optimizer)
+    peaks, _ = memory_per_device(profile, strategy, devices, batch_per_device, precision, optimizer,
+                                 shared_weights=hardware.shared_compute)
     largest = largest_batch_per_device(profile, hardware, strategy, devices, precision, optimizer, constants)
     samples = batch_per_device * devices * hardware.nodes
     prediction = Prediction(strategy, devices, hardware.nodes, batch_per_device, step, breakdown, peaks, largest,
