@@ -199,7 +199,7 @@ def step_breakdown(profile: ModelProfile, hardware: Hardware, strategy: str, dev
         optimizer_memory = traffic / memory_rate
     elif shared_weights:  # one step, its parameters split among the replicas' threads
         optimizer_memory = traffic / (hardware.gpu.memory_bytes_per_second * min(local, hardware.compute_slots))
-    elif strategy == "replicated" or (strategy == "ddp" and total > 1):  # every replica steps its copy at once
+    elif strategy in ("replicated", "ddp"):  # every replica steps its own copy at once
         optimizer_memory = traffic / memory_rate * steps_in_process
     else:  # one thread steps while the replicas' threads wait: nothing crowds it
         optimizer_memory = traffic / hardware.gpu.memory_bytes_per_second
