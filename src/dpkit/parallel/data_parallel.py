@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import itertools
-
 from typing import Any, Callable, Protocol, Sequence
 
 import torch

@@ -309,9 +309,7 @@ class GradientSum:
                 del loss, grad  # the graph goes here, in this replica's thread
 
         if not (sync and self.overlap and len(self.devices) > 1 and self.groups):
-            def backward_only(i: int) -> None:
-                run_backward(i)
-            run_replicas([self.devices[i] for i in active], lambda k: backward_only(active[k]), generators=False, threads=self.threads)
+            run_replicas([self.devices[i] for i in active], lambda k: run_backward(active[k]), generators=False, threads=self.threads)
             if sync:
                 self.sum_now()
             return

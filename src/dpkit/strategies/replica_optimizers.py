@@ -231,7 +231,7 @@ class SharedOptimizer(_UsersOptimizer):
 
     def __init__(self, optimizer: torch.optim.Optimizer, replica_params: Sequence[Sequence[nn.Parameter]],
                  devices: Sequence[torch.device], threads: int | None):
-        self.optimizer = self.user = optimizer
+        self.user = optimizer
         self.replica_params = [list(params) for params in replica_params]
         self.devices = list(devices)
         self.threads = threads
@@ -240,7 +240,7 @@ class SharedOptimizer(_UsersOptimizer):
         self._pieces: list[tuple[torch.Tensor, nn.Parameter, int, int]] = []  # (piece, parameter, lo, hi) of cut ones
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        self.optimizer.zero_grad(set_to_none=set_to_none)
+        self.user.zero_grad(set_to_none=set_to_none)
         for params in self.replica_params[1:]:
             for p in params:
                 if p.grad is None:
@@ -256,7 +256,7 @@ class SharedOptimizer(_UsersOptimizer):
 
     def shardable(self) -> bool:
         """Whether the step may run in shards (see the class doc)."""
-        optimizer = self.optimizer
+        optimizer = self.user
         step = vars(optimizer).get("step")  # an instance attribute: someone replaced step()
         elements = sum(p.numel() for group in optimizer.param_groups for p in group["params"])
         return (len(self.devices) > 1 and elements >= MIN_SHARDED_ELEMENTS and type(optimizer) in PER_PARAMETER
@@ -267,16 +267,16 @@ class SharedOptimizer(_UsersOptimizer):
     def _layout_now(self) -> tuple:
         """What the shards depend on: the parameters of each group, and where the cut ones' storage is (a
         parameter whose .data was replaced needs new pieces)."""
-        return (tuple(tuple(id(p) for p in group["params"]) for group in self.optimizer.param_groups),
+        return (tuple(tuple(id(p) for p in group["params"]) for group in self.user.param_groups),
                 tuple((id(p), p.data_ptr()) for _, p, _, _ in self._pieces))
 
     def _build_shards(self) -> None:
         if self._layout_now() == self._layout:
             return
-        groups = self.optimizer.param_groups
+        groups = self.user.param_groups
         params = [p for group in groups for p in group["params"]]
         group_of = [g for g, group in enumerate(groups) for _ in group["params"]]
-        if type(self.optimizer) in ELEMENTWISE:
+        if type(self.user) in ELEMENTWISE:
             cuttable = [p.dim() > 0 and p.is_contiguous() for p in params]
             runs = even_runs([p.numel() for p in params], len(self.devices), cuttable)
         else:
@@ -292,13 +292,13 @@ class SharedOptimizer(_UsersOptimizer):
                     p = piece
                 chosen.setdefault(group_of[position], []).append(p)
             shard_groups = [{**{key: v for key, v in groups[g].items() if key != "params"}, "params": chosen[g]} for g in chosen]
-            shard = type(self.optimizer)(shard_groups, **_constructor_defaults(self.optimizer))
+            shard = type(self.user)(shard_groups, **_constructor_defaults(self.user))
             self._shards.append((shard, list(chosen)))
         self._layout = self._layout_now()
 
     def _cut_now(self) -> bool:
         """Whether the cut parameters' gradients and state can be viewed piece by piece this step."""
-        state = self.optimizer.state
+        state = self.user.state
         for _, p, _, _ in self._pieces:
             if p.grad is not None and (p.grad.layout != torch.strided or p.grad.shape != p.shape or not p.grad.is_contiguous()):
                 return False
@@ -310,13 +310,13 @@ class SharedOptimizer(_UsersOptimizer):
     def step(self, closure: Callable | None = None) -> None:
         refuse_closure(closure)
         if not self.shardable():
-            self.optimizer.step()
+            self.user.step()
             return
         self._build_shards()
         if not self._cut_now():  # a sparse or oddly laid out gradient or state: one whole step, as the user's
-            self.optimizer.step()
+            self.user.step()
             return
-        optimizer = self.optimizer
+        optimizer = self.user
         state, known = optimizer.state, len(optimizer.state)
         lent = self._lend_pieces(state)
         for shard, user_groups in self._shards:
@@ -375,4 +375,4 @@ class SharedOptimizer(_UsersOptimizer):
             state[parts[0].param].update(joined)  # the entry is created here if the parameter had no state yet
 
     def load_state_dict(self, state_dict: dict) -> None:
-        self.optimizer.load_state_dict(state_dict)
+        self.user.load_state_dict(state_dict)
