@@ -188,8 +188,14 @@ def test_too_many_processes_for_the_cores_need_force():
 
 NO_PEERS = textwrap.dedent("""
     import sys, time
+    import dpkit.strategies.ddp as ddp
     from dpkit.engine import Engine
-    print("waiting", flush=True)
+
+    def announced_rendezvous(*args, **kwargs):
+        print("in the rendezvous", flush=True)  # the test's Ctrl-C comes once this line is out
+        return rendezvous(*args, **kwargs)
+
+    rendezvous, ddp.rendezvous_store = ddp.rendezvous_store, announced_rendezvous
     try:
         Engine(strategy="ddp", accelerator="cpu", devices=1, init_timeout_seconds=float(sys.argv[1]))
     except KeyboardInterrupt:
@@ -220,8 +226,7 @@ def test_ctrl_c_stops_an_engine_waiting_for_its_peers(tmp_path):
     script = tmp_path / "alone.py"
     script.write_text(NO_PEERS)
     process = subprocess.Popen([sys.executable, str(script), "300"], env=_no_peer_env(), stdout=subprocess.PIPE, text=True)
-    assert process.stdout.readline().strip() == "waiting"
-    time.sleep(2)  # inside the rendezvous by now
+    assert process.stdout.readline().strip() == "in the rendezvous"
     process.send_signal(signal.SIGINT)
     try:
         output, _ = process.communicate(timeout=10)
@@ -279,18 +284,57 @@ def test_the_summary_names_the_worker_that_exited_first_not_the_lowest_rank():
 
 DIES_THEN_PEER_FAILS = textwrap.dedent("""
     import os, signal, sys, time
-    marker = os.path.join(sys.argv[1], "rank1-gone")
+    folder, how = sys.argv[1], sys.argv[2]
     if os.environ["RANK"] == "1":
-        time.sleep(1)
-        open(marker, "w").close()
-        if sys.argv[2] == "killed":
+        with open(os.path.join(folder, "rank1.pid"), "w") as handle:
+            handle.write(str(os.getpid()))
+        if how == "killed":
             os.kill(os.getpid(), signal.SIGKILL)  # the first failure: killed (the OOM killer) ...
         os._exit(7)  # ... or a crash with exit code 7
-    while not os.path.exists(marker):
-        time.sleep(0.001)
-    time.sleep(0.3)  # rank 0 notices its peer is gone and fails too, before the agent's next look
+    # rank 0 fails because its peer is gone, and only once the launcher has noted that exit
+    while not os.path.exists(os.path.join(folder, "rank1.pid")):
+        time.sleep(0.01)
+    pid = open(os.path.join(folder, "rank1.pid")).read().strip()
+    while not pid or not os.path.exists(os.path.join(folder, f"noted-{pid}")):
+        time.sleep(0.01)
+        pid = open(os.path.join(folder, "rank1.pid")).read().strip()
     sys.exit(1)
 """)
+
+
+@pytest.fixture
+def both_exits_in_one_poll(tmp_path, monkeypatch):
+    """The test decides what the agent sees: the launcher's exit watch leaves a file for every exit it notes
+    (rank 0 waits for rank 1's before it exits), and the agent's first look at its workers waits until both
+    exits were noted. However the machine schedules the processes, one poll then sees both failures."""
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+
+    import dpkit.launch as launch_module
+
+    watches = []
+
+    class NotingExitWatch(launch_module.ExitWatch):
+        def start(self):
+            watches.append(self)
+            return super().start()
+
+        def _note_exits(self, timeout_ms):
+            running = super()._note_exits(timeout_ms)
+            for pid in list(self.exit_times):
+                (tmp_path / f"noted-{pid}").touch()
+            return running
+
+    original = LocalElasticAgent._monitor_workers
+
+    def monitor_after_both_exits(self, worker_group):
+        deadline = time.monotonic() + 120  # a guard against a broken watch, not a race: the exits take milliseconds
+        while len(watches[-1].exit_times) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return original(self, worker_group)
+
+    monkeypatch.setattr(launch_module, "ExitWatch", NotingExitWatch)
+    monkeypatch.setattr(LocalElasticAgent, "_monitor_workers", monitor_after_both_exits)
+    return tmp_path
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="pidfds are Linux's")
@@ -298,11 +342,12 @@ DIES_THEN_PEER_FAILS = textwrap.dedent("""
     ("killed", r"worker rank 1 \(local rank 1, pid \d+\) was killed by signal SIGKILL: [^;]*; worker rank 0 .* exited with code 1"),
     ("exit-code", r"worker rank 1 \(local rank 1, pid \d+\) exited with code 7; worker rank 0 .* exited with code 1"),
 ], ids=["killed", "exit-code"])
-def test_the_worker_that_failed_first_is_named_first_when_both_fail_in_one_poll(tmp_path, how, named):
-    script = tmp_path / "dies.py"
+def test_the_worker_that_failed_first_is_named_first_when_both_fail_in_one_poll(both_exits_in_one_poll, how, named):
+    folder = both_exits_in_one_poll
+    script = folder / "dies.py"
     script.write_text(DIES_THEN_PEER_FAILS)
-    with pytest.raises(LaunchError) as error:  # one agent poll sees both exits (they are 0.3 s apart)
-        launch(str(script), [str(tmp_path), how], nproc_per_node=2, monitor_interval_seconds=2)
+    with pytest.raises(LaunchError) as error:
+        launch(str(script), [str(folder), how], nproc_per_node=2)
     assert re.match(named, str(error.value)), str(error.value)
     assert error.value.exit_codes == {0: 1, 1: -signal.SIGKILL if how == "killed" else 7}
 
@@ -317,7 +362,8 @@ def test_the_exit_watch_notes_which_child_exited_first():
         while len(watch._watched) < 2 and time.monotonic() < deadline:
             time.sleep(0.01)
         children[1].kill()
-        time.sleep(0.1)
+        while children[1].pid not in watch.exit_times and time.monotonic() < deadline + 30:
+            time.sleep(0.01)  # the second kill waits until the first exit is noted: their order is then certain
         children[0].kill()
         for child in children:
             child.wait()  # reaped before the watch stops: the exits were noted when they happened
