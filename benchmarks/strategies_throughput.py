@@ -39,7 +39,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import dpkit
-from dpkit.engine import Engine
+from dpkit.training.engine import Engine
 from dpkit.launch import launch
 
 DEVICES = 2

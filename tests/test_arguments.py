@@ -2,7 +2,7 @@ import numpy as np
 import pytest
 import torch
 
-from dpkit.arguments import check_dim, check_int, check_int_list
+from dpkit.checks import check_dim, check_int, check_int_list
 
 
 def test_check_int_accepts_ints_and_integral_scalars():

@@ -5,7 +5,7 @@ import torch
 from torch import nn
 
 import dpkit
-from dpkit.checkpoint import CheckpointMismatchError, atomic_save, strip_prefixes, unwrap_model
+from dpkit.training.checkpoint import CheckpointMismatchError, atomic_save, strip_prefixes, unwrap_model
 
 
 def small_model():
@@ -154,7 +154,7 @@ import signal
 import stat
 import time
 
-from dpkit.checkpoint import CheckpointCorruptError, verify_file
+from dpkit.training.checkpoint import CheckpointCorruptError, verify_file
 
 
 def test_every_flipped_byte_is_an_error_naming_the_file(tmp_path):
@@ -255,7 +255,7 @@ def test_unwrap_uses_types_not_names():
 
 def test_safetensors_conversion_carries_a_checksum(tmp_path):
     pytest.importorskip("safetensors")
-    from dpkit.checkpoint import write_safetensors
+    from dpkit.training.checkpoint import write_safetensors
 
     source = nn.Linear(4, 3)
     path = write_safetensors(source.state_dict(), tmp_path / "model.safetensors")

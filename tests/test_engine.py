@@ -8,21 +8,21 @@ import torch.nn.functional as F
 from torch import nn
 
 import dpkit
-from dpkit.engine import Engine
+from dpkit.training.engine import Engine
 from dpkit.examples.digits import DigitsMLP
 from dpkit.strategies import available_strategies
 from dpkit.strategies.base import DeferredOutput
-from dpkit.strategies.ddp import LAUNCH_VARIABLES
+from dpkit.launch import LAUNCH_VARIABLES
 
 IN_PROCESS = [("single", 1), ("dp", 2), ("dp-balanced", 2), ("replicated", 3)]
 
 
 def test_every_strategy_is_a_module_found_by_name():
-    assert available_strategies() == ["ddp", "dp", "dp-balanced", "replicated", "single"]
+    assert available_strategies() == ["single", "dp", "dp-balanced", "replicated", "ddp"]
 
 
 def test_unknown_strategy_lists_the_choices():
-    with pytest.raises(ValueError, match="strategy: unknown strategy 'horovod'; choose one of ddp, dp, dp-balanced"):
+    with pytest.raises(ValueError, match="strategy: unknown strategy 'horovod'; choose one of single, dp, dp-balanced, replicated, ddp"):
         Engine(strategy="horovod", accelerator="cpu")
 
 

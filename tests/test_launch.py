@@ -146,7 +146,7 @@ def test_kill_9_of_the_launcher_leaves_no_worker_behind(tmp_path):
 
 HANGS = textwrap.dedent("""
     import time, torch
-    from dpkit.engine import Engine
+    from dpkit.training.engine import Engine
 
     engine = Engine(strategy="ddp", accelerator="cpu", devices=2, timeout_seconds=120)
     model = torch.nn.Linear(4, 1)
@@ -189,7 +189,7 @@ def test_too_many_processes_for_the_cores_need_force():
 NO_PEERS = textwrap.dedent("""
     import sys, time
     import dpkit.strategies.ddp as ddp
-    from dpkit.engine import Engine
+    from dpkit.training.engine import Engine
 
     def announced_rendezvous(*args, **kwargs):
         print("in the rendezvous", flush=True)  # the test's Ctrl-C comes once this line is out

@@ -13,7 +13,7 @@ PACKAGE = Path(dpkit.__file__).parent
 LAYERS = [
     ("cli", ["dpkit.cli"]),
     ("plan", ["dpkit.plan"]),
-    ("engine", ["dpkit.engine"]),
+    ("engine", ["dpkit.training.engine"]),
     ("strategies", ["dpkit.strategies"]),
     ("observe", ["dpkit.observe"]),
     ("parallel", ["dpkit.parallel"]),
@@ -81,7 +81,7 @@ def test_no_layer_imports_a_layer_above_it():
 
 def test_the_check_sees_relative_and_function_level_imports(tmp_path):
     offending = tmp_path / "offending.py"
-    offending.write_text("from ..observe import observer\nfrom . import hooks\n\ndef f():\n    import dpkit.engine\n")
+    offending.write_text("from ..observe import observer\nfrom . import hooks\n\ndef f():\n    import dpkit.training.engine\n")
     imported = imports_of(offending, "dpkit.parallel")
-    assert {"dpkit.observe", "dpkit.observe.observer", "dpkit.parallel.hooks", "dpkit.engine"} <= imported
-    assert {layer_of(name) for name in imported} == {layer_of("dpkit.observe"), layer_of("dpkit.parallel"), layer_of("dpkit.engine")}
+    assert {"dpkit.observe", "dpkit.observe.observer", "dpkit.parallel.hooks", "dpkit.training.engine"} <= imported
+    assert {layer_of(name) for name in imported} == {layer_of("dpkit.observe"), layer_of("dpkit.parallel"), layer_of("dpkit.training.engine")}

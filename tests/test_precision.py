@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dpkit.cli.main import main
-from dpkit.engine import Engine
+from dpkit.training.engine import Engine
 from dpkit.precision import Precision
 
 

@@ -16,7 +16,7 @@ from torch import nn
 from torch.utils.data import DataLoader, RandomSampler, TensorDataset
 
 import dpkit
-from dpkit.checkpoint import clean_state_dict
+from dpkit.training.checkpoint import clean_state_dict
 
 STEPS = 14
 FEATURES, CLASSES, SAMPLES, BATCH = 8, 3, 45, 8  # 6 batches per epoch, the last of 5 rows

@@ -11,9 +11,9 @@ from torch import nn
 from torch.utils.data import DataLoader, RandomSampler, TensorDataset
 
 import dpkit
-from dpkit.checkpoint import CheckpointCorruptError, CheckpointMismatchError
-from dpkit.engine import Accumulation
-from dpkit.state import ResumableLoader, capture_rng, restore_rng
+from dpkit.training.checkpoint import CheckpointCorruptError, CheckpointMismatchError
+from dpkit.training.engine import Accumulation
+from dpkit.training.state import ResumableLoader, capture_rng, restore_rng
 
 
 def draws() -> tuple:
@@ -112,7 +112,7 @@ def test_accumulation_resumes_exactly_and_refuses_a_save_mid_window(tmp_path):
 def test_two_optimizers_both_step_and_the_step_counts_once():
     accumulation = Accumulation(every=1)
     model = nn.Linear(2, 2)
-    from dpkit.engine import EngineOptimizer
+    from dpkit.training.engine import EngineOptimizer
     from dpkit.precision import Precision
 
     first = EngineOptimizer(torch.optim.SGD([model.weight], lr=1.0), accumulation, Precision())

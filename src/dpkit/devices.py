@@ -13,7 +13,7 @@ from typing import Iterable, Sequence, Union
 
 import torch
 
-from dpkit.arguments import check_int
+from dpkit.checks import check_int
 
 DeviceLike = Union[int, str, torch.device]
 

@@ -2,7 +2,7 @@
 
 import json
 
-from dpkit.bench import ConfigResult, lost_by_phase
+from dpkit.tools.bench import ConfigResult, lost_by_phase
 from dpkit.cli.main import main
 
 

@@ -6,7 +6,7 @@ import torch
 
 from dpkit.cli.doctor import format_report, parse_bytes
 from dpkit.cli.main import main
-from dpkit.doctor import (Comparison, DoctorOptions, algorithm_bandwidth, bus_bandwidth, bus_bandwidth_factor,
+from dpkit.tools.doctor import (Comparison, DoctorOptions, algorithm_bandwidth, bus_bandwidth, bus_bandwidth_factor,
                           collective_rows, measure_cpu_copy, message_sizes, run_doctor)
 from dpkit.plan.catalogue import Catalogue
 
@@ -138,7 +138,7 @@ def test_doctor_on_gpus():
 def test_failed_worker_is_one_runtime_error_line():
     if torch.cuda.is_available():
         pytest.skip("needs a machine where NCCL workers fail: no GPU")
-    from dpkit.doctor import measure_collectives
+    from dpkit.tools.doctor import measure_collectives
     with pytest.raises(RuntimeError) as info:
         measure_collectives("nccl", 2, [4096], ["all_reduce"], iterations=1, warmup=0, show_progress=False, timeout_seconds=30)
     message = str(info.value)

@@ -1,4 +1,4 @@
-"""Hugging Face Trainer through dpkit.hf_trainer.data_parallel on two virtual CPU devices: the weights after
+"""Hugging Face Trainer through dpkit.integrations.hf_trainer.data_parallel on two virtual CPU devices: the weights after
 training equal a single-device Trainer run's, for a tiny BERT classifier and a tiny GPT-2 LM built from
 configs, with a last batch that splits unevenly and with num_items_in_batch."""
 
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import dpkit
-import dpkit.hf_trainer
+import dpkit.integrations.hf_trainer
 
 transformers = pytest.importorskip("transformers", reason="transformers is not installed (pip install -e '.[test]')")
 
@@ -78,7 +78,7 @@ def train_both(model, rows, tmp_path, optim="sgd", learning_rate=0.1):
     reference_trainer.train()
     spy = CountSpy(model)
     trainer = make_trainer(model, rows, tmp_path / "dpkit", optim, learning_rate)
-    dpkit.hf_trainer.data_parallel(trainer, dpkit.cpu_devices(2))
+    dpkit.integrations.hf_trainer.data_parallel(trainer, dpkit.cpu_devices(2))
     trainer.train()
     trainer.reference_trainer = reference_trainer
     worst = max((p - q).abs().max().item() for p, q in zip(model.parameters(), reference.parameters()))
@@ -99,7 +99,7 @@ def test_bert_classifier_trains_to_the_single_device_weights(tmp_path):
     assert worst <= TOLERANCE, f"largest weight difference {worst}"
     # 2 rows per replica, and the last batch split 2 + 1
     assert sorted(rows for rows, _ in spy.calls).count(1) == 1
-    assert isinstance(trainer.model_wrapped, dpkit.hf_trainer.TrainerDataParallel)
+    assert isinstance(trainer.model_wrapped, dpkit.integrations.hf_trainer.TrainerDataParallel)
     rows = classification_rows()  # evaluation goes through the wrapper too: batches of 4, 4, 3
     got, expected = trainer.evaluate(rows)["eval_loss"], trainer.reference_trainer.evaluate(rows)["eval_loss"]
     assert abs(got - expected) <= TOLERANCE
@@ -123,7 +123,7 @@ def test_uneven_split_loss_is_the_batch_loss_where_a_mean_of_replica_means_is_no
     batch = transformers.default_data_collator(language_model_rows()[:3])  # 9 + 4 counted tokens: split 2 + 1
     counted = (batch["labels"][:, 1:] != -100).sum()
     expected = model(**batch, num_items_in_batch=counted).loss
-    wrapped = dpkit.hf_trainer.TrainerDataParallel(model, dpkit.cpu_devices(2))
+    wrapped = dpkit.integrations.hf_trainer.TrainerDataParallel(model, dpkit.cpu_devices(2))
     loss = wrapped(**batch, num_items_in_batch=counted.expand(count_shape) if count_shape else counted).loss
     assert loss.dim() == 0 and abs(loss.item() - expected.item()) <= TOLERANCE
     # without a count each replica's loss is the mean over its own tokens; weighted by tokens, still exact
@@ -134,7 +134,7 @@ def test_uneven_split_loss_is_the_batch_loss_where_a_mean_of_replica_means_is_no
 
 def test_bad_trainer_argument_is_named():
     with pytest.raises(TypeError, match="trainer: expected a transformers.Trainer"):
-        dpkit.hf_trainer.data_parallel(object(), dpkit.cpu_devices(2))
+        dpkit.integrations.hf_trainer.data_parallel(object(), dpkit.cpu_devices(2))
 
 
 def test_the_documented_recipe_runs(tmp_path, monkeypatch):
@@ -145,5 +145,5 @@ def test_the_documented_recipe_runs(tmp_path, monkeypatch):
     namespace = {}
     exec(compile(blocks[1], "docs/hf-trainer.md", "exec"), namespace)
     trainer = namespace["trainer"]
-    assert isinstance(trainer.model_wrapped, dpkit.hf_trainer.TrainerDataParallel)
+    assert isinstance(trainer.model_wrapped, dpkit.integrations.hf_trainer.TrainerDataParallel)
     assert trainer.state.global_step == 3

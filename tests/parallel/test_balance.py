@@ -11,7 +11,7 @@ import dpkit
 data_parallel_module = importlib.import_module("dpkit.parallel.data_parallel")  # dpkit.parallel.data_parallel is the function, as in torch
 from dpkit.examples.wide_output import WideOutputNet
 from dpkit.observe import Observer
-from dpkit.observe.calibration import Balancer
+from dpkit.observe.measured_balance import Balancer
 from dpkit.observe.report import DeviceReport, Report
 from dpkit.parallel.balance import CALIBRATION_CALLS, LinearCost, fill_rows, fit_linear, solve, spread_within_slack
 
@@ -247,10 +247,15 @@ def test_a_dominant_device_zero_still_gets_rows_within_the_slack():
     assert spread_within_slack(rows, tight, [60, 60, 60], slack=0.03)[0] == 0
 
 
-def test_parallel_data_parallel_measures_nothing_itself_and_takes_a_planner():
+def test_one_data_parallel_measures_through_the_planner_plugged_into_the_seam(monkeypatch):
+    from dpkit.observe.measured_balance import MeasuredBalance
+    from dpkit.parallel import hooks
     from dpkit.parallel.data_parallel import DataParallel as ParallelDataParallel
 
-    with pytest.raises(ValueError, match="balance: 'memory' needs a planner that measures steps; use dpkit.DataParallel"):
+    assert dpkit.DataParallel is dpkit.parallel.DataParallel is ParallelDataParallel
+    assert isinstance(ParallelDataParallel(torch.nn.Linear(3, 2), dpkit.cpu_devices(2), balance="memory").balancer, MeasuredBalance)
+    monkeypatch.setattr(hooks, "_balance_planner", None)  # parallel/ alone measures nothing
+    with pytest.raises(ValueError, match="balance: 'memory' needs a planner that measures steps and none is plugged in"):
         ParallelDataParallel(torch.nn.Linear(3, 2), dpkit.cpu_devices(2), balance="memory")
 
     class FixedPlanner:  # the ChunkPlanner protocol: rows per call, finish() at the start of the next

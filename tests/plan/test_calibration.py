@@ -15,7 +15,7 @@ STRATEGIES = ["single", "dp", "dp-balanced", "replicated"]  # in one process: no
 
 BENCHES = """
 import sys
-from dpkit.bench import BenchSpec, run_benches
+from dpkit.tools.bench import BenchSpec, run_benches
 
 STRATEGIES = sys.argv[3].split(",")
 

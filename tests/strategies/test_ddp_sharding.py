@@ -3,27 +3,29 @@ global batch, every sample is seen once per epoch, and the order follows (seed, 
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 import torch
 from torch.utils.data import DataLoader, DistributedSampler, RandomSampler, TensorDataset
 
 from dpkit.parallel import split_sizes
-from dpkit.state import GlobalBatches
-from dpkit.strategies.ddp import ShardedLoader
+from dpkit.strategies.ddp import ProcessShares
+from dpkit.training.state import ResumableLoader
+
+
+def sharded(loader, rank, world_size, seed):
+    """What engine.setup_dataloader gives a ddp process of that rank: the loader under ddp's data rule."""
+    return ResumableLoader(loader, ProcessShares(rank, world_size, seed))
 
 
 def rank_views(loader_factory, world_size: int, epochs: int = 1):
     """Per rank: the list of (batch of sample ids, shares) over `epochs` epochs."""
     views = []
     for rank in range(world_size):
-        strategy = SimpleNamespace(rank=rank, world_size=world_size)
-        sharded = ShardedLoader(loader_factory(), strategy, seed=5)
+        loader = sharded(loader_factory(), rank, world_size, seed=5)
         batches = []
         for _ in range(epochs):
-            for (ids,) in sharded:
-                record = sharded.last_batch  # the record backward's loss weight comes from
+            for (ids,) in loader:
+                record = loader.last_batch  # the record backward's loss weight comes from
                 assert record.loss_weight == record.rows * world_size / record.global_rows
                 batches.append((ids.tolist(), (record.rows, record.global_rows)))
         views.append(batches)
@@ -69,20 +71,19 @@ def test_an_unseeded_shuffle_depends_only_on_seed_and_epoch():
     orders = []
     for global_seed in (123, 456):
         torch.manual_seed(global_seed)  # the global RNG plays no part
-        sharded = ShardedLoader(DataLoader(dataset, batch_size=20, shuffle=True), SimpleNamespace(rank=0, world_size=1), seed=1)
-        orders.append([ids.tolist() for _ in range(2) for (ids,) in sharded])
+        loader = sharded(DataLoader(dataset, batch_size=20, shuffle=True), 0, 1, seed=1)
+        orders.append([ids.tolist() for _ in range(2) for (ids,) in loader])
     assert orders[0] == orders[1]
     assert orders[0][0] != orders[0][1] and sorted(orders[0][1]) == list(range(20))
 
 
 def test_a_batch_smaller_than_the_world_is_an_error_naming_the_fix():
-    shares = GlobalBatches([[0, 1]], rank=2, world_size=3)
     with pytest.raises(ValueError, match="batch size of at least the world size"):
-        list(shares)
+        ProcessShares(rank=2, world_size=3, seed=0).batch_share([0, 1])
 
 
 def test_a_distributed_sampler_is_refused():
     dataset = TensorDataset(torch.arange(10))
     loader = DataLoader(dataset, batch_size=2, sampler=DistributedSampler(dataset, num_replicas=2, rank=0))
     with pytest.raises(ValueError, match="DistributedSampler"):
-        ShardedLoader(loader, SimpleNamespace(rank=0, world_size=2), seed=0)
+        sharded(loader, 0, 2, seed=0)

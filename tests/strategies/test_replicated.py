@@ -10,8 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dpkit.checkpoint import clean_state_dict
-from dpkit.engine import Engine
+from dpkit.training.checkpoint import clean_state_dict
+from dpkit.training.engine import Engine
 from dpkit.parallel import apply
 from dpkit.strategies.base import DeferredOutput
 

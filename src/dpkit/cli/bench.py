@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import argparse
 
-from dpkit.bench import DEFAULT_STRATEGIES, BenchSpec, run_bench
+from dpkit.tools.bench import DEFAULT_STRATEGIES, BenchSpec, run_bench
 
 
 def comma_ints(flag: str, text: str) -> list[int]:

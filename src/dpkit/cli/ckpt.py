@@ -14,7 +14,7 @@ from typing import Any, Mapping
 
 import torch
 
-from dpkit.checkpoint import (
+from dpkit.training.checkpoint import (
     CheckpointMismatchError,
     atomic_save,
     read_checked,
@@ -25,7 +25,7 @@ from dpkit.checkpoint import (
     _is_safetensors,
     safetensors_has_checksum,
 )
-from dpkit.state import STATE_FILE, STATE_FORMAT, find_state
+from dpkit.training.state import STATE_FILE, STATE_FORMAT, find_state
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:

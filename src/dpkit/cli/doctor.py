@@ -16,7 +16,7 @@ import re
 import sys
 from typing import Any
 
-from dpkit.doctor import COLLECTIVES, DoctorOptions, run_doctor
+from dpkit.tools.doctor import COLLECTIVES, DoctorOptions, run_doctor
 
 SIZE_UNITS = {"": 1, "b": 1, "k": 2**10, "kb": 2**10, "kib": 2**10, "m": 2**20, "mb": 2**20, "mib": 2**20,
               "g": 2**30, "gb": 2**30, "gib": 2**30}

@@ -10,6 +10,7 @@ import sys
 
 from dpkit.errors import DpkitError
 from dpkit.launch import StoppedBySignal, launched
+from dpkit.launch.worker import exit_worker
 
 # subcommand name -> module under dpkit.cli; each module defines add_parser(subparsers) and run(args) -> int
 COMMANDS = {
@@ -55,20 +56,6 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, TypeError, FileNotFoundError, DpkitError) as error:
         print(f"dpkit {args.command}: error: {error}", file=sys.stderr)
         return getattr(error, "exit_code", 2)
-
-
-def exit_worker(code: int) -> None:
-    """Leave a launched worker process without interpreter teardown.
-
-    Under load, a gloo worker that has finished cleanly (process group destroyed, files written) can
-    still abort during interpreter teardown ("terminate called without an active exception", no
-    Python frame left), which the launcher reports as a failed run. The work is done and flushed by
-    then, so a worker skips that teardown.
-    """
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
 
 
 if __name__ == "__main__":

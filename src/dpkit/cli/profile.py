@@ -19,9 +19,9 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, RandomSampler, TensorDataset
 
-from dpkit.cli.arguments import output_file
+from dpkit.cli.flags import output_file
 from dpkit.devices import resolve_devices
-from dpkit.engine import Engine
+from dpkit.training.engine import Engine
 from dpkit.examples import get_example, load_factory
 from dpkit.launch import launch, launched
 from dpkit.observe import Observer, Report

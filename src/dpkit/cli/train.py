@@ -31,9 +31,9 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, RandomSampler, TensorDataset
 
-from dpkit.cli import arguments
+from dpkit.cli import flags
 from dpkit.devices import check_process_count, resolve_devices
-from dpkit.engine import Engine
+from dpkit.training.engine import Engine
 from dpkit.errors import DpkitError
 from dpkit.examples import EXAMPLES, get_example, load_factory
 from dpkit.launch import LaunchError, StoppedBySignal, launch, launched
@@ -68,7 +68,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     parser.add_argument("--devices", default="auto", help="device count or list (default: 1 for single; all GPUs, else 2 virtual CPU devices)")
     parser.add_argument("--steps", type=int, default=100, help="optimizer steps in total, a resumed run included (default 100)")
     parser.add_argument("--batch-size", type=int, default=64, help="global batch size, split across devices (default 64)")
-    parser.add_argument("--seed", type=int, default=0, help=f"0 … {arguments.MAX_SEED} (default 0)")
+    parser.add_argument("--seed", type=int, default=0, help=f"0 … {flags.MAX_SEED} (default 0)")
     parser.add_argument("--lr", type=float, default=0.1, help="SGD learning rate (default 0.1)")
     parser.add_argument("--momentum", type=float, default=0.0, help="SGD momentum (default 0)")
     parser.add_argument("--precision", default="32", choices=list(PRECISIONS))
@@ -125,7 +125,7 @@ def restarted() -> bool:
 
 def _check_out(args: argparse.Namespace) -> bool:
     """Whether the run resumes; refuses an --out holding a run that is neither resumed nor overwritten."""
-    out = arguments.output_directory("--out", args.out)
+    out = flags.output_directory("--out", args.out)
     if args.resume and args.overwrite:
         raise ValueError("--resume/--overwrite: give one: --resume continues the run in --out, --overwrite replaces it")
     holds = [name for name in (*RUN_FILES, STATE_FOLDER) if (out / name).exists()]
@@ -154,15 +154,15 @@ def prepare(args: argparse.Namespace) -> Prepared:
     """Check every flag, build the model and load the data; raise one line on the first bad value."""
     for flag, value in (("--steps", args.steps), ("--batch-size", args.batch_size), ("--accumulate", args.accumulate),
                         ("--keep", args.keep)):
-        arguments.at_least(flag, value)
+        flags.at_least(flag, value)
     if args.checkpoint_every is not None:
-        arguments.at_least("--checkpoint-every", args.checkpoint_every)
-    arguments.at_least("--max-restarts", args.max_restarts, 0)
+        flags.at_least("--checkpoint-every", args.checkpoint_every)
+    flags.at_least("--max-restarts", args.max_restarts, 0)
     if args.hang_timeout is not None:
-        arguments.finite_number("--hang-timeout", args.hang_timeout, minimum=1e-3)
-    arguments.finite_number("--lr", args.lr)
-    arguments.finite_number("--momentum", args.momentum)
-    arguments.seed("--seed", args.seed)
+        flags.finite_number("--hang-timeout", args.hang_timeout, minimum=1e-3)
+    flags.finite_number("--lr", args.lr)
+    flags.finite_number("--momentum", args.momentum)
+    flags.seed("--seed", args.seed)
     devices = resolve_devices(args.accelerator, 1 if (args.devices == "auto" and args.strategy == "single") else args.devices,
                               argument="--devices", accelerator_argument="--accelerator")
     if args.strategy == "single" and len(devices) != 1:
@@ -175,7 +175,7 @@ def prepare(args: argparse.Namespace) -> Prepared:
     example = None if (args.model and args.data) else get_example(args.example)
     torch.manual_seed(args.seed)  # same initial weights in every process and for every strategy
     if args.model:
-        model = arguments.built_model("--model", load_factory(args.model), args.model)
+        model = flags.built_model("--model", load_factory(args.model), args.model)
     else:
         model = example.build_model()
     if args.data:
@@ -184,10 +184,10 @@ def prepare(args: argparse.Namespace) -> Prepared:
             raw = loader(args.seed)
         except Exception as error:
             raise ValueError(f"--data: {args.data}(seed) raised {type(error).__name__}: {error}") from error
-        data = arguments.classification_data("--data", raw, args.data)
+        data = flags.classification_data("--data", raw, args.data)
     else:
         data = example.load_data(args.seed)
-    arguments.model_fits_data("--model" if args.model else "--data", model, data[0], data[1])
+    flags.model_fits_data("--model" if args.model else "--data", model, data[0], data[1])
     rows = len(data[0])
     if args.batch_size > rows:
         raise ValueError(f"--batch-size: {args.batch_size} is larger than the {rows} training rows; use at most {rows}")

@@ -1,7 +1,7 @@
 """Chunk sizes from measured numbers: equal predicted peak memory, or equal predicted time, per device.
 
 A pure solver: it never runs or measures a step. The calibration that measures steps and feeds it lives
-above parallel/ (dpkit.observe.calibration).
+above parallel/ (dpkit.observe.measured_balance).
 
 Model: on device i, one step with r rows costs `fixed_i + per_row_i * r` (bytes at the peak, or
 seconds). Device 0 has the larger `fixed` (it alone holds the reduced gradients and the optimizer

@@ -16,7 +16,7 @@ from dpkit.parallel.gather import gather
 from dpkit.parallel.nested import leaves
 from dpkit.parallel.replica_rng import TrainingModeWatches
 from dpkit.parallel.replicate import check_replicable, replicate
-from dpkit.arguments import check_dim
+from dpkit.checks import check_dim
 from dpkit.parallel.scatter import batch_size_of, check_chunk_sizes, other_sizes, plan_split, scatter, unwrap_broadcasts
 
 LOSS_REDUCTIONS = ("mean", "sum")
@@ -25,14 +25,15 @@ LOSS_REDUCTIONS = ("mean", "sum")
 class ChunkPlanner(Protocol):
     """Chooses rows per device for each call (balance=): DataParallel asks at the start of every call.
 
-    A planner that measures steps (dpkit.observe.calibration) measures from one call to the next and
-    closes its measurement in finish(), which DataParallel calls at the start of the next call."""
+    A planner that measures steps (dpkit.observe's, plugged in through hooks.set_balance_planner) measures
+    from one call to the next and closes its measurement in finish(), which DataParallel calls at the start
+    of the next call. Its state_dict() holds what it learned, so a resumed run splits as the saved one did."""
 
     def chunk_sizes(self, batch_size: int, can_measure: bool) -> list[int] | None: ...
     def finish(self) -> None: ...
 
 
-class ReplicaLoss:
+class ReplicaWithLoss:
     """What a replica runs when DataParallel has a loss_fn: its forward, then the loss on its slice of
     the target, so only a scalar per replica crosses to the output device."""
 
@@ -93,7 +94,7 @@ class DataParallel(nn.Module):
         balance: "memory" measures two training steps after a warm-up step, then picks chunk sizes
             that equalise predicted peak memory (device 0 gets fewer rows); "speed" gives rows in
             proportion to measured throughput (one measured step). Re-solved whenever the batch size changes. Exclusive with chunk_sizes.
-            Measuring needs `planner` here; dpkit.DataParallel supplies one that measures with dpkit.observe.
+            The steps are measured by dpkit.observe (plugged in through dpkit.parallel.hooks).
         max_bytes_per_device: per-device memory limit for balance="memory" (an int for all or a list);
             default: 90% of a CUDA device's memory, no limit on CPU. No device is given rows past it.
         planner: the ChunkPlanner that chooses rows per call for `balance` (default: balance_planner()).
@@ -141,9 +142,12 @@ class DataParallel(nn.Module):
         self.randomness = TrainingModeWatches("DataParallel's replicas")  # per-replica generators while they draw
 
     def balance_planner(self, mode: str, max_bytes_per_device: list[float | None]) -> ChunkPlanner:
-        """The planner for balance=mode; here none can measure (parallel/ measures nothing itself)."""
-        raise ValueError(f"balance: {mode!r} needs a planner that measures steps; use dpkit.DataParallel, which measures "
-                         "with dpkit.observe, or pass planner=")
+        """The planner for balance=mode: the one plugged into the observation seam (dpkit.observe's)."""
+        planner = hooks.balance_planner(mode, self.device_ids, max_bytes_per_device)
+        if planner is None:
+            raise ValueError(f"balance: {mode!r} needs a planner that measures steps and none is plugged in "
+                             "(dpkit.observe plugs one in when dpkit is imported); or pass planner=")
+        return planner
 
     @property
     def primary_device(self) -> torch.device:
@@ -188,7 +192,7 @@ class DataParallel(nn.Module):
     def run_once(self, inputs: tuple, kwargs: dict, with_loss: bool) -> Any:
         self.last_split_sizes = None
         args, kw = unwrap_broadcasts(inputs, kwargs, self.primary_device)
-        return ReplicaLoss(self.module, self.loss_fn)(*args, **kw) if with_loss else self.module(*args, **kw)
+        return ReplicaWithLoss(self.module, self.loss_fn)(*args, **kw) if with_loss else self.module(*args, **kw)
 
     def combine(self, outputs: list[Any], sizes: Sequence[int], with_loss: bool, inputs: tuple = (), kwargs: dict | None = None) -> Any:
         """The batch's loss from the replicas' losses, or their outputs gathered on the output device."""
@@ -219,7 +223,7 @@ class DataParallel(nn.Module):
             for device in devices:  # one at a time, so a listener can charge each copy to its own device
                 with hooks.phase("replicate", device):
                     replicas.extend(replicate(self.module, [device], self.primary_device))
-        return [ReplicaLoss(replica, self.loss_fn) for replica in replicas] if with_loss else replicas
+        return [ReplicaWithLoss(replica, self.loss_fn) for replica in replicas] if with_loss else replicas
 
     def announce_outputs(self, outputs: list[Any], chunks: list[tuple[torch.device, tuple, dict]]) -> None:
         """Tell listeners which device each replica's autograd nodes belong to (backward runs elsewhere)."""

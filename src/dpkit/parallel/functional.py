@@ -15,7 +15,7 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 
-from dpkit.arguments import check_dim
+from dpkit.checks import check_dim
 from dpkit.devices import DeviceLike, parse_device, parse_device_list, tensor_on
 from dpkit.parallel import apply
 from dpkit.parallel.gather import gather

@@ -18,7 +18,7 @@ from typing import Any, Sequence
 
 import torch
 
-from dpkit.arguments import check_dim
+from dpkit.checks import check_dim
 from dpkit.devices import DeviceLike, parse_device
 from dpkit.parallel.nested import children, is_dataclass_instance, is_namedtuple, rebuild
 

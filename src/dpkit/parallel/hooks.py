@@ -25,6 +25,9 @@ A phase inside a replica's job (replica_phase, or phase with device None) belong
 A strategy that runs its own replicas announces split() once per forward, runs its jobs through the replica
 runner (which enters replica()), wraps each replica's backward in replica_phase("backward") and its
 gradient exchange in phase("all_reduce"); observers see every optimizer.step() through torch's own hooks.
+
+DataParallel(balance=...) chooses its chunk sizes from measured steps; what measures them is plugged in
+here too (`set_balance_planner`; dpkit.observe plugs in its measured balance when dpkit is imported).
 """
 
 from __future__ import annotations
@@ -129,3 +132,20 @@ def listening_to(listener: Any) -> Iterator[Any]:
         yield listener
     finally:
         handle.remove()
+
+
+# --- what measures the steps of DataParallel(balance=...) ---------------------------------------------
+
+_balance_planner: Any = None
+
+
+def set_balance_planner(factory: Any) -> None:
+    """Plug in what DataParallel(balance=mode) measures its steps with: `factory(mode, devices,
+    max_bytes_per_device)` returns a ChunkPlanner. dpkit.observe plugs in its own when dpkit is imported."""
+    global _balance_planner
+    _balance_planner = factory
+
+
+def balance_planner(mode: str, devices: Sequence[torch.device], max_bytes_per_device: Sequence[float | None]) -> Any:
+    """A ChunkPlanner for balance=mode from the plugged-in factory; None when nothing is plugged in."""
+    return None if _balance_planner is None else _balance_planner(mode, devices, max_bytes_per_device)

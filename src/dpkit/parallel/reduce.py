@@ -40,7 +40,7 @@ from typing import Any, Sequence
 
 import torch
 
-from dpkit.arguments import check_int
+from dpkit.checks import check_int
 from dpkit.parallel import hooks
 from dpkit.parallel.apply import PeerFailed, run_replicas
 

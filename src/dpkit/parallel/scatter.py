@@ -15,7 +15,7 @@ from typing import Any, Sequence
 
 import torch
 
-from dpkit.arguments import check_int, check_int_list
+from dpkit.checks import check_int, check_int_list
 from dpkit.parallel.nested import leaves, map_leaves
 
 

@@ -1,21 +1,41 @@
-"""How devices cooperate in one step: one module per strategy, named in STRATEGIES.
+"""How devices cooperate in one step: one module per strategy, and this registry, the only list of them.
 
-Adding a strategy is adding its module here and one line to the table; any other module in this package
-(helpers a strategy shares) is not a strategy.
+Adding a strategy is adding its module here and one line to STRATEGIES; any other module in this package
+(helpers a strategy shares) is not a strategy. Code outside this package asks the registry and the
+strategies' traits (base.Traits), never compares a name:
+
+    strategy_class("ddp").traits.processes == PER_DEVICE
+    reference()                               # the one-device strategy every other must equal
+    matching(lambda traits: traits.sharded)   # the strategies with some trait
 """
 
 from __future__ import annotations
 
 import importlib
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
-from dpkit.strategies.base import DeferredOutput, Strategy
+from dpkit.strategies.base import (
+    IN_REPLICAS,
+    NO_REPLICAS,
+    ON_ROOT,
+    ONE_PROCESS,
+    PER_DEVICE,
+    PER_STEP,
+    PERSISTENT,
+    DeferredOutput,
+    Strategy,
+    Traits,
+)
 
-__all__ = ["STRATEGIES", "DeferredOutput", "Strategy", "available_strategies", "create_strategy"]
+__all__ = [
+    "IN_REPLICAS", "NO_REPLICAS", "ONE_PROCESS", "ON_ROOT", "PERSISTENT", "PER_DEVICE", "PER_STEP", "STRATEGIES",
+    "DeferredOutput", "Strategy", "Traits", "available_strategies", "create_strategy", "matching", "reference",
+    "strategy_class",
+]
 
-# name -> "module:class"; modules are imported on first use (ddp pulls in torch.distributed)
+# name -> "module:class", in the order tables and plots show them; modules are imported on first use
 STRATEGIES: dict[str, str] = {
     "single": "dpkit.strategies.single:Single",
     "dp": "dpkit.strategies.dp:DP",
@@ -26,16 +46,32 @@ STRATEGIES: dict[str, str] = {
 
 
 def available_strategies() -> list[str]:
-    return sorted(STRATEGIES)
+    """Every strategy's name, in the registry's order."""
+    return list(STRATEGIES)
 
 
-def strategy_class(name: str) -> type[Strategy]:
+def strategy_class(name: str, argument: str = "strategy") -> type[Strategy]:
     if not isinstance(name, str) or name not in STRATEGIES:
-        raise ValueError(f"strategy: unknown strategy {name!r}; choose one of {', '.join(available_strategies())}")
+        raise ValueError(f"{argument}: unknown strategy {name!r}; choose one of {', '.join(STRATEGIES)}")
     module_name, class_name = STRATEGIES[name].split(":")
     return getattr(importlib.import_module(module_name), class_name)
 
 
+def matching(predicate: Callable[[Traits], bool]) -> list[str]:
+    """The names of the strategies whose traits satisfy `predicate`, in the registry's order."""
+    return [name for name in STRATEGIES if predicate(strategy_class(name).traits)]
+
+
+def reference() -> str:
+    """The strategy every other is measured and checked against: the whole batch on one device."""
+    return matching(lambda traits: traits.max_devices == 1)[0]
+
+
 def create_strategy(name: str, devices: Sequence[torch.device], **options: Any) -> Strategy:
-    """An instance of the strategy called `name` ("single", "dp", "dp-balanced", "replicated", "ddp")."""
-    return strategy_class(name)(devices, **options)
+    """An instance of the strategy called `name` (one of STRATEGIES) on `devices`."""
+    cls = strategy_class(name)
+    unknown = sorted(set(options) - set(cls.options))
+    if unknown:
+        accepted = ", ".join(cls.options) or "none"
+        raise TypeError(f"{unknown[0]}: not an option of strategy '{name}' (its options: {accepted})")
+    return cls(devices, **options)

@@ -1,31 +1,104 @@
-"""What every strategy provides, and the deferred output of the loss-in-replicas strategies.
+"""What a strategy is (its traits) and what it does (the hooks the Engine calls), with one-device defaults.
 
-A strategy decides how devices cooperate in one step: how the model and optimizer are wrapped, which
-part of the global batch this process sees, how backward turns into one gradient equal to a
-single-device step, and how values are reduced across processes. The base class is the one-process,
-one-device behaviour; a strategy overrides only what differs.
+A strategy decides how devices cooperate in one step: how the model and optimizer are wrapped, which part
+of the global batch this process sees and how much its loss weighs, how backward turns into one gradient
+equal to a single-device step, how values are reduced across processes, how its state is saved and loaded,
+and whether it needs a launcher. The base class is the one-process, one-device behaviour; a strategy
+declares its `traits` and overrides only the hooks where it differs.
+
+Everything outside strategies/ asks the registry (strategies/__init__.py) and these traits, never a name:
+the Engine, `dpkit train` / `profile` / `bench`, and the planner, whose cost model composes a strategy's
+time and memory from its traits.
 """
 
 from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Any, Callable, ContextManager, Sequence
+from typing import Any, Callable, ClassVar, ContextManager, Sequence
 
 import torch
 from torch import nn
 
+from dpkit.launch.environment import launched
+
+# Traits.processes
+ONE_PROCESS = "one"  # one process drives every device of its node (threads, one per device)
+PER_DEVICE = "per-device"  # one process per device, started by a launcher; spans nodes
+# Traits.loss
+ON_ROOT = "root"  # on the first device, on the whole batch's outputs (gathered, or the one device's)
+IN_REPLICAS = "replicas"  # inside each replica on its rows; the step's loss is their row-weighted mean
+# Traits.replicas
+NO_REPLICAS = "none"  # the model on its one device
+PER_STEP = "per-step"  # copied from the first device at every forward; gradients summed back into it
+PERSISTENT = "persistent"  # kept between steps; every replica gets the summed gradient and steps itself
+
+
+@dataclass(frozen=True)
+class Traits:
+    """What a strategy is, as data.
+
+    processes: ONE_PROCESS or PER_DEVICE (see above).
+    loss: where the loss runs, ON_ROOT or IN_REPLICAS.
+    replicas: NO_REPLICAS, PER_STEP or PERSISTENT.
+    max_devices: the most devices it can use (1 for the one-device reference), None for any number.
+    sharded: parameters, gradients and optimizer state are split across devices, so saving and loading
+        are collective and no device holds the whole model between steps.
+    balances: rows per device follow measured memory, after a few calibration steps.
+    shares_host_weights: on virtual CPU devices, which share one memory, the replicas are views of one
+        copy of the weights with one optimizer state.
+    grad_scaler: works with precision '16-mixed' (a GradScaler).
+    """
+
+    processes: str
+    loss: str
+    replicas: str
+    max_devices: int | None = None
+    sharded: bool = False
+    balances: bool = False
+    shares_host_weights: bool = False
+    grad_scaler: bool = True
+
+    @property
+    def threads_per_step(self) -> bool:
+        """Several replicas in one process, each run by its device's worker thread."""
+        return self.processes == ONE_PROCESS and self.replicas != NO_REPLICAS
+
+    @property
+    def one_device_per_process(self) -> bool:
+        return self.processes == PER_DEVICE or self.max_devices == 1
+
 
 class Strategy:
-    name = "single"
-    supports_grad_scaler = True
-    # one process: rank 0 of 1; the ddp strategy overrides these from the launcher's environment
+    """The one-process, one-device behaviour every strategy starts from."""
+
+    name: ClassVar[str] = "single"
+    traits: ClassVar[Traits] = Traits(processes=ONE_PROCESS, loss=ON_ROOT, replicas=NO_REPLICAS, max_devices=1)
+    # keyword options the constructor takes besides the devices (Engine(**strategy_options) passes them)
+    options: ClassVar[tuple[str, ...]] = ()
+    # one process: rank 0 of 1; strategies with a process per device set these from the launcher's environment
     rank = 0
     world_size = 1
 
     def __init__(self, devices: Sequence[torch.device]):
         self.devices = list(devices)
+        most = self.traits.max_devices
+        if most is not None and len(self.devices) > most:
+            raise ValueError(f"devices: strategy '{self.name}' uses {most} device{'s' if most > 1 else ''}, got {len(self.devices)}; "
+                             f"pass devices={most} or choose a strategy for several devices")
         self.criterion: Callable | None = None  # set by loss-in-replicas strategies
+
+    # --- launching ----------------------------------------------------------------------------------
+    @classmethod
+    def needs_launcher(cls) -> bool:
+        """Whether this process must start the strategy's processes first (one per device, not launched yet)."""
+        return cls.traits.processes == PER_DEVICE and not launched()
+
+    @classmethod
+    def profile_options(cls) -> dict[str, Any]:
+        """Options under which the strategy holds on virtual CPU devices what it holds on GPUs: what
+        `dpkit profile` measures, so its per-device memory means the same on either."""
+        return {}
 
     @property
     def root_device(self) -> torch.device:
@@ -35,6 +108,7 @@ class Strategy:
     def setup_environment(self) -> None:
         """Prepare the process (threads, process group) before any model is wrapped."""
 
+    # --- wrapping -----------------------------------------------------------------------------------
     def wrap_model(self, model: nn.Module) -> nn.Module:
         return model.to(self.root_device)
 
@@ -45,10 +119,27 @@ class Strategy:
         """Strategies that compute the loss inside replicas return a callable taking a DeferredOutput."""
         return criterion
 
-    def wrap_dataloader(self, loader: Any) -> Any:
-        """The loader this process iterates; one process sees the whole global batch."""
-        return loader
+    def model_copies(self, model: nn.Module) -> list[tuple[nn.Module, torch.device]]:
+        """(module, device) for every copy of the model this process keeps between steps; `model` is the
+        user's model as set up."""
+        return [(model, self.root_device)]
 
+    # --- the data -----------------------------------------------------------------------------------
+    def global_batches(self, loader: Any) -> Any:
+        """The batch sampler whose batches of indices are the global batches (`loader` is a torch DataLoader
+        over a map-style dataset with batches)."""
+        return loader.batch_sampler
+
+    def batch_share(self, indices: list[int]) -> list[int]:
+        """The indices of one global batch this process loads; one process loads the whole batch."""
+        return indices
+
+    def loss_weight(self, rows: int, global_rows: int) -> float:
+        """What this process's mean loss over its `rows` of a global batch of `global_rows` is scaled by,
+        so that the gradient exchange yields the whole batch's mean (1 when one process sees it all)."""
+        return 1.0
+
+    # --- the step -----------------------------------------------------------------------------------
     def backward(self, loss: torch.Tensor, *, scale: float, sync: bool) -> None:
         """Gradients of `loss * scale`; `sync` is False on the micro-batches of an accumulation."""
         (loss * scale if scale != 1.0 else loss).backward()
@@ -58,10 +149,36 @@ class Strategy:
         own phases through dpkit.parallel.hooks (DataParallel's scatter/forward/gather) leave it empty."""
         return contextlib.nullcontext()
 
-    def weights_loaded(self) -> None:
-        """The user's model just received new weights (engine.load); copies elsewhere must follow."""
+    # --- saving and loading (every process calls these; collective where the state is spread) ------
+    def model_state(self, model: nn.Module) -> dict[str, Any] | None:
+        """The whole model's state dict for saving, keyed as the bare `model` names it, on rank 0
+        (None on the other ranks)."""
+        return model.state_dict() if self.rank == 0 else None
 
-    # across processes: identities in one process
+    def load_model_state(self, model: nn.Module, state: dict[str, Any]) -> None:
+        """Load a whole (checked) state dict into the bare `model`, and into every copy of it."""
+        model.load_state_dict(state, strict=True)
+        self.weights_loaded()
+
+    def optimizer_state(self, optimizer: Any) -> dict[str, Any] | None:
+        """The optimizer's whole state dict for saving, on rank 0 (None on the other ranks)."""
+        return optimizer.state_dict() if self.rank == 0 else None
+
+    def load_optimizer_state(self, optimizer: Any, state: dict[str, Any]) -> None:
+        optimizer.load_state_dict(state)
+
+    def weights_loaded(self) -> None:
+        """The user's model just received new weights; copies elsewhere must follow."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """What the strategy learned that decides its arithmetic (dp-balanced: its chunk sizes), for a resumed
+        run under the same strategy and device count; empty when there is nothing."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what state_dict() returned."""
+
+    # --- across processes: identities in one process -------------------------------------------------
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
         return tensor
 

@@ -9,8 +9,9 @@ runs. Two things plain DDP gets wrong for a global batch, fixed here:
   and in evaluation every sample is seen once, by one process, with no padding duplicates.
 - Weighting: DDP averages per-process mean losses, which over-weights the samples of a smaller share.
   Scaling each process's loss by n_rank * world / N before DDP's average gives sum(n_rank / N * grad_rank),
-  the single-device gradient of the mean over all N samples. The loader records n_rank and N with each
-  batch it yields; the Engine passes the factor to backward in `scale`.
+  the single-device gradient of the mean over all N samples. The Engine's loader records n_rank and N with
+  each batch it yields and asks `loss_weight` for the factor, which it passes to backward in `scale`.
+Both rules are ProcessShares, which the strategy's data hooks (global_batches, batch_share, loss_weight) use.
 """
 
 from __future__ import annotations
@@ -28,12 +29,14 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, RandomSampler
 
-from dpkit.arguments import check_int
+from dpkit.checks import check_int
 from dpkit.devices import cpu_threads_per_device
-from dpkit.launch import HANG_TIMEOUT_VARIABLE, LAUNCH_VARIABLES, ProgressHeartbeat, launched, rendezvous_store
+from dpkit.launch.environment import HANG_TIMEOUT_VARIABLE, LAUNCH_VARIABLES, launched
+from dpkit.launch.heartbeat import ProgressHeartbeat
+from dpkit.launch.rendezvous import rendezvous_store
 from dpkit.parallel import hooks
-from dpkit.state import ResumableLoader
-from dpkit.strategies.base import Strategy
+from dpkit.parallel.scatter import split_sizes
+from dpkit.strategies.base import ON_ROOT, PER_DEVICE, PERSISTENT, Strategy, Traits
 from dpkit.strategies.single import one_device_forward
 
 log = logging.getLogger("dpkit")
@@ -43,31 +46,41 @@ class _BelowWarning(logging.Filter):
         return record.levelno >= logging.WARNING
 
 
-class ShardedLoader(ResumableLoader):
-    """A DataLoader's global batches, of which this process gets its contiguous share; positions as ResumableLoader.
+class ProcessShares:
+    """ddp's data rule, apart from the processes so it can be checked without them: every process iterates
+    the same global batches, in the same order, loads its contiguous share of each (sizes by split_sizes),
+    and scales its mean loss by its share (`loss_weight`)."""
 
-    Each yielded batch's record (`last_batch`) carries the share's rows and the global rows, which the
-    Engine hands to backward explicitly as the loss weight.
-    """
+    def __init__(self, rank: int, world_size: int, seed: int):
+        self.rank, self.world_size, self.seed = rank, world_size, seed
 
-    def __init__(self, loader: DataLoader, strategy: Any, seed: int):
-        if not isinstance(loader, DataLoader):
-            raise TypeError(f"loader: strategy 'ddp' shards a torch DataLoader's batches, got {type(loader).__name__}")
+    def global_batches(self, loader: DataLoader) -> Any:
         if isinstance(loader.sampler, DistributedSampler):
             raise ValueError(
                 "loader: do not pass a DistributedSampler; engine.setup_dataloader gives each process its share of "
                 "every global batch itself (give the loader the global batch size)"
             )
-        if loader.batch_sampler is None:
-            raise ValueError("loader: strategy 'ddp' needs batches of indices; create the DataLoader with batch_size= or batch_sampler=")
-        global_batches = loader.batch_sampler
         sampler = loader.sampler
         if (type(sampler) is RandomSampler and sampler.generator is None and loader.generator is None
                 and not sampler.replacement and sampler.num_samples == len(loader.dataset)):
             # the global RNG may differ between processes; draw the order from (seed, epoch) instead
-            shuffle = DistributedSampler(loader.dataset, num_replicas=1, rank=0, shuffle=True, seed=seed)
-            global_batches = BatchSampler(shuffle, loader.batch_size, loader.drop_last)
-        super().__init__(loader, batch_sampler=global_batches, rank=strategy.rank, world_size=strategy.world_size)
+            shuffle = DistributedSampler(loader.dataset, num_replicas=1, rank=0, shuffle=True, seed=self.seed)
+            return BatchSampler(shuffle, loader.batch_size, loader.drop_last)
+        return loader.batch_sampler
+
+    def batch_share(self, indices: list[int]) -> list[int]:
+        sizes = split_sizes(len(indices), self.world_size)
+        if sizes[self.rank] == 0:
+            raise ValueError(
+                f"batch_size: a global batch of {len(indices)} samples cannot give each of {self.world_size} processes a "
+                "sample; use a batch size of at least the world size, or drop_last=True"
+            )
+        start = sum(sizes[:self.rank])
+        return indices[start:start + sizes[self.rank]]
+
+    def loss_weight(self, rows: int, global_rows: int) -> float:
+        # DDP averages the processes' gradients; n_rank * world / N turns that average into sum(n_rank / N * grad_rank)
+        return rows * self.world_size / global_rows
 
 
 # DDP modules whose process group was destroyed: see DDP.teardown
@@ -78,6 +91,8 @@ _GLOO_RELEASE_SECONDS = 0.05
 
 class DDP(Strategy):
     name = "ddp"
+    traits = Traits(processes=PER_DEVICE, loss=ON_ROOT, replicas=PERSISTENT)
+    options = ("timeout_seconds", "seed", "threads_per_device", "init_timeout_seconds")
 
     def __init__(self, devices: Sequence[torch.device], *, timeout_seconds: float = 300.0, seed: int = 0,
                  threads_per_device: int | None = None, init_timeout_seconds: float = 60.0):
@@ -104,6 +119,7 @@ class DDP(Strategy):
         self.timeout_seconds = timeout_seconds
         self.init_timeout_seconds = init_timeout_seconds  # how long to wait for every rank to join
         self.seed = seed
+        self._process_shares: ProcessShares | None = None
         self.ddp: nn.parallel.DistributedDataParallel | None = None
         self.bucket_seconds: list[tuple[float, float]] = []  # (launched, reduced) per bucket, while observed
 
@@ -179,10 +195,22 @@ class DDP(Strategy):
         dist.all_gather_object(gathered, obj)
         return gathered
 
-    def wrap_dataloader(self, loader: Any) -> ShardedLoader:
-        seed = torch.tensor([self.seed], dtype=torch.int64, device=self._collective_device())
-        dist.broadcast(seed, src=0)
-        return ShardedLoader(loader, self, int(seed.item()))
+    # --- the data: ProcessShares, with rank 0's seed ----------------------------------------------------
+    def _shares(self) -> ProcessShares:
+        if self._process_shares is None:  # every process asks at the same point (setting up a loader): a collective
+            seed = torch.tensor([self.seed], dtype=torch.int64, device=self._collective_device())
+            dist.broadcast(seed, src=0)
+            self._process_shares = ProcessShares(self.rank, self.world_size, int(seed.item()))
+        return self._process_shares
+
+    def global_batches(self, loader: DataLoader) -> Any:
+        return self._shares().global_batches(loader)
+
+    def batch_share(self, indices: list[int]) -> list[int]:
+        return self._shares().batch_share(indices)
+
+    def loss_weight(self, rows: int, global_rows: int) -> float:
+        return self._shares().loss_weight(rows, global_rows)
 
     def backward(self, loss: torch.Tensor, *, scale: float, sync: bool) -> None:
         # `scale` includes this process's loss weight (its rows * world / global rows, from the batch's record)

@@ -7,11 +7,12 @@ import torch
 from torch import nn
 
 from dpkit.parallel import DataParallel, hooks
-from dpkit.strategies.base import Strategy
+from dpkit.strategies.base import ON_ROOT, ONE_PROCESS, PER_STEP, Strategy, Traits
 
 
 class DP(Strategy):
     name = "dp"
+    traits = Traits(processes=ONE_PROCESS, loss=ON_ROOT, replicas=PER_STEP)
 
     def wrap_model(self, model: nn.Module) -> nn.Module:
         return DataParallel(model.to(self.root_device), self.devices)

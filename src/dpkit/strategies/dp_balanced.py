@@ -10,26 +10,13 @@ the gathered outputs.
 
 from __future__ import annotations
 
-import inspect
 from typing import Any, Callable
 
 import torch
 from torch import nn
 
-from dpkit.observe.calibration import DataParallel  # balance= needs a planner that measures
-from dpkit.parallel import hooks
-from dpkit.parallel.balance import LinearCost
-from dpkit.strategies.base import DeferredOutput, Strategy, defers
-
-
-def _check_contract() -> None:
-    accepted = inspect.signature(DataParallel.__init__).parameters
-    missing = [name for name in ("loss_fn", "balance") if name not in accepted]
-    if missing:
-        raise RuntimeError(
-            f"strategy 'dp-balanced' needs dpkit.DataParallel({', '.join(f'{m}=' for m in missing)}...), which this "
-            "dpkit does not have yet; use strategy='dp' or 'replicated'"
-        )
+from dpkit.parallel import DataParallel, hooks
+from dpkit.strategies.base import IN_REPLICAS, ONE_PROCESS, PER_STEP, DeferredOutput, Strategy, Traits, defers
 
 
 class DPBalancedModule(nn.Module):
@@ -50,9 +37,10 @@ class DPBalancedModule(nn.Module):
 
 class DPBalanced(Strategy):
     name = "dp-balanced"
+    traits = Traits(processes=ONE_PROCESS, loss=IN_REPLICAS, replicas=PER_STEP, balances=True)
+    data_parallel: DataParallel | None = None  # set by wrap_model
 
     def wrap_model(self, model: nn.Module) -> nn.Module:
-        _check_contract()
         self.data_parallel = DataParallel(model.to(self.root_device), self.devices, balance="memory")
         return DPBalancedModule(self, self.data_parallel)
 
@@ -75,27 +63,11 @@ class DPBalanced(Strategy):
         with hooks.phase("backward", self.root_device):
             super().backward(loss, scale=scale, sync=sync)
 
-    # --- resumable state (engine.save_state): the balancer's measurements and chosen splits, so that a
-    # resumed run splits its batches, and so rounds and draws dropout masks, as the saved run did
-    _BALANCER_FIELDS = ("points", "_sizes", "measured_steps", "calibration_calls", "_warm_up_recorded")
+    # --- resumable state: the balancer's measurements and chosen splits, so that a resumed run splits its
+    # batches, and so rounds and draws dropout masks, as the saved run did
+    def state_dict(self) -> dict[str, Any]:
+        return self.data_parallel.balancer.state_dict() if self.data_parallel is not None else {}
 
-    def state_dict(self) -> dict:
-        balancer = getattr(getattr(self, "data_parallel", None), "balancer", None)
-        if balancer is None:
-            return {}
-        if callable(getattr(balancer, "finish", None)):
-            balancer.finish()  # a step being measured ends here rather than at the next forward
-        state = {name: getattr(balancer, name) for name in self._BALANCER_FIELDS if hasattr(balancer, name)}
-        cost = getattr(balancer, "cost", None)
-        state["cost"] = None if cost is None else {"fixed": list(cost.fixed), "per_row": list(cost.per_row)}
-        return state
-
-    def load_state_dict(self, state: dict) -> None:
-        balancer = getattr(getattr(self, "data_parallel", None), "balancer", None)
-        if balancer is None or not state:
-            return
-        for name in self._BALANCER_FIELDS:
-            if name in state:
-                setattr(balancer, name, state[name])
-        cost = state.get("cost")
-        balancer.cost = None if cost is None else LinearCost(tuple(cost["fixed"]), tuple(cost["per_row"]))
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if self.data_parallel is not None and state:
+            self.data_parallel.balancer.load_state_dict(state)

@@ -14,13 +14,13 @@ optimizer state instead of one per device, and no step done twice. Buffers stay 
 
 In the user's loop `model(x)` returns a DeferredOutput while training; the criterion from
 `engine.setup_criterion(criterion)` runs every replica's forward and loss on its slice of the batch and
-returns their sample-weighted mean as one autograd node (strategies/replica_loss.py), so `loss.backward()`
+returns their sample-weighted mean as one autograd node (strategies/combined_loss.py), so `loss.backward()`
 or `engine.backward(loss)` runs the replicas' backwards and the gradient sum (parallel/reduce.py).
 Without setup_criterion, `model(x)` gathers the outputs and the backward runs on the calling thread:
 correct, but without the speed.
 
 The parts: threads (parallel/apply.py's run_replicas), the sum (parallel/reduce.py), the optimizers
-(replica_optimizers.py), the loss node (replica_loss.py); this module splits the batch and ties them.
+(replica_optimizers.py), the loss node (combined_loss.py); this module splits the batch and ties them.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 from torch import nn
 
-from dpkit.arguments import check_int
+from dpkit.checks import check_int
 from dpkit.devices import cpu_threads_per_device, keep_freed_host_memory
 from dpkit.parallel import hooks, sync_batchnorm
 from dpkit.parallel.apply import run_replicas
@@ -41,8 +41,8 @@ from dpkit.parallel.replicate import check_replicable
 from dpkit.parallel.gather import gather
 from dpkit.parallel.reduce import GradientSum
 from dpkit.parallel.scatter import batch_size_of, plan_split, scatter
-from dpkit.strategies.base import DeferredOutput, Strategy, defers
-from dpkit.strategies.replica_loss import ReplicaStep, replica_loss
+from dpkit.strategies.base import IN_REPLICAS, ONE_PROCESS, PERSISTENT, DeferredOutput, Strategy, Traits, defers
+from dpkit.strategies.combined_loss import ReplicaStep, combined_loss
 from dpkit.strategies.replica_optimizers import ReplicaOptimizers, SharedOptimizer, clone_optimizer
 
 
@@ -70,7 +70,9 @@ class ReplicatedModule(nn.Module):
 
 class Replicated(Strategy):
     name = "replicated"
-    supports_grad_scaler = False  # one scaler over per-replica optimizers is not wired up yet
+    # one scaler over per-replica optimizers is not wired up yet: no '16-mixed'
+    traits = Traits(processes=ONE_PROCESS, loss=IN_REPLICAS, replicas=PERSISTENT, shares_host_weights=True, grad_scaler=False)
+    options = ("threads_per_device", "overlap_reduce", "share_weights")
 
     def __init__(self, devices: Sequence[torch.device], *, threads_per_device: int | None = None,
                  overlap_reduce: bool = True, share_weights: bool | None = None):
@@ -98,6 +100,10 @@ class Replicated(Strategy):
         self.has_sync_batchnorm = False  # set with the replicas
         self.randomness = TrainingModeWatches("replicated's replicas")  # per-replica generators while they draw
 
+    @classmethod
+    def profile_options(cls) -> dict[str, Any]:
+        return {"share_weights": False}  # a copy of the weights and an optimizer state per device, as on GPUs
+
     # --- setup -------------------------------------------------------------------------------------
     def wrap_model(self, model: nn.Module) -> nn.Module:
         check_replicable(model)  # a compiled, scripted or lazy module cannot be copied per device
@@ -122,6 +128,9 @@ class Replicated(Strategy):
             for mine, first in zip(replica.parameters(), model.parameters()):
                 mine.data = first.data  # its own leaf (own .grad, own hooks) over replica 0's storage
         return replica
+
+    def model_copies(self, model: nn.Module) -> list[tuple[nn.Module, torch.device]]:
+        return list(zip(self.replicas, self.devices))
 
     def wrap_optimizer(self, optimizer: torch.optim.Optimizer) -> ReplicaOptimizers | SharedOptimizer:
         if self.shares_weights:
@@ -198,7 +207,7 @@ class Replicated(Strategy):
         step = ReplicaStep(active, losses, weights, self.gradients, sync=lambda: self._sync, ran=self._count_backward)
         step.joined = group is not None and group.joined  # SyncBatchNorm joined the replicas' graphs
         with hooks.phase("loss", self.root_device):
-            return replica_loss(step, self.root_device)
+            return combined_loss(step, self.root_device)
 
     def _count_backward(self) -> None:
         self._replica_backwards += 1

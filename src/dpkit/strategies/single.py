@@ -10,7 +10,7 @@ from torch import nn
 
 from dpkit.parallel import hooks
 from dpkit.parallel.scatter import batch_size_of
-from dpkit.strategies.base import Strategy
+from dpkit.strategies.base import NO_REPLICAS, ON_ROOT, ONE_PROCESS, Strategy, Traits
 
 
 @contextlib.contextmanager
@@ -25,10 +25,9 @@ def one_device_forward(module: nn.Module | None, device: torch.device, args: tup
 
 class Single(Strategy):
     name = "single"
+    traits = Traits(processes=ONE_PROCESS, loss=ON_ROOT, replicas=NO_REPLICAS, max_devices=1)
 
     def __init__(self, devices: Sequence[torch.device]):
-        if len(devices) != 1:
-            raise ValueError(f"devices: strategy 'single' uses one device, got {len(devices)}; pass devices=1 or choose 'dp', 'replicated' or 'ddp'")
         super().__init__(devices)
         self.model: nn.Module | None = None
 

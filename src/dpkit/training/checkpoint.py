@@ -372,14 +372,30 @@ def read_safetensors(path: str | os.PathLike, *, map_location: Any = "cpu") -> d
 
 # --- models ---------------------------------------------------------------------------------------------
 
+def detached_on_cpu(state: Mapping[str, Any]) -> dict[str, Any]:
+    return {key: value.detach().cpu() if isinstance(value, torch.Tensor) else value for key, value in state.items()}
+
+
 def save_model(model: nn.Module, path: str | os.PathLike) -> Path:
     """Save the bare model's state dict (no `module.` / `_orig_mod.` prefixes), atomically, with a checksum."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
-    state = {key: value.detach().cpu() if isinstance(value, torch.Tensor) else value for key, value in clean_state_dict(model).items()}
+    return save_state_dict(unwrap_model(model).state_dict(), path)
+
+
+def save_state_dict(state: Mapping[str, Any], path: str | os.PathLike) -> Path:
+    """Save a model's state dict without wrapper prefixes, on the CPU, atomically, with a checksum."""
+    state = detached_on_cpu(strip_prefixes(state))
     written = atomic_save(state, path)
     log.debug("saved %d tensors to %s", len(state), written)
     return written
+
+
+def read_model_file(path: str | os.PathLike, *, map_location: Any = "cpu") -> dict[str, Any]:
+    """The model state dict a checkpoint file holds (its checksum verified, read with weights_only=True),
+    unpacked from a trainer's {'state_dict': ...} / {'model': ...} container."""
+    path = Path(path)
+    return unpack_state_dict(read_checked(path, map_location=map_location), path)
 
 
 def unpack_state_dict(loaded: Any, source: Any) -> dict[str, Any]:
@@ -438,8 +454,7 @@ def load_model(model: nn.Module, path: str | os.PathLike, *, map_location: Any =
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
-    path = Path(path)
-    state = unpack_state_dict(read_checked(path, map_location=map_location), path)
+    state = read_model_file(path, map_location=map_location)
     target = unwrap_model(model)
     target.load_state_dict(check_state_dict(target, state, path), strict=True)
     return model

@@ -1,8 +1,8 @@
 """Hugging Face Trainer's training through dpkit.DataParallel: the same weights as a single-device run.
 
-    import dpkit.hf_trainer
+    import dpkit.integrations.hf_trainer
     trainer = Trainer(model=model, args=args, train_dataset=train_data)
-    dpkit.hf_trainer.data_parallel(trainer, dpkit.cpu_devices(2))   # or [0, 1] for two GPUs
+    dpkit.integrations.hf_trainer.data_parallel(trainer, dpkit.cpu_devices(2))   # or [0, 1] for two GPUs
     trainer.train()
 
 Trainer's own multi-GPU path (more than one GPU, no launcher) wraps the model in torch's nn.DataParallel,

@@ -36,15 +36,14 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset, Sampler
 
-from dpkit.arguments import check_int
-from dpkit.checkpoint import (
+from dpkit.checks import check_int
+from dpkit.training.checkpoint import (
     CheckpointCorruptError,
     atomic_write,
     fsync_directory,
     read_checked,
     write_checked,
 )
-from dpkit.parallel.scatter import split_sizes
 
 log = logging.getLogger("dpkit")
 
@@ -98,9 +97,6 @@ def restore_rng(state: dict[str, Any]) -> None:
 
 # --- the data position ----------------------------------------------------------------------------------
 
-_batch_sequence = itertools.count()  # orders the batches of all loaders, so the Engine knows the latest
-
-
 @dataclass(frozen=True)
 class BatchRecord:
     """What the Engine needs to know about the batch a loader just yielded."""
@@ -110,18 +106,17 @@ class BatchRecord:
     rows: int  # rows this process received
     global_rows: int  # rows of the global batch
     loss_weight: float  # turns this process's mean loss into its part of an average over processes
-    sequence: int
 
 
 class GlobalBatches(Sampler[list[int]]):
-    """The batches of indices of one epoch, from batch `start` on; this process's share of each.
+    """The batches of indices of one epoch, from batch `start` on; this process's share of each (`share`).
 
     Iteration starts eagerly: `iter()` draws the epoch's order at once (so a resumed epoch can redraw it
     inside a window where the generators are set back) and skips `start` batches by index only.
     """
 
-    def __init__(self, batch_sampler: Any, rank: int = 0, world_size: int = 1):
-        self.batch_sampler, self.rank, self.world_size = batch_sampler, rank, world_size
+    def __init__(self, batch_sampler: Any, share: Callable[[list[int]], list[int]] = list):
+        self.batch_sampler, self.share = batch_sampler, share
         self.start = 0
         self.records: collections.deque[tuple[int, int, int]] = collections.deque()  # (index, rows, global rows)
 
@@ -139,17 +134,7 @@ class GlobalBatches(Sampler[list[int]]):
             return
         for batch in itertools.chain([first], batches):
             batch = list(batch)
-            if self.world_size == 1:
-                share = batch
-            else:
-                sizes = split_sizes(len(batch), self.world_size)
-                if sizes[self.rank] == 0:
-                    raise ValueError(
-                        f"batch_size: a global batch of {len(batch)} samples cannot give each of {self.world_size} processes a "
-                        "sample; use a batch size of at least the world size, or drop_last=True"
-                    )
-                start = sum(sizes[:self.rank])
-                share = batch[start:start + sizes[self.rank]]
+            share = self.share(batch)
             self.records.append((index, len(share), len(batch)))
             index += 1
             yield share
@@ -182,19 +167,24 @@ def resumable(loader: Any) -> bool:
 class ResumableLoader:
     """A DataLoader's global batches (this process's share of each), with a position that can be saved.
 
-    `position()` gives the epoch and its next batch (the same in every process) and `order_state()` this
-    process's generator states from the epoch's start; after `resume_from(position, order_state)`, the
-    next iteration continues that epoch from that batch, in the same order. Every other iteration starts
-    a new epoch, as a DataLoader does; samplers with `set_epoch` are told the epoch. `last_batch` is the
-    record of the batch yielded last.
+    `rule` is the strategy's data rule (its hooks global_batches, batch_share and loss_weight); without one,
+    this process sees every batch whole. `position()` gives the epoch and its next batch (the same in every
+    process) and `order_state()` this process's generator states from the epoch's start; after
+    `resume_from(position, order_state)`, the next iteration continues that epoch from that batch, in the
+    same order. Every other iteration starts a new epoch, as a DataLoader does; samplers with `set_epoch`
+    are told the epoch. `last_batch` is the record of the batch yielded last, also handed to `on_batch`.
     """
 
-    def __init__(self, loader: DataLoader, *, batch_sampler: Any = None, rank: int = 0, world_size: int = 1):
+    def __init__(self, loader: DataLoader, rule: Any = None, *, on_batch: Callable[[BatchRecord], None] | None = None):
         if not resumable(loader):
             raise TypeError(f"loader: expected a torch DataLoader over a map-style dataset with batch_size= or batch_sampler=, got {type(loader).__name__}")
         self.source = loader
-        self.world_size = world_size
-        self.global_batches = GlobalBatches(batch_sampler if batch_sampler is not None else loader.batch_sampler, rank, world_size)
+        self.rule = rule
+        self.on_batch = on_batch
+        if rule is None:
+            self.global_batches = GlobalBatches(loader.batch_sampler)
+        else:
+            self.global_batches = GlobalBatches(rule.global_batches(loader), rule.batch_share)
         self.generators = _generators(loader, self.global_batches.batch_sampler)
         extra = {"prefetch_factor": loader.prefetch_factor, "persistent_workers": loader.persistent_workers} if loader.num_workers > 0 else {}
         self.loader = DataLoader(
@@ -256,7 +246,10 @@ class ResumableLoader:
         for batch in iterator:
             index, rows, global_rows = self.global_batches.records.popleft()
             self.next_batch = index + 1
-            self.last_batch = BatchRecord(epoch, index, rows, global_rows, rows * self.world_size / global_rows, next(_batch_sequence))
+            weight = 1.0 if self.rule is None else self.rule.loss_weight(rows, global_rows)
+            self.last_batch = BatchRecord(epoch, index, rows, global_rows, weight)
+            if self.on_batch is not None:
+                self.on_batch(self.last_batch)
             yield batch
         self.epoch, self.next_batch, self.in_epoch = epoch + 1, 0, False
 
@@ -264,7 +257,7 @@ class ResumableLoader:
         return len(self.loader)
 
     def __getattr__(self, name: str) -> Any:  # dataset, batch_size, …
-        if name in ("source", "loader", "global_batches"):
+        if name in ("source", "loader", "global_batches", "rule", "on_batch"):
             raise AttributeError(name)
         return getattr(self.source, name)
 

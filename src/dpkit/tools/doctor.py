@@ -289,8 +289,9 @@ def _collective_worker(rank: int, world_size: int, backend: str, port: int, size
     from tqdm import tqdm
 
     from dpkit.devices import cpu_threads_per_device
+    from dpkit.launch.worker import exit_worker
 
-    # a thread lock for tqdm: its default multiprocessing lock would be left to the resource tracker by os._exit below
+    # a thread lock for tqdm: its default multiprocessing lock would be left to the resource tracker by exit_worker below
     tqdm.set_lock(threading.RLock())
     cuda = backend == "nccl"
     if cuda:
@@ -332,11 +333,7 @@ def _collective_worker(rank: int, world_size: int, backend: str, port: int, size
     if rank == 0:
         with open(result_path, "w", encoding="utf-8") as handle:
             json.dump(results, handle)
-    # The work is done and written: skip interpreter teardown, where gloo can abort under load
-    # (as dpkit.cli.main.exit_worker does for launched workers).
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    exit_worker(0)  # the work is done and written: skip interpreter teardown, where gloo can abort under load
 
 
 def measure_collectives(backend: str, world_size: int, sizes: list[int], collectives: Sequence[str], iterations: int,

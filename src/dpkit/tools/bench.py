@@ -209,7 +209,7 @@ class Contender:
 
     def __init__(self, spec: BenchSpec, strategy: str, devices: int, factory: Callable[[], nn.Module],
                  x: torch.Tensor, y: torch.Tensor, rank: int = 0, world_size: int = 1):
-        from dpkit.engine import Engine
+        from dpkit.training.engine import Engine
 
         self.strategy, self.devices = strategy, devices
         options = {}
@@ -319,7 +319,7 @@ def run_ddp(spec: BenchSpec, devices: int) -> tuple[list[float], dict[str, float
         worker_spec = asdict(spec)
         worker_spec.update(progress=False, device_counts=[devices])
         spec_path.write_text(json.dumps(worker_spec))
-        launch("dpkit.bench", ["--worker", str(spec_path), str(out_path)], nproc_per_node=devices, module=True)
+        launch("dpkit.tools.bench", ["--worker", str(spec_path), str(out_path)], nproc_per_node=devices, module=True)
         measured = json.loads(out_path.read_text())
     return measured["times"], measured["phase_seconds"]
 
@@ -477,10 +477,10 @@ def machine_description(spec: BenchSpec) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(prog="python -m dpkit.bench", description="dpkit bench's ddp worker (started by the launcher)")
+    parser = argparse.ArgumentParser(prog="python -m dpkit.tools.bench", description="dpkit bench's ddp worker (started by the launcher)")
     parser.add_argument("--worker", nargs=2, metavar=("SPEC", "OUT"), required=True)
     arguments = parser.parse_args()
     code = worker_main(*arguments.worker)
-    from dpkit.cli.main import exit_worker
+    from dpkit.launch.worker import exit_worker
 
     exit_worker(code)

@@ -1,7 +1,7 @@
 """replicated's loss: the replicas' losses behind one autograd node, so a plain `loss.backward()` runs
 every replica's backward in its own thread and then the gradient sum.
 
-The criterion returns `ReplicaLosses.apply(step, anchor)`: a 0-dim tensor whose value is the
+The criterion returns `CombinedLoss.apply(step, anchor)`: a 0-dim tensor whose value is the
 sample-weighted mean of the replicas' losses and whose only autograd input is a throwaway leaf, so the
 autograd engine never walks into the replicas' graphs on the calling thread. Its backward hands the
 incoming gradient to `step.backward`, which scales it by each replica's share and runs the replicas'
@@ -52,7 +52,7 @@ class ReplicaStep:
         self.ran()
 
 
-class ReplicaLosses(torch.autograd.Function):
+class CombinedLoss(torch.autograd.Function):
     @staticmethod
     def forward(ctx, step: ReplicaStep, anchor: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
         ctx.step = step
@@ -65,7 +65,7 @@ class ReplicaLosses(torch.autograd.Function):
         return None, None, None
 
 
-def replica_loss(step: ReplicaStep, device: torch.device) -> torch.Tensor:
+def combined_loss(step: ReplicaStep, device: torch.device) -> torch.Tensor:
     """The loss the user sees: the weighted mean of the replicas' losses, differentiable through `step`."""
     anchor = torch.zeros((), device=device, requires_grad=True)
-    return ReplicaLosses.apply(step, anchor, step.value(device))
+    return CombinedLoss.apply(step, anchor, step.value(device))

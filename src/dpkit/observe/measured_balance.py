@@ -1,9 +1,10 @@
-"""Calibration for DataParallel(balance=...): measured steps in, the solver's chunk sizes out.
+"""The measured balance behind DataParallel(balance=...): measured steps in, the solver's chunk sizes out.
 
 parallel/balance.py is a pure solver. This module decides which steps to measure (a warm-up, then the
 even split, then for memory the split with device 0's share halved), measures them with an Observer from
 one DataParallel call to the next (the whole step: forward, backward, optimizer), and hands the numbers
-to the solver. `DataParallel` here is dpkit's public wrapper: parallel's DataParallel with this planner.
+to the solver. It is plugged into the observation seam (dpkit.parallel.hooks) when this module is
+imported, which `import dpkit` does, so dpkit.DataParallel(balance=...) measures with it.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import torch
 from dpkit.observe.memory import device_key
 from dpkit.observe.observer import Observer
 from dpkit.observe.report import Report
-from dpkit.parallel.data_parallel import DataParallel as ParallelDataParallel
+from dpkit.parallel import hooks
 from dpkit.parallel.balance import (BALANCE_MODES, MEASURED_STEPS, LinearCost, calibration_split, fit_cost, solve,
                                     split_sizes)
 
@@ -80,6 +81,21 @@ class Balancer:
             self.cost = fit_cost(self.mode, self.points)
             self._sizes.clear()
 
+    # what was learned, for a resumed run to split (and so round and draw dropout masks) as the saved one
+    _STATE_FIELDS = ("points", "_sizes", "measured_steps", "calibration_calls", "_warm_up_recorded")
+
+    def state_dict(self) -> dict[str, Any]:
+        state = {name: getattr(self, name) for name in self._STATE_FIELDS}
+        state["cost"] = None if self.cost is None else {"fixed": list(self.cost.fixed), "per_row": list(self.cost.per_row)}
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for name in self._STATE_FIELDS:
+            if name in state:
+                setattr(self, name, state[name])
+        cost = state.get("cost")
+        self.cost = None if cost is None else LinearCost(tuple(cost["fixed"]), tuple(cost["per_row"]))
+
     def values_from(self, sizes: Sequence[int], report: Report) -> list[float | None]:
         """The number per device that this mode balances, from an observed step's report."""
         values: list[float | None] = []
@@ -127,6 +143,10 @@ class MeasuredBalance(Balancer):
         self._optimizers.update(observer.optimizers_seen)
         self.record(sizes, self.values_from(sizes, observer.report()))
 
+    def state_dict(self) -> dict[str, Any]:
+        self.finish()  # a step being measured ends here rather than at the next forward
+        return super().state_dict()
+
     def __getstate__(self) -> dict:
         # weak references and a running measurement do not pickle; the next steps learn them again
         state = dict(self.__dict__)
@@ -138,8 +158,4 @@ class MeasuredBalance(Balancer):
         self._optimizers = weakref.WeakSet()
 
 
-class DataParallel(ParallelDataParallel):
-    __doc__ = ParallelDataParallel.__doc__
-
-    def balance_planner(self, mode: str, max_bytes_per_device: list[float | None]) -> Any:
-        return MeasuredBalance(mode, self.device_ids, max_bytes_per_device)
+hooks.set_balance_planner(MeasuredBalance)

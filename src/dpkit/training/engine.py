@@ -31,19 +31,22 @@ from typing import Any, Callable, Iterable, Sequence
 
 import torch
 from torch import nn
+from torch.utils.data import DataLoader
 from tqdm import tqdm
 
-from dpkit.arguments import check_int
-from dpkit.checkpoint import CheckpointCorruptError, check_state_dict, load_model, save_model, clean_state_dict, unwrap_model
+from dpkit.checks import check_int
+from dpkit.training.checkpoint import (
+    CheckpointCorruptError, check_state_dict, detached_on_cpu, read_model_file, save_state_dict, strip_prefixes, unwrap_model,
+)
 from dpkit.devices import DeviceLike, keep_freed_host_memory, resolve_devices
 from dpkit.parallel import hooks
 from dpkit.parallel.nested import map_leaves
 from dpkit.precision import Precision
-from dpkit.state import (
-    STATE_FORMAT, ResumableLoader, capture_rng, check_keep, check_rng, pack_extras, read_state_directory, restore_rng,
+from dpkit.training.state import (
+    STATE_FORMAT, BatchRecord, ResumableLoader, capture_rng, check_keep, check_rng, pack_extras, read_state_directory, restore_rng,
     resumable, write_state_directory,
 )
-from dpkit.strategies import DeferredOutput, Strategy, create_strategy
+from dpkit.strategies import PER_DEVICE, DeferredOutput, Strategy, create_strategy, matching, strategy_class
 
 log = logging.getLogger("dpkit")
 
@@ -174,8 +177,9 @@ class Engine:
                  devices: int | str | Sequence[DeviceLike] = "auto", precision: str = "32", accumulate: int = 1,
                  progress: bool = True, **strategy_options: Any):
         check_int(accumulate, "accumulate", meaning="micro-batches per optimizer step")
-        if devices == "auto" and strategy == "single":
-            devices = 1
+        most = strategy_class(strategy).traits.max_devices
+        if devices == "auto" and most is not None:
+            devices = most
         self.devices = resolve_devices(accelerator, devices)
         if self.devices[0].type == "cpu":
             # before any step, so every step of the process runs alike: glibc would otherwise hand each
@@ -184,13 +188,16 @@ class Engine:
             keep_freed_host_memory()
         self.strategy: Strategy = create_strategy(strategy, self.devices, **strategy_options)
         self.precision = Precision(precision, self.devices[0].type)
-        if self.precision.scaler is not None and not self.strategy.supports_grad_scaler:
-            raise ValueError(f"precision: '16-mixed' is not supported with strategy '{strategy}' yet; use precision='bf16-mixed' or strategy='ddp'")
+        if self.precision.scaler is not None and not self.strategy.traits.grad_scaler:
+            able = ", ".join(matching(lambda traits: traits.grad_scaler))
+            raise ValueError(f"precision: '16-mixed' is not supported with strategy '{strategy}' yet; use precision='bf16-mixed' "
+                             f"or one of the strategies {able}")
         self.accumulate = accumulate
         self.show_progress = progress
         self._accumulation = Accumulation(accumulate)
         self._optimizers: list[EngineOptimizer] = []
         self._loaders: list[ResumableLoader] = []  # in setup order; their positions are part of the state
+        self._batch_in_hand: BatchRecord | None = None  # the latest batch any of them yielded
         self._pending_loaders: list[tuple[dict, dict | None]] = []  # positions loaded before their loader was set up
         self._model: EngineModule | None = None
         self._bare_model: nn.Module | None = None  # the user's model object (replica 0 / the DDP module)
@@ -258,10 +265,14 @@ class Engine:
         A torch DataLoader over a map-style dataset comes back as a loader whose position (epoch, next
         batch) is part of engine.save_state; other iterables come back unchanged and are not tracked.
         """
-        wrapped = self.strategy.wrap_dataloader(loader)
-        if wrapped is loader and resumable(loader):
-            wrapped = ResumableLoader(loader)
-        loader = wrapped
+        if resumable(loader):
+            loader = ResumableLoader(loader, self.strategy, on_batch=self._batch_yielded)
+        elif self.strategy.traits.processes == PER_DEVICE:
+            raise TypeError(
+                f"loader: strategy '{self.strategy.name}' gives each process its share of every global batch, which needs a "
+                "torch DataLoader over a map-style dataset with batch_size= or batch_sampler=, got "
+                f"{type(loader).__name__}{' over an IterableDataset' if isinstance(loader, DataLoader) else ''}"
+            )
         if isinstance(loader, ResumableLoader):
             index = len(self._loaders)
             self._loaders.append(loader)
@@ -281,11 +292,13 @@ class Engine:
         sync = self._accumulation.add_micro_batch()
         self.strategy.backward(self.precision.scale_loss(loss), scale=self._loss_weight() / self.accumulate, sync=sync)
 
+    def _batch_yielded(self, record: BatchRecord) -> None:
+        self._batch_in_hand = record
+
     def _loss_weight(self) -> float:
-        """The loss weight of the batch in hand: under ddp, this process's rows * world / global rows, recorded
-        by the loader that yielded the latest batch (1 without an Engine loader)."""
-        records = [loader.last_batch for loader in self._loaders if loader.last_batch is not None]
-        return max(records, key=lambda r: r.sequence).loss_weight if records else 1.0
+        """The loss weight of the batch in hand (the strategy's loss_weight for its rows, recorded by the loader
+        that yielded it; 1 without an Engine loader)."""
+        return self._batch_in_hand.loss_weight if self._batch_in_hand is not None else 1.0
 
     @property
     def step(self) -> int:
@@ -324,8 +337,7 @@ class Engine:
         persistent replicas where it has them (replicated), else the set-up model on this process's device."""
         if self._bare_model is None:
             raise RuntimeError("engine.model_copies: call engine.setup(model, optimizer) first")
-        replicas = getattr(self.strategy, "replicas", None) or [self._bare_model]
-        return list(zip(replicas, self.strategy.devices if len(replicas) > 1 else [self.device]))
+        return self.strategy.model_copies(self._bare_model)
 
     # --- rank-0 output -----------------------------------------------------------------------------
     def progress(self, iterable: Iterable | None = None, **tqdm_kwargs: Any) -> tqdm:
@@ -338,17 +350,21 @@ class Engine:
             print(*args, **kwargs)
 
     def save(self, model: nn.Module, path: str | os.PathLike) -> None:
-        """Rank 0 writes the clean state dict (dpkit.save_model); every process waits for it."""
+        """Rank 0 writes the clean state dict (as dpkit.save_model); every process calls it and waits for it."""
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
+        state = self.strategy.model_state(unwrap_model(model))
         if self.is_global_zero:
-            save_model(model, path)
+            save_state_dict(state, path)
         self.barrier()
 
     def load(self, path: str | os.PathLike) -> nn.Module:
         """Load a checkpoint (clean or prefixed) into the set-up model, in every process and every replica."""
         if self._bare_model is None:
             raise RuntimeError("engine.load: call engine.setup(model, optimizer) first")
-        load_model(self._bare_model, path, map_location="cpu" if self.device.type == "cpu" else self.device)
-        self.strategy.weights_loaded()
+        bare = unwrap_model(self._bare_model)
+        state = read_model_file(path, map_location="cpu" if self.device.type == "cpu" else self.device)
+        self.strategy.load_model_state(bare, check_state_dict(bare, state, path))
         return self._model
 
     # --- resumable training state ------------------------------------------------------------------------
@@ -370,6 +386,9 @@ class Engine:
                 "accumulation window, before its optimizer.step(); call it after optimizer.step()"
             )
         directory = Path(directory)
+        # every process takes part: a strategy whose state is spread over the processes gathers it here
+        model_state = self.strategy.model_state(unwrap_model(self._bare_model))
+        optimizer_states = [self.strategy.optimizer_state(optimizer.optimizer) for optimizer in self._optimizers]
         shared = None
         if self.is_global_zero:
             shared = {
@@ -380,12 +399,12 @@ class Engine:
                 "devices": [str(d) for d in self.devices],
                 "precision": self.precision.precision,
                 "accumulate": self.accumulate,
-                "model": {k: v.detach().cpu() if isinstance(v, torch.Tensor) else v for k, v in clean_state_dict(self._bare_model).items()},
-                "optimizers": [optimizer.state_dict() for optimizer in self._optimizers],
+                "model": detached_on_cpu(strip_prefixes(model_state)),
+                "optimizers": optimizer_states,
                 "scaler": self.precision.scaler.state_dict() if self.precision.scaler is not None else None,
                 "loaders": [loader.position() for loader in self._loaders],
                 # what a strategy learned that decides its arithmetic (dp-balanced: its chunk sizes)
-                "strategy_state": self.strategy.state_dict() if callable(getattr(self.strategy, "state_dict", None)) else None,
+                "strategy_state": self.strategy.state_dict() or None,
                 "extra": pack_extras(extra),
             }
         mine = {"rank": self.rank, "rng": capture_rng(), "loaders": [loader.order_state() for loader in self._loaders]}
@@ -438,15 +457,13 @@ class Engine:
             log.info("resuming a state saved by strategy %s on %s process(es) under strategy %s on %d",
                      shared.get("strategy"), shared.get("world_size"), self.strategy.name, self.world_size)
         # --- then change everything ---
-        unwrap_model(self._bare_model).load_state_dict(model_state, strict=True)
-        self.strategy.weights_loaded()
+        self.strategy.load_model_state(unwrap_model(self._bare_model), model_state)
         for optimizer, saved in zip(self._optimizers, saved_optimizers):
-            optimizer.load_state_dict(saved)
+            self.strategy.load_optimizer_state(optimizer.optimizer, saved)
         if self.precision.scaler is not None and shared.get("scaler"):
             self.precision.scaler.load_state_dict(shared["scaler"])
         strategy_state = shared.get("strategy_state")
-        if strategy_state and shared.get("strategy") == self.strategy.name and shared.get("world_size") == self.world_size \
-                and callable(getattr(self.strategy, "load_state_dict", None)):
+        if strategy_state and shared.get("strategy") == self.strategy.name and shared.get("world_size") == self.world_size:
             self.strategy.load_state_dict(strategy_state)
         self._accumulation.steps, self._accumulation.micro_batches, self._accumulation.stepped = int(shared["step"]), 0, False
         padded = list(order_states) + [None] * (len(positions) - len(order_states))

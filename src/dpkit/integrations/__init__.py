@@ -1,0 +1,1 @@
+"""dpkit inside other training frameworks: Hugging Face's Trainer (`hf_trainer`)."""

@@ -1,0 +1,30 @@
+"""Start one process per device on one or more nodes, through torch.distributed.run (torchrun).
+
+torchrun's elastic agent does the real work: static rendezvous at master_addr:master_port (node 0's agent
+hosts the store), RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR / MASTER_PORT for each worker, and
+monitoring: when a worker exits with an error, the agent stops the others on its node and reports the
+failure (or restarts the group, up to max_restarts). dpkit adds a free port when none is given, a clear
+error when a given port is taken, a fair share of CPU threads per process, and a readable failure
+summary, and three guards against faults torchrun leaves open:
+
+- workers die with their launcher: each worker asks the kernel for SIGKILL when the launcher process
+  dies (prctl PR_SET_PDEATHSIG on Linux), so `kill -9` of the launcher leaves no worker behind (torchrun
+  starts each worker in a session of its own, out of reach of the terminal and of the launcher's group);
+- a rank that stops making progress is named: with hang_timeout_seconds, every ddp worker publishes the
+  sequence number of its last collective in the rendezvous store, and the launcher stops a rank that
+  has stayed behind the others for that long, naming it (not the ranks that were waiting for it);
+- a worker's rendezvous is bounded and Ctrl-C works while it waits (`rendezvous_store`).
+
+The failure summary names the worker that failed first: torchrun's failure timestamps count whole seconds,
+and the agent polls its workers every monitor interval, so a worker that died of another's failure (its
+collective lost its peer) can look as early as the culprit; `ExitWatch` notes when each worker exited.
+"""
+
+from dpkit.launch.agent import launch
+from dpkit.launch.environment import LAUNCH_VARIABLES, launched, restart_count
+from dpkit.launch.failures import LaunchError, StoppedBySignal
+from dpkit.launch.network import free_port, loopback_interface, port_in_use
+from dpkit.launch.relaunch import relaunch, relaunched
+
+__all__ = ["LAUNCH_VARIABLES", "LaunchError", "StoppedBySignal", "free_port", "launch", "launched", "loopback_interface",
+           "port_in_use", "relaunch", "relaunched", "restart_count"]

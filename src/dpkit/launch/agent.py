@@ -1,0 +1,155 @@
+"""The launcher's side: `launch()` runs a script once per device through torchrun's elastic agent."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import sys
+import threading
+from typing import Iterator, Sequence
+
+from dpkit.checks import check_int
+from dpkit.devices import check_process_count, cpu_threads_per_device
+from dpkit.launch.environment import HANG_TIMEOUT_VARIABLE, LAUNCHER_PID_VARIABLE
+from dpkit.launch.failures import ExitWatch, LaunchError, StoppedBySignal, failure_summary
+from dpkit.launch.hang_watch import HangWatch
+from dpkit.launch.network import free_port, is_loopback, loopback_interface, port_in_use
+
+log = logging.getLogger("dpkit")
+
+
+def _positive(name: str, value: int, minimum: int = 1) -> int:
+    return check_int(value, name, minimum=minimum)
+
+
+@contextlib.contextmanager
+def _launcher_state(threads_per_process: int, master_addr: str, worker_env: "dict[str, str] | None" = None) -> Iterator[None]:
+    """Environment for the workers, and this process restored afterwards: torchrun's agent sets
+    OMP_NUM_THREADS and signal handlers here."""
+    worker_env = worker_env or {}
+    names = ("OMP_NUM_THREADS", "GLOO_SOCKET_IFNAME", *worker_env)
+    saved_env = {name: os.environ.get(name) for name in names}
+    os.environ.update(worker_env)
+    os.environ.setdefault("OMP_NUM_THREADS", str(threads_per_process))
+    if is_loopback(master_addr) and loopback_interface():
+        # a loopback rendezvous means one host: keep gloo's connections on loopback too (by default gloo
+        # uses the address the hostname resolves to)
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", loopback_interface())
+    in_main = threading.current_thread() is threading.main_thread()
+    names = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
+    saved_handlers = {name: signal.getsignal(getattr(signal, name)) for name in names if in_main and hasattr(signal, name)}
+    try:
+        yield
+    finally:
+        for name, value in saved_env.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+        for name, handler in saved_handlers.items():
+            signal.signal(getattr(signal, name), handler)
+
+
+def launch(script: str, script_args: Sequence[str] = (), *, nproc_per_node: int = 1, nnodes: int = 1, node_rank: int = 0,
+           master_addr: str | None = None, master_port: int | None = None, max_restarts: int = 0,
+           module: bool = False, monitor_interval_seconds: float = 0.1, hang_timeout_seconds: float | None = None,
+           force: bool = False, worker_environment: "dict[str, str] | None" = None) -> None:
+    """Run `python script args…` (or `python -m script args…` with module=True) once per process.
+
+    Returns when every worker has exited with 0; raises LaunchError naming the first failed worker (or
+    the rank that stopped making progress for hang_timeout_seconds), StoppedBySignal when SIGTERM stopped
+    the launcher, and KeyboardInterrupt on SIGINT (Ctrl-C), after the workers were stopped. More than
+    PROCESSES_PER_CORE processes per core are refused unless force=True. `worker_environment`: variables set
+    for the workers only.
+    """
+    _positive("--nproc-per-node", nproc_per_node)
+    check_process_count(nproc_per_node, argument="--nproc-per-node", force=force)
+    if hang_timeout_seconds is not None:
+        if isinstance(hang_timeout_seconds, bool) or not isinstance(hang_timeout_seconds, (int, float)) or not hang_timeout_seconds > 0 \
+                or hang_timeout_seconds == float("inf"):
+            raise ValueError(f"--hang-timeout: expected a positive number of seconds, got {hang_timeout_seconds!r}")
+    _positive("--nnodes", nnodes)
+    _positive("--max-restarts", max_restarts, minimum=0)
+    if isinstance(node_rank, bool) or not isinstance(node_rank, int) or not 0 <= node_rank < nnodes:
+        raise ValueError(f"--node-rank: expected 0 … {nnodes - 1} for --nnodes {nnodes}, got {node_rank!r}")
+    if nnodes > 1 and (master_addr is None or master_port is None):
+        raise ValueError(
+            "--master-addr/--master-port: required with --nnodes > 1, so every node meets node 0 at the same address, "
+            "e.g. --master-addr 10.0.0.1 --master-port 29500"
+        )
+    master_addr = master_addr or "127.0.0.1"
+    if master_port is None:
+        master_port = free_port(master_addr)
+    else:
+        _positive("--master-port", master_port)
+        if master_port > 65535:
+            raise ValueError(f"--master-port: {master_port} is not a TCP port (1 … 65535)")
+        if node_rank == 0 and port_in_use(master_addr, master_port):
+            raise ValueError(
+                f"--master-port: port {master_port} on {master_addr} is already in use; pick another port, "
+                "or leave --master-port out on a single node and dpkit picks a free one"
+            )
+
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import elastic_launch
+    from torch.distributed.run import config_from_args, parse_args
+
+    argv = [
+        f"--nnodes={nnodes}", f"--node-rank={node_rank}", f"--nproc-per-node={nproc_per_node}",
+        f"--master-addr={master_addr}", f"--master-port={master_port}", f"--max-restarts={max_restarts}",
+        "--rdzv-backend=static", f"--monitor-interval={monitor_interval_seconds}",
+    ]
+    if module:
+        argv.append("--module")
+    argv += [script, *script_args]
+    log.info("launch: %d process(es) on node %d of %d, rendezvous at %s:%d", nproc_per_node, node_rank, nnodes, master_addr, master_port)
+    worker_env = {**(worker_environment or {}), LAUNCHER_PID_VARIABLE: str(os.getpid())}
+    if hang_timeout_seconds is not None:
+        worker_env[HANG_TIMEOUT_VARIABLE] = repr(float(hang_timeout_seconds))
+    watch = None
+    with _launcher_state(cpu_threads_per_device(nproc_per_node), master_addr, worker_env), _quiet_torch_elastic():
+        config, _, _ = config_from_args(parse_args(argv))
+        # every worker starts in run_worker (parent-death signal first), which then runs the script
+        entry_args = ["-u", "-c", "from dpkit.launch.worker import run_worker; run_worker()", "module" if module else "script",
+                      script, *script_args]
+        if hang_timeout_seconds is not None:
+            watch = HangWatch(master_addr, master_port, nnodes * nproc_per_node, node_rank, float(hang_timeout_seconds))
+            watch.start()
+        exits = ExitWatch(nproc_per_node)
+        exits.start()
+        try:
+            elastic_launch(config=config, entrypoint=sys.executable)(*entry_args)
+        except ChildFailedError as error:
+            exit_codes = {rank: failure.exitcode for rank, failure in (getattr(error, "failures", {}) or {}).items()}
+            exits.stop()
+            raise LaunchError(failure_summary(error, watch.hung if watch else None, exits.exit_times), exit_codes) from None
+        except SignalException as error:
+            if error.sigval == signal.SIGINT:
+                raise KeyboardInterrupt from None
+            raise StoppedBySignal(f"stopped by {signal.Signals(error.sigval).name}; the workers were stopped", int(error.sigval)) from None
+        finally:
+            exits.stop()
+            if watch is not None:
+                watch.stop()
+
+
+@contextlib.contextmanager
+def _quiet_torch_elastic() -> Iterator[None]:
+    """torchrun's agent logs each step of a shutdown as warnings; dpkit's summary says what matters, so
+    they show only with dpkit's DEBUG logging (-v). Each of its modules' loggers has its own level."""
+    if log.isEnabledFor(logging.DEBUG):
+        yield
+        return
+    loggers = [logging.getLogger(name) for name in list(logging.root.manager.loggerDict)
+               if name.startswith("torch.distributed.elastic") or name.startswith("torch.distributed.launcher")]
+    saved = [(logger, logger.level) for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        for logger, level in saved:
+            logger.setLevel(level)

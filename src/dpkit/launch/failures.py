@@ -1,0 +1,202 @@
+"""How a launch fails: the errors, which worker failed first, and the one-line summary.
+
+torchrun's failure timestamps count whole seconds, and the agent polls its workers every monitor interval,
+so a worker that died of another's failure (its collective lost its peer) can look as early as the culprit;
+`ExitWatch` notes when each worker exited, and the summary puts the first to fail first.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import select
+import signal
+import sys
+import threading
+import time
+from typing import Any
+
+from dpkit.errors import DpkitError
+
+log = logging.getLogger("dpkit")
+
+
+class LaunchError(DpkitError):
+    """A worker process failed; the message names its rank, exit code and error. `exit_codes` maps each
+    failed worker's rank to its exit code (negative: killed by that signal)."""
+
+    def __init__(self, message: str, exit_codes: "dict[int, int] | None" = None):
+        super().__init__(message)
+        self.exit_codes = dict(exit_codes or {})
+
+
+class StoppedBySignal(DpkitError):
+    """The run was stopped by SIGINT or SIGTERM; `exit_code` is 128 + the signal number, as a shell reports it."""
+
+    def __init__(self, message: str, signum: int):
+        super().__init__(message)
+        self.signum = signum
+        self.exit_code = 128 + signum
+
+
+def failure_order(failures: "dict[int, Any]", exit_times: "dict[int, float] | None" = None) -> list[int]:
+    """The failed ranks, the first to fail first.
+
+    By `exit_times` (pid -> when the launcher saw that worker exit, `ExitWatch`) where every failure has
+    one, else by torchrun's timestamps (whole seconds). Among exits at the same time, one killed by a
+    signal comes after one that exited with an error code: a worker aborting (SIGABRT) because its peer's
+    connection closed is a consequence; then by rank.
+    """
+    exit_times = exit_times or {}
+    precise = bool(failures) and all(failure.pid in exit_times for failure in failures.values())
+
+    def key(rank: int) -> tuple:
+        failure = failures[rank]
+        when = exit_times[failure.pid] if precise else getattr(failure, "timestamp", 0)
+        killed = failure.exitcode is not None and failure.exitcode < 0
+        return when, killed, rank
+
+    return sorted(failures, key=key)
+
+
+def failure_summary(error: BaseException, hung: "dict[int, str] | None" = None,
+                     exit_times: "dict[int, float] | None" = None) -> str:
+    """The failed workers first, the first to fail first (a rank the hang watch stopped, named with why),
+    then the ones the agent stopped (SIGTERM) because of them. `exit_times`: pid -> monotonic exit time."""
+    failures = getattr(error, "failures", {}) or {}
+    hung = hung or {}
+    failed, stopped = [hung[rank] for rank in sorted(hung)], []
+    for rank in failure_order(failures, exit_times):
+        failure = failures[rank]
+        if rank in hung:
+            continue
+        if (failure.exitcode is not None and failure.exitcode == -signal.SIGTERM) or hung:
+            stopped.append(str(rank))  # with a hung rank found, the others failed because of it
+            continue
+        how = (f"was killed by signal {failure.signal_name()}" if failure.exitcode is not None and failure.exitcode < 0
+               else f"exited with code {failure.exitcode}")
+        message = failure.message if isinstance(failure.message, str) else (failure.message or {}).get("message", "")
+        detail = "" if not message or "elastic/errors.html" in str(message) else str(message).strip().splitlines()[-1]
+        failed.append(f"worker rank {rank} (local rank {failure.local_rank}, pid {failure.pid}) {how}" + (f": {detail}" if detail else ""))
+    if not failed and not stopped:
+        return str(error)
+    summary = "; ".join(failed) if failed else "workers were stopped"
+    if stopped:
+        summary += f"; the launcher then stopped worker rank(s) {', '.join(sorted(stopped, key=int))}"
+    return summary + " (each worker's own output is above)"
+
+
+class ExitWatch:
+    """When each child process of the launcher exited, by its monotonic clock: `exit_times`, pid -> time.
+
+    Linux only (elsewhere `exit_times` stays empty and the summary orders by torchrun's timestamps). A
+    thread opens a pidfd for each child process (the workers torchrun's agent starts), which becomes
+    readable when that child exits, whether or not the agent has reaped it yet, and waits on them all at
+    once: two exits are told apart unless they happen within the same wake-up of the thread. Children are
+    looked for (in /proc; those from before `start` are not workers) only while fewer than `expected` of
+    them are being watched, so a running job costs nothing; after a restart the new workers are found
+    the same way.
+    """
+
+    def __init__(self, expected: int, find_interval_seconds: float = 0.05):
+        self.expected = expected
+        self.find_interval_seconds = find_interval_seconds
+        self.exit_times: dict[int, float] = {}
+        self._watched: dict[int, int] = {}  # pidfd -> pid
+        self._earlier: set[int] = set()  # children from before start: not workers
+        self._poller: Any = None
+        self._wake_read = self._wake_write = -1
+        self._lock = threading.Lock()
+        self._stopped = False
+        self._thread = threading.Thread(target=self._run, name="dpkit-exit-watch", daemon=True)
+
+    @staticmethod
+    def available() -> bool:
+        return sys.platform.startswith("linux") and hasattr(os, "pidfd_open") and hasattr(select, "poll") \
+            and os.path.isdir("/proc/self")
+
+    def start(self) -> "ExitWatch":
+        if self.available():
+            self._poller = select.poll()
+            self._earlier = set(self._children())
+            self._wake_read, self._wake_write = os.pipe()
+            self._poller.register(self._wake_read, select.POLLIN)
+            self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        """Note the exits that happened since the thread last looked (at the time of this call: later than any
+        exit it has noted), end the thread and close its descriptors. Idempotent."""
+        with self._lock:
+            if self._stopped:
+                return
+            self._stopped = True
+        if self._poller is None:
+            return
+        with contextlib.suppress(OSError):
+            os.write(self._wake_write, b"x")
+        self._thread.join(timeout=5)
+        if self._thread.is_alive():
+            return  # the descriptors stay open rather than closed under a running thread
+        with contextlib.suppress(Exception):
+            self._note_exits(0)
+        for fd in list(self._watched):
+            os.close(fd)
+        self._watched.clear()
+        os.close(self._wake_read)
+        os.close(self._wake_write)
+
+    def _children(self) -> list[int]:
+        me, children = os.getpid(), []
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit():
+                continue
+            try:
+                with open(f"/proc/{entry}/stat", "rb") as handle:
+                    fields = handle.read().rsplit(b")", 1)[1].split()
+            except (OSError, IndexError):
+                continue  # gone meanwhile
+            if len(fields) > 1 and int(fields[1]) == me:
+                children.append(int(entry))
+        return children
+
+    def _find_children(self) -> None:
+        watched = set(self._watched.values())
+        for pid in self._children():
+            if pid in watched or pid in self.exit_times or pid in self._earlier:
+                continue  # watched, or exited and not reaped yet
+            try:
+                fd = os.pidfd_open(pid)
+            except OSError:
+                continue  # exited and reaped meanwhile (or pidfds are not allowed here)
+            self._watched[fd] = pid
+            self._poller.register(fd, select.POLLIN)
+
+    def _note_exits(self, timeout_ms: "int | None") -> bool:
+        """Wait up to timeout_ms (None: for ever) for an exit or stop; returns False once stopped."""
+        events = self._poller.poll(timeout_ms)
+        now = time.monotonic()
+        running = True
+        for fd, _ in events:
+            if fd == self._wake_read:
+                running = False
+                continue
+            pid = self._watched.pop(fd, None)
+            if pid is None:
+                continue
+            self._poller.unregister(fd)
+            os.close(fd)
+            self.exit_times.setdefault(pid, now)
+        return running
+
+    def _run(self) -> None:
+        try:
+            while True:
+                finding = len(self._watched) < self.expected
+                if finding:
+                    self._find_children()
+                if not self._note_exits(int(self.find_interval_seconds * 1000) if finding else None):
+                    return
+        except Exception as error:  # never fail the launch over this; the summary falls back on torchrun's order
+            log.debug("launch: exit watch stopped: %s", error)

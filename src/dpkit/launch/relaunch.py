@@ -1,0 +1,26 @@
+"""One relaunch for every command that needs one process per device: the same command, one level down.
+
+`dpkit train --strategy ddp`, `dpkit profile --strategy ddp` and `dpkit bench` (for its ddp contenders)
+start themselves again under `launch`, once per device; the workers see `relaunched()` and leave the
+reporting (signals, the summary) to the process that started them.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Sequence
+
+from dpkit.launch.agent import launch
+from dpkit.launch.environment import RELAUNCHED_VARIABLE
+
+
+def relaunch(module: str, argv: Sequence[str], processes: int, **launch_options: Any) -> None:
+    """Run `python -m module argv…` once per process through `launch` (launch_options: max_restarts=,
+    hang_timeout_seconds=, force=, …); returns when every worker exited with 0, raises as `launch` does."""
+    launch(module, list(argv), nproc_per_node=processes, module=True, worker_environment={RELAUNCHED_VARIABLE: "1"},
+           **launch_options)
+
+
+def relaunched() -> bool:
+    """Whether this process is a worker of a relaunched command (its launching command reports for it)."""
+    return os.environ.get(RELAUNCHED_VARIABLE) == "1"

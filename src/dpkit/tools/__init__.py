@@ -1,0 +1,2 @@
+"""Tools that run models to measure: `bench` (strategies side by side), `profile` (one strategy, per device),
+`doctor` (this machine's devices and links), and the `demo`."""
