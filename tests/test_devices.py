@@ -83,13 +83,13 @@ def test_indices_past_the_limit_are_refused_not_wrapped(spec):
 @pytest.mark.parametrize("device_ids", [[0], ["cuda:0"], [0, 1]])
 def test_gpus_this_machine_lacks_are_an_error_at_construction(device_ids):
     with pytest.raises(ValueError, match=r"device_ids\[0\]: cuda:0 does not exist on this machine \(no GPU is visible\); "
-                                         r"for virtual CPU devices use 'cpu:0'.*dpkit.cpu_devices\(n\).*--accelerator cpu"):
+                                         r"for virtual CPU devices use 'cpu:0'.*dpkit.cpu_devices\(n\).*accelerator=cpu"):
         dpkit.DataParallel(torch.nn.Linear(2, 2), device_ids)
 
 
 @pytest.mark.parametrize("devices", ["0,1", "cuda:0,cuda:1", [0, 1]])
 def test_cuda_devices_with_the_cpu_accelerator_is_one_clear_error(devices):
-    with pytest.raises(ValueError, match="names cuda devices but accelerator is 'cpu'"):
+    with pytest.raises(ValueError, match="names cuda devices but accelerator='cpu'"):
         resolve_devices("cpu", devices)
 
 

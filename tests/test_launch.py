@@ -44,15 +44,15 @@ def test_free_port_is_free_and_a_listening_port_is_in_use():
 def test_a_taken_port_is_a_clear_error_before_anything_starts(tmp_path):
     with listening_socket() as sock:
         port = sock.getsockname()[1]
-        with pytest.raises(ValueError, match=f"--master-port: port {port} on 127.0.0.1 is already in use"):
+        with pytest.raises(ValueError, match=f"master_port: port {port} on 127.0.0.1 is already in use"):
             launch(str(tmp_path / "never_run.py"), nproc_per_node=2, master_port=port)
 
 
 @pytest.mark.parametrize("kwargs,match", [
-    ({"nproc_per_node": 0}, "--nproc-per-node"),
-    ({"nnodes": 2, "node_rank": 2, "master_addr": "127.0.0.1", "master_port": 29555}, "--node-rank"),
-    ({"nnodes": 2, "node_rank": 1}, "--master-addr/--master-port: required with --nnodes > 1"),
-    ({"max_restarts": -1}, "--max-restarts"),
+    ({"nproc_per_node": 0}, "nproc_per_node: expected a positive int, got 0"),
+    ({"nnodes": 2, "node_rank": 2, "master_addr": "127.0.0.1", "master_port": 29555}, "node_rank: expected 0 … 1 for nnodes=2"),
+    ({"nnodes": 2, "node_rank": 1}, "master_addr/master_port: required when nnodes > 1"),
+    ({"max_restarts": -1}, "max_restarts: expected a non-negative int"),
     ({"master_port": 70000}, "not a TCP port"),
 ])
 def test_invalid_arguments_name_the_option(kwargs, match):
@@ -169,20 +169,20 @@ def test_a_rank_that_stops_making_progress_is_named_within_the_hang_timeout(tmp_
     elapsed = time.monotonic() - began
     message = str(error.value)
     # the culprit comes first and is the one named as making no progress; rank 0 only waited
-    assert re.match(r"worker rank 1 \(pid \d+, node 0\) made no progress for \d+ s \(--hang-timeout 5\)", message), message
+    assert re.match(r"worker rank 1 \(pid \d+, node 0\) made no progress for \d+ s \(hang_timeout_seconds=5\)", message), message
     assert "rank(s) 0 waited" in message and "worker rank 0" not in message
     assert elapsed < 60, f"took {elapsed:.0f} s"  # far below the 120 s collective timeout
 
 
 def test_hang_timeout_must_be_positive():
-    with pytest.raises(ValueError, match="--hang-timeout: expected a positive number of seconds, got 0"):
+    with pytest.raises(ValueError, match="hang_timeout_seconds: expected a finite number > 0, got 0"):
         launch("script.py", hang_timeout_seconds=0)
 
 
 def test_too_many_processes_for_the_cores_need_force():
     from dpkit.devices import PROCESSES_PER_CORE, available_cores
     too_many = PROCESSES_PER_CORE * available_cores() + 1
-    with pytest.raises(ValueError, match=f"--nproc-per-node: {too_many} processes on .* pass --force"):
+    with pytest.raises(ValueError, match=f"nproc_per_node: {too_many} processes on .* pass force=True"):
         launch("script.py", nproc_per_node=too_many)
 
 
@@ -236,7 +236,7 @@ def test_ctrl_c_stops_an_engine_waiting_for_its_peers(tmp_path):
 
 
 def test_the_hang_rule_names_only_a_rank_left_behind_for_the_timeout():
-    from dpkit.launch import HangWatch
+    from dpkit.launch.hang_watch import HangWatch
     watch = HangWatch("127.0.0.1", 1, world_size=3, node_rank=1, hang_timeout_seconds=10)  # node 1: kills nobody here
     progress = {}
     watch._check(progress, {0: (5, 100, 0), 1: (5, 101, 0), 2: (5, 102, 0)}, now=0)
@@ -262,22 +262,22 @@ def _child_failed(*records, timestamp=1_000):
 
 
 def test_the_summary_names_the_worker_that_exited_first_not_the_lowest_rank():
-    from dpkit.launch import _failure_summary
+    from dpkit.launch.failures import failure_summary
     # rank 1 crashed (exit 7); rank 0's collective lost its peer and it aborted 40 ms later, in the same
     # whole second and the same agent poll
     error = _child_failed((0, 100, -signal.SIGABRT), (1, 101, 7))
-    summary = _failure_summary(error, exit_times={101: 5.00, 100: 5.04})
+    summary = failure_summary(error, exit_times={101: 5.00, 100: 5.04})
     assert summary.startswith("worker rank 1 (local rank 1, pid 101) exited with code 7; "
                               "worker rank 0 (local rank 0, pid 100) was killed by signal SIGABRT"), summary
     # without exit times (or with one missing), the same second: the signal death is the consequence
-    assert _failure_summary(error).startswith("worker rank 1 ")
-    assert _failure_summary(error, exit_times={101: 5.0}).startswith("worker rank 1 ")
+    assert failure_summary(error).startswith("worker rank 1 ")
+    assert failure_summary(error, exit_times={101: 5.0}).startswith("worker rank 1 ")
     # a worker killed first (the OOM killer's SIGKILL) is the culprit, before the peer that errored after it
     error = _child_failed((0, 100, -signal.SIGKILL), (1, 101, 1))
-    assert _failure_summary(error, exit_times={100: 5.00, 101: 5.30}).startswith("worker rank 0 (local rank 0, pid 100) was killed by signal SIGKILL")
+    assert failure_summary(error, exit_times={100: 5.00, 101: 5.30}).startswith("worker rank 0 (local rank 0, pid 100) was killed by signal SIGKILL")
     # the agent's SIGTERMs keep their place at the end
     error = _child_failed((0, 100, -signal.SIGTERM), (1, 101, 3), (2, 102, 3))
-    summary = _failure_summary(error, exit_times={100: 5.2, 101: 5.1, 102: 5.0})
+    summary = failure_summary(error, exit_times={100: 5.2, 101: 5.1, 102: 5.0})
     assert re.match(r"worker rank 2 .* exited with code 3; worker rank 1 .* exited with code 3; "
                     r"the launcher then stopped worker rank\(s\) 0 \(each worker's own output is above\)$", summary), summary
 
@@ -309,11 +309,11 @@ def both_exits_in_one_poll(tmp_path, monkeypatch):
     exits were noted. However the machine schedules the processes, one poll then sees both failures."""
     from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 
-    import dpkit.launch as launch_module
+    import dpkit.launch.agent as agent
 
     watches = []
 
-    class NotingExitWatch(launch_module.ExitWatch):
+    class NotingExitWatch(agent.ExitWatch):
         def start(self):
             watches.append(self)
             return super().start()
@@ -332,7 +332,7 @@ def both_exits_in_one_poll(tmp_path, monkeypatch):
             time.sleep(0.01)
         return original(self, worker_group)
 
-    monkeypatch.setattr(launch_module, "ExitWatch", NotingExitWatch)
+    monkeypatch.setattr(agent, "ExitWatch", NotingExitWatch)
     monkeypatch.setattr(LocalElasticAgent, "_monitor_workers", monitor_after_both_exits)
     return tmp_path
 
@@ -354,7 +354,7 @@ def test_the_worker_that_failed_first_is_named_first_when_both_fail_in_one_poll(
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="pidfds are Linux's")
 def test_the_exit_watch_notes_which_child_exited_first():
-    from dpkit.launch import ExitWatch
+    from dpkit.launch.failures import ExitWatch
     watch = ExitWatch(expected=2).start()
     children = [subprocess.Popen(["sleep", "60"]) for _ in range(2)]
     try:

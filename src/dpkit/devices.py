@@ -22,7 +22,7 @@ DeviceLike = Union[int, str, torch.device]
 MAX_DEVICE_INDEX = 127
 MAX_DEVICES = MAX_DEVICE_INDEX + 1
 _DEVICE_SPEC = re.compile(r"^([a-z_]+)(?::(-?\d+))?$")
-_HOW_TO_ASK_FOR_CPU = "for virtual CPU devices use 'cpu:0', 'cpu:1', … (dpkit.cpu_devices(n), or --accelerator cpu --devices n)"
+_HOW_TO_ASK_FOR_CPU = "for virtual CPU devices use 'cpu:0', 'cpu:1', … (dpkit.cpu_devices(n), or accelerator=cpu devices=n)"
 
 
 def _check_index(index: int, spec: object, argument: str) -> None:
@@ -169,7 +169,7 @@ def resolve_devices(accelerator: str = "auto", devices: int | Sequence[DeviceLik
     parsed = [parse_device(spec, argument=f"{argument}[{i}]") for i, spec in enumerate(devices)] if isinstance(devices, (list, tuple)) else None
     if parsed and asked != "auto" and any(device.type != asked for device in parsed):
         listed = ",".join(str(spec) for spec in devices)
-        raise ValueError(f"{argument}: {listed!r} names {parsed[0].type} devices but {accelerator_argument} is {asked!r}; "
+        raise ValueError(f"{argument}: {listed!r} names {parsed[0].type} devices but {accelerator_argument}={asked!r}; "
                          + ("give a count (e.g. 2) or cpu:0,cpu:1" if asked == "cpu" else "give a count or cuda:0,cuda:1"))
     return parse_device_list(devices, argument=argument)
 
@@ -189,12 +189,12 @@ def cpu_threads_per_device(n_devices: int) -> int:
 PROCESSES_PER_CORE = 4
 
 
-def check_process_count(processes: int, *, argument: str = "--nproc-per-node", force: bool = False) -> None:
+def check_process_count(processes: int, *, argument: str = "nproc_per_node", force: bool = False) -> None:
     """Refuse a worker count far past the cores (ddp: one process per device) unless forced."""
     limit = PROCESSES_PER_CORE * available_cores()
     if processes > limit and not force:
         raise ValueError(f"{argument}: {processes} processes on {available_cores()} CPU core(s) is past the limit of "
-                         f"{limit} ({PROCESSES_PER_CORE} per core); ask for fewer, or pass --force to start them anyway")
+                         f"{limit} ({PROCESSES_PER_CORE} per core); ask for fewer, or pass force=True to start them anyway")
 
 
 def tensor_device(tensor: torch.Tensor, virtual_cpu_device: DeviceLike) -> torch.device:

@@ -63,17 +63,17 @@ BAD = [
     (["--momentum", "nan"], "--momentum: expected a finite number"),
     (["--seed", "-1"], "--seed: expected a seed from 0 to 4294967295 (2**32 - 1), got -1"),
     (["--seed", str(2**32)], "--seed: expected a seed from 0"),
-    (["--steps", "0"], "--steps: expected at least 1, got 0"),
-    (["--checkpoint-every", "0"], "--checkpoint-every: expected at least 1, got 0"),
-    (["--keep", "0"], "--keep: expected at least 1, got 0"),
+    (["--steps", "0"], "--steps: expected a positive int, got 0"),
+    (["--checkpoint-every", "0"], "--checkpoint-every: expected a positive int, got 0"),
+    (["--keep", "0"], "--keep: expected a positive int, got 0"),
     (["--batch-size", "100000"], "--batch-size: 100000 is larger than the 1437 training rows; use at most 1437"),
-    (["--strategy", "dp", "--devices", "0,1"], "--devices: '0,1' names cuda devices but --accelerator is 'cpu'"),
-    (["--strategy", "dp", "--devices", "cuda:0,cuda:1"], "--devices: 'cuda:0,cuda:1' names cuda devices but --accelerator is 'cpu'"),
+    (["--strategy", "dp", "--devices", "0,1"], "--devices: '0,1' names cuda devices but --accelerator cpu"),
+    (["--strategy", "dp", "--devices", "cuda:0,cuda:1"], "--devices: 'cuda:0,cuda:1' names cuda devices but --accelerator cpu"),
     (["--strategy", "dp", "--devices", "1000"], "--devices: 1000 devices is past torch's limit of 128"),
     (["--strategy", "replicated", "--devices", "130"], "--devices: 130 devices is past torch's limit of 128"),
     (["--strategy", "dp", "--devices", "cpu:0,cpu:200"], "--devices[1]: device index 200 in 'cpu:200' is past torch's limit of 127"),
     (["--strategy", "ddp", "--devices", "100"], "--devices: 100 processes on"),
-    (["--strategy", "single", "--devices", "2"], "--devices: strategy 'single' runs on one device"),
+    (["--strategy", "single", "--devices", "2"], "--devices: strategy 'single' runs on 1 device(s), got 2; pass --devices 1"),
     (["--hang-timeout", "nan"], "--hang-timeout: expected a finite number"),
     (["--resume", "--overwrite"], "--resume/--overwrite: give one"),
     (["--resume"], "--resume: no saved state in"),
@@ -156,7 +156,8 @@ def test_a_loss_that_becomes_nan_stops_the_run_with_one_line_and_no_nan_on_disk(
     code = main(["train", "--accelerator", "cpu", "--no-progress", "--steps", "30", "--lr", "10000", "--out", str(out)])
     lines = capsys.readouterr().err.strip().splitlines()
     assert code == 3
-    assert len(lines) == 1 and lines[0].startswith("dpkit train: error: --lr 10000: the loss became nan at step "), lines
+    assert len(lines) == 1 and lines[0].startswith("dpkit train: error: --lr: the loss became nan at step "), lines
+    assert "with --lr 10000;" in lines[0] and lines[0].endswith("try a smaller lr")
     assert not out.exists() or not any(out.iterdir())  # nothing written from a diverged model
 
 

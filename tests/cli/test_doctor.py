@@ -104,7 +104,7 @@ def test_format_report_without_link_says_nothing_applies():
 @pytest.mark.parametrize("argv, expected", [
     (["--link", "nvlink9"], "--link: link: unknown link 'nvlink9'"),
     (["--collectives", "all_reduce,gossip"], "--collectives"),
-    (["--iters", "0"], "iterations: expected an integer >= 1, got 0"),
+    (["--iters", "0"], "--iters: expected an integer >= 1, got 0"),
 ])
 def test_bad_arguments_are_one_line(capsys, argv, expected):
     assert main(["doctor", "--accelerator", "cpu", "--no-progress", *argv]) == 2

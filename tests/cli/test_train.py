@@ -49,11 +49,11 @@ def test_a_user_model_factory(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("argv,message", [
-    (["--steps", "0"], "--steps: expected at least 1"),
-    (["--batch-size", "0"], "--batch-size: expected at least 1"),
+    (["--steps", "0"], "--steps: expected a positive int, got 0"),
+    (["--batch-size", "0"], "--batch-size: expected a positive int, got 0"),
     (["--example", "imagenet"], "--example: unknown example 'imagenet'"),
     (["--model", "no_such_module:build"], "cannot import 'no_such_module'"),
-    (["--strategy", "single", "--devices", "2"], "devices=1"),
+    (["--strategy", "single", "--devices", "2"], "--devices 1"),
 ])
 def test_errors_name_the_argument(tmp_path, capsys, argv, message):
     assert main(["train", "--accelerator", "cpu", "--out", str(tmp_path), "--no-progress", *argv]) == 2

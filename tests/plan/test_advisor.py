@@ -4,6 +4,7 @@ from dpkit.plan.catalogue import Catalogue
 from dpkit.plan.cost_model import Hardware
 from dpkit.plan.planner import make_plan
 from dpkit.plan.profiles import builtin_profile
+from dpkit.strategies import Strategy, strategy_class
 
 CATALOGUE = Catalogue.load()
 ALL = ["single", "dp", "dp-balanced", "replicated", "ddp"]
@@ -38,3 +39,22 @@ def test_neither_helps_across_a_slow_network():
 def test_nothing_fits_says_to_shard():
     result = plan("llama-7b", "t4", "pcie3", [1, 2], 1, "16-mixed")
     assert "nothing fits" in result.recommendation.reasons[0] and "FSDP" in result.recommendation.reasons[0]
+
+
+class DataParallelByAnotherName(Strategy):
+    name = "torch-dp"
+    traits = strategy_class("dp").traits
+
+
+def test_the_advisor_finds_dataparallel_by_its_traits(monkeypatch):
+    # the registry without "dp" but with its traits under another name: the advisor's DataParallel is that one
+    from dpkit import strategies
+
+    registry = {name: path for name, path in strategies.STRATEGIES.items() if name != "dp"}
+    registry["torch-dp"] = f"{__name__}:DataParallelByAnotherName"
+    monkeypatch.setattr(strategies, "STRATEGIES", registry)
+    machine = Hardware(CATALOGUE.gpu("v100-sxm2"), CATALOGUE.link("nvlink2"))
+    result = make_plan(builtin_profile("resnet101"), machine, ["single", "torch-dp", "ddp"], [1, 2], 128,
+                       links=CATALOGUE.links, networks=CATALOGUE.networks)
+    assert result.recommendation.strategy == "torch-dp"
+    assert result.recommendation.reasons[0].startswith("DP is fine here")

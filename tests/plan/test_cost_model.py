@@ -1,5 +1,6 @@
 """The cost model's formulas, and the behaviour that follows from them."""
 
+import dataclasses
 from dataclasses import replace
 
 import pytest
@@ -8,9 +9,36 @@ from dpkit.plan.catalogue import Catalogue, Link
 from dpkit.plan.cost_model import (CostConstants, Hardware, exposed_all_reduce_seconds, memory_per_device, predict,
                                    predict_all, ring_all_reduce_seconds, root_fan_seconds, transfer_seconds)
 from dpkit.plan.profiles import builtin_profile
+from dpkit.strategies import ONE_PROCESS, Strategy, strategy_class
 
 CATALOGUE = Catalogue.load()
 LINK = Link("test", 10e9, 10e9, 1e-5, "test")
+
+
+# strategies the cost model has never heard of: it knows them only by the traits they declare
+class LikeDDP(Strategy):
+    name = "like-ddp"
+    traits = strategy_class("ddp").traits
+
+
+class LikeDP(Strategy):
+    name = "like-dp"
+    traits = strategy_class("dp").traits
+
+
+class DDPInOneProcess(Strategy):
+    """ddp's traits but one process driving every device: one trait changed."""
+    name = "ddp-in-one-process"
+    traits = dataclasses.replace(strategy_class("ddp").traits, processes=ONE_PROCESS)
+
+
+@pytest.fixture
+def unknown_names(monkeypatch):
+    """Registers the classes above in the strategy registry, under names no code compares."""
+    from dpkit import strategies
+
+    for cls in (LikeDDP, LikeDP, DDPInOneProcess):
+        monkeypatch.setitem(strategies.STRATEGIES, cls.name, f"{__name__}:{cls.__name__}")
 
 
 def test_alpha_beta_transfer():
@@ -140,9 +168,66 @@ def test_multi_node_ddp_is_bound_by_the_slower_network():
 def test_bad_arguments_name_themselves():
     profile = builtin_profile("resnet50")
     hardware = Hardware(CATALOGUE.gpu("t4"), CATALOGUE.link("pcie3"))
-    with pytest.raises(ValueError, match="--strategies"):
+    with pytest.raises(ValueError, match="strategy: unknown strategy 'fsdp'"):
         predict(profile, hardware, "fsdp", 2, 8)
-    with pytest.raises(ValueError, match="--batch-size-per-device"):
+    with pytest.raises(ValueError, match="batch_per_device: expected at least 1, got 0"):
         predict(profile, hardware, "ddp", 2, 0)
-    with pytest.raises(ValueError, match="--precision"):
+    with pytest.raises(ValueError, match="precision: expected 32, tf32"):
         predict(profile, hardware, "ddp", 2, 8, precision="fp8")
+
+
+def comparable(prediction):
+    return (prediction.step_seconds, prediction.breakdown, prediction.peak_bytes_per_device,
+            prediction.max_batch_per_device, prediction.notes)
+
+
+HARDWARE = {
+    "gpus on pcie": Hardware(CATALOGUE.gpu("a100-80gb-sxm"), CATALOGUE.link("pcie4")),
+    "two nodes, gloo between processes": Hardware(CATALOGUE.gpu("h100-sxm"), CATALOGUE.link("nvlink4"),
+                                                  CATALOGUE.network("ib-200g"), nodes=2,
+                                                  interprocess=CATALOGUE.link("pcie3")),
+    "virtual cpu devices": Hardware(replace(CATALOGUE.gpu("a100-80gb-sxm"), memory_bytes_per_second=20e9), LINK,
+                                    shared_compute=True, compute_slots=2.0, interprocess=CATALOGUE.link("pcie3")),
+}
+
+
+@pytest.mark.parametrize("hardware", HARDWARE.values(), ids=HARDWARE.keys())
+@pytest.mark.parametrize("like, known", [("like-ddp", "ddp"), ("like-dp", "dp")])
+def test_a_strategy_is_predicted_from_its_traits_not_its_name(unknown_names, hardware, like, known):
+    profile = builtin_profile("gpt2-124m", seq_len=1024)
+    for devices in (1, 2, 4):
+        for precision, optimizer in (("32", "adam"), ("bf16-mixed", "sgd")):
+            ours = predict(profile, hardware, like, devices, 8, precision, optimizer=optimizer)
+            theirs = predict(profile, hardware, known, devices, 8, precision, optimizer=optimizer)
+            assert comparable(ours) == comparable(theirs)
+            assert ours.strategy == like
+        for shared_weights in (False, True):
+            assert (memory_per_device(profile, like, 4, 8, shared_weights=shared_weights)
+                    == memory_per_device(profile, known, 4, 8, shared_weights=shared_weights))
+    planned = predict_all(profile, hardware, ["single", known, like], [1, 2, 4], 8)
+    ours = [(p.devices, p.nodes, p.speedup, p.breakdown) for p in planned if p.strategy == like]
+    theirs = [(p.devices, p.nodes, p.speedup, p.breakdown) for p in planned if p.strategy == known]
+    assert ours == theirs
+    # ddp's traits span every node; dp's drive one node's devices from one process: none across two nodes
+    if known == "ddp":
+        expected_nodes = {hardware.nodes}
+    else:
+        expected_nodes = {1} if hardware.nodes == 1 else set()
+    assert {nodes for _, nodes, _, _ in ours} == expected_nodes
+
+
+def test_changing_one_trait_changes_what_that_trait_decides(unknown_names):
+    # ddp in one process: the process loads the batch and scatters it, its replicas' threads take turns
+    # launching, it steps every replica's copy itself, keeps no second copy of the gradients for buckets,
+    # talks over the node link rather than between processes, and cannot reach another node
+    profile = builtin_profile("resnet50")
+    hardware = HARDWARE["two nodes, gloo between processes"]
+    one_node = replace(hardware, nodes=1)
+    ddp, threads = (predict(profile, one_node, name, 4, 32) for name in ("ddp", "ddp-in-one-process"))
+    assert "scatter" not in ddp.breakdown and threads.breakdown["scatter"] > 0
+    assert threads.breakdown["overhead"] > ddp.breakdown["overhead"]
+    assert threads.breakdown["all_reduce"] < ddp.breakdown["all_reduce"]  # nvlink4 instead of pcie3
+    assert threads.peak_bytes_per_device[0] == ddp.peak_bytes_per_device[0] - profile.parameter_bytes
+    assert "replicate" not in threads.breakdown and "reduce" not in threads.breakdown  # its replicas persist
+    planned = predict_all(profile, hardware, ["ddp", "ddp-in-one-process"], [1, 4], 32)
+    assert [(p.strategy, p.devices, p.nodes) for p in planned] == [("ddp", 1, 2), ("ddp", 4, 2)]

@@ -45,9 +45,9 @@ def test_builtin_profiles_scale_with_input_size():
 
 
 def test_bad_model_names_and_shapes():
-    with pytest.raises(ValueError, match="--model: unknown built-in model 'resnet5'"):
+    with pytest.raises(ValueError, match="model: unknown built-in model 'resnet5'"):
         builtin_profile("resnet5")
-    with pytest.raises(ValueError, match="--input-shape"):
+    with pytest.raises(ValueError, match="input_shape: "):
         builtin_profile("resnet50", input_shape=(224, 224))
-    with pytest.raises(ValueError, match="--params"):
+    with pytest.raises(ValueError, match="params: expected"):
         given_profile(0)

@@ -11,17 +11,12 @@ from __future__ import annotations
 
 import argparse
 
-from dpkit.tools.bench import DEFAULT_STRATEGIES, BenchSpec, run_bench
+from dpkit.cli.flags import comma_ints
+from dpkit.strategies import available_strategies
+from dpkit.tools.bench import BenchSpec, run_bench
 
-
-def comma_ints(flag: str, text: str) -> list[int]:
-    try:
-        values = [int(part) for part in text.split(",") if part.strip()]
-    except ValueError:
-        raise ValueError(f"{flag}: expected comma-separated integers such as 1,2,3, got {text!r}") from None
-    if not values:
-        raise ValueError(f"{flag}: expected comma-separated integers such as 1,2,3, got {text!r}")
-    return values
+# library arguments this command spells differently
+SPELLED = {"device_counts": "--devices"}
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -31,7 +26,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     source.add_argument("--model", help="your model instead, as 'package.module:factory'")
     source.add_argument("--data", help="your data, as 'package.module:loader' (loader(seed) returns x_train, y_train, ...)")
     source.add_argument("--input-shape", help="with --model and no --data: synthetic inputs of this per-sample shape, e.g. 3,32,32")
-    parser.add_argument("--strategies", default=",".join(DEFAULT_STRATEGIES), help="comma-separated (default: all five)")
+    parser.add_argument("--strategies", default=",".join(available_strategies()), help="comma-separated (default: every strategy)")
     parser.add_argument("--devices", default="1,2,3", help="device counts to run, comma-separated (default: 1,2,3)")
     parser.add_argument("--accelerator", default="cpu", choices=["cpu", "cuda"], help="cpu: virtual CPU devices (default)")
     parser.add_argument("--batch-size-per-device", type=int, default=64, help="samples per device per step (default: 64)")

@@ -22,6 +22,9 @@ SIZE_UNITS = {"": 1, "b": 1, "k": 2**10, "kb": 2**10, "kib": 2**10, "m": 2**20, 
               "g": 2**30, "gb": 2**30, "gib": 2**30}
 
 
+# library arguments this command spells differently
+SPELLED = {"iterations": "--iters", "catalogue_file": "--catalogue"}
+
 def parse_bytes(text: str) -> int:
     """'4096', '4K', '64MiB', '1G' -> bytes (binary multiples, as nccl-tests' -b/-e)."""
     match = re.fullmatch(r"\s*(\d+)\s*([a-zA-Z]*)\s*", str(text))

@@ -7,6 +7,9 @@ import argparse
 from dpkit.devices import PROCESSES_PER_CORE
 from dpkit.launch import launch
 
+# library arguments this command spells differently
+SPELLED = {"hang_timeout_seconds": "--hang-timeout"}
+
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     parser = subparsers.add_parser(

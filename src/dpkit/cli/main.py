@@ -1,18 +1,19 @@
-"""`dpkit <command>`: dispatch to one module per subcommand."""
+"""`dpkit <command>`: dispatch to one module per subcommand; errors become one line in the command's flags."""
 
 from __future__ import annotations
 
 import argparse
 import importlib
 import logging
-import os
 import sys
 
+from dpkit.cli.flags import Flags
 from dpkit.errors import DpkitError
 from dpkit.launch import StoppedBySignal, launched
 from dpkit.launch.worker import exit_worker
 
-# subcommand name -> module under dpkit.cli; each module defines add_parser(subparsers) and run(args) -> int
+# subcommand name -> module under dpkit.cli; each module defines add_parser(subparsers) and run(args) -> int, and
+# may name the library arguments it spells differently from its flags' dests (SPELLED)
 COMMANDS = {
     "demo": "dpkit.cli.demo",
     "profile": "dpkit.cli.profile",
@@ -33,7 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
     for name, module_name in COMMANDS.items():
         module = importlib.import_module(module_name)
         sub = module.add_parser(subparsers)
-        sub.set_defaults(_run=module.run)
+        sub.set_defaults(_run=module.run, _flags=Flags.of(sub, getattr(module, "SPELLED", None)))
     return parser
 
 
@@ -51,10 +52,11 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     except StoppedBySignal as stopped:
         if str(stopped):
-            print(f"dpkit {args.command}: {stopped}", file=sys.stderr)
+            print(f"dpkit {args.command}: {args._flags.message(str(stopped))}", file=sys.stderr)
         return stopped.exit_code
     except (ValueError, TypeError, FileNotFoundError, DpkitError) as error:
-        print(f"dpkit {args.command}: error: {error}", file=sys.stderr)
+        if str(error):  # an empty message: the processes this command started said why
+            print(f"dpkit {args.command}: error: {args._flags.message(str(error))}", file=sys.stderr)
         return getattr(error, "exit_code", 2)
 
 

@@ -14,13 +14,17 @@ from __future__ import annotations
 
 import argparse
 
-from dpkit.cli.bench import comma_ints
+from dpkit.cli.flags import comma_ints
 from dpkit.plan.calibration import calibrate
 from dpkit.plan.catalogue import Catalogue
-from dpkit.plan.cost_model import STRATEGIES, CostConstants, Hardware
+from dpkit.plan.cost_model import CostConstants, Hardware
 from dpkit.plan.planner import make_plan
 from dpkit.plan.profiles import BUILTIN_PROFILES, ModelProfile, builtin_profile, given_profile, measure_model
+from dpkit.strategies import available_strategies, strategy_class
 
+
+# library arguments this command spells differently
+SPELLED = {"batch_per_device": "--batch-size-per-device", "strategy": "--strategies"}
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     parser = subparsers.add_parser("plan", help="predict step time, scaling and memory per strategy; recommend one")
@@ -44,7 +48,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     parser.add_argument("--batch-size-per-device", type=int, required=True, help="samples per device per step")
     parser.add_argument("--precision", default="32", choices=["32", "tf32", "bf16-mixed", "16-mixed"])
     parser.add_argument("--optimizer", default="adam", choices=["adam", "sgd"])
-    parser.add_argument("--strategies", default=",".join(STRATEGIES), help="comma-separated (default: all five)")
+    parser.add_argument("--strategies", default=",".join(available_strategies()),
+                        help="comma-separated (default: every strategy)")
     parser.add_argument("--calibration", help="a dpkit bench JSON to fit the compute and overhead constants to")
     parser.add_argument("--json", help="write the plan as JSON here")
     parser.add_argument("--png", help="write throughput and step-breakdown plots here")
@@ -76,8 +81,7 @@ def run(args: argparse.Namespace) -> int:
     catalogue = Catalogue.load(args.catalogue)
     strategies = [s.strip() for s in args.strategies.split(",") if s.strip()]
     for name in strategies:
-        if name not in STRATEGIES:
-            raise ValueError(f"--strategies: unknown strategy {name!r}; choose from {', '.join(STRATEGIES)}")
+        strategy_class(name, argument="--strategies")  # raises on an unknown name, listing the registry's strategies
     devices = comma_ints("--devices", args.devices)
     if args.nodes < 1:
         raise ValueError(f"--nodes: expected at least 1, got {args.nodes}")

@@ -33,7 +33,7 @@ EXAMPLES: dict[str, Example] = {
 
 def get_example(name: str) -> Example:
     if name not in EXAMPLES:
-        raise ValueError(f"--example: unknown example {name!r}; choose one of {', '.join(sorted(EXAMPLES))}")
+        raise ValueError(f"example: unknown example {name!r}; choose one of {', '.join(sorted(EXAMPLES))}")
     return EXAMPLES[name]
 
 

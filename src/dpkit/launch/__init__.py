@@ -24,7 +24,7 @@ from dpkit.launch.agent import launch
 from dpkit.launch.environment import LAUNCH_VARIABLES, launched, restart_count
 from dpkit.launch.failures import LaunchError, StoppedBySignal
 from dpkit.launch.network import free_port, loopback_interface, port_in_use
-from dpkit.launch.relaunch import relaunch, relaunched
+from dpkit.launch.relaunch import Command, relaunch, relaunched
 
-__all__ = ["LAUNCH_VARIABLES", "LaunchError", "StoppedBySignal", "free_port", "launch", "launched", "loopback_interface",
+__all__ = ["LAUNCH_VARIABLES", "Command", "LaunchError", "StoppedBySignal", "free_port", "launch", "launched", "loopback_interface",
            "port_in_use", "relaunch", "relaunched", "restart_count"]

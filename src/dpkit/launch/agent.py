@@ -10,7 +10,7 @@ import sys
 import threading
 from typing import Iterator, Sequence
 
-from dpkit.checks import check_int
+from dpkit.checks import check_int, check_number
 from dpkit.devices import check_process_count, cpu_threads_per_device
 from dpkit.launch.environment import HANG_TIMEOUT_VARIABLE, LAUNCHER_PID_VARIABLE
 from dpkit.launch.failures import ExitWatch, LaunchError, StoppedBySignal, failure_summary
@@ -18,10 +18,6 @@ from dpkit.launch.hang_watch import HangWatch
 from dpkit.launch.network import free_port, is_loopback, loopback_interface, port_in_use
 
 log = logging.getLogger("dpkit")
-
-
-def _positive(name: str, value: int, minimum: int = 1) -> int:
-    return check_int(value, name, minimum=minimum)
 
 
 @contextlib.contextmanager
@@ -64,32 +60,30 @@ def launch(script: str, script_args: Sequence[str] = (), *, nproc_per_node: int 
     PROCESSES_PER_CORE processes per core are refused unless force=True. `worker_environment`: variables set
     for the workers only.
     """
-    _positive("--nproc-per-node", nproc_per_node)
-    check_process_count(nproc_per_node, argument="--nproc-per-node", force=force)
+    check_int(nproc_per_node, "nproc_per_node")
+    check_process_count(nproc_per_node, argument="nproc_per_node", force=force)
     if hang_timeout_seconds is not None:
-        if isinstance(hang_timeout_seconds, bool) or not isinstance(hang_timeout_seconds, (int, float)) or not hang_timeout_seconds > 0 \
-                or hang_timeout_seconds == float("inf"):
-            raise ValueError(f"--hang-timeout: expected a positive number of seconds, got {hang_timeout_seconds!r}")
-    _positive("--nnodes", nnodes)
-    _positive("--max-restarts", max_restarts, minimum=0)
+        check_number(hang_timeout_seconds, "hang_timeout_seconds", positive=True)
+    check_int(nnodes, "nnodes")
+    check_int(max_restarts, "max_restarts", minimum=0)
     if isinstance(node_rank, bool) or not isinstance(node_rank, int) or not 0 <= node_rank < nnodes:
-        raise ValueError(f"--node-rank: expected 0 … {nnodes - 1} for --nnodes {nnodes}, got {node_rank!r}")
+        raise ValueError(f"node_rank: expected 0 … {nnodes - 1} for nnodes={nnodes}, got {node_rank!r}")
     if nnodes > 1 and (master_addr is None or master_port is None):
         raise ValueError(
-            "--master-addr/--master-port: required with --nnodes > 1, so every node meets node 0 at the same address, "
-            "e.g. --master-addr 10.0.0.1 --master-port 29500"
+            "master_addr/master_port: required when nnodes > 1, so every node meets node 0 at the same address, "
+            "e.g. master_addr=10.0.0.1 master_port=29500"
         )
     master_addr = master_addr or "127.0.0.1"
     if master_port is None:
         master_port = free_port(master_addr)
     else:
-        _positive("--master-port", master_port)
+        check_int(master_port, "master_port")
         if master_port > 65535:
-            raise ValueError(f"--master-port: {master_port} is not a TCP port (1 … 65535)")
+            raise ValueError(f"master_port: {master_port} is not a TCP port (1 … 65535)")
         if node_rank == 0 and port_in_use(master_addr, master_port):
             raise ValueError(
-                f"--master-port: port {master_port} on {master_addr} is already in use; pick another port, "
-                "or leave --master-port out on a single node and dpkit picks a free one"
+                f"master_port: port {master_port} on {master_addr} is already in use; pick another port, "
+                "or leave the port out on a single node and dpkit picks a free one"
             )
 
     from torch.distributed.elastic.multiprocessing.api import SignalException

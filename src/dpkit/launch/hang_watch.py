@@ -98,7 +98,7 @@ class HangWatch:
                 continue
             waiting = sorted(r for r, q in live.items() if q.count > p.count)
             message = (f"worker rank {rank} (pid {p.pid}, node {p.node}) made no progress for {stalled:.0f} s "
-                       f"(--hang-timeout {self.hang_timeout_seconds:g}): it is at collective {p.count} while rank(s) "
+                       f"(hang_timeout_seconds={self.hang_timeout_seconds:g}): it is at collective {p.count} while rank(s) "
                        f"{', '.join(map(str, waiting))} waited at collective {ahead}")
             self.hung[rank] = message + ("; it was stopped" if p.node == self.node_rank else "")
             log.warning("launch: %s", message)

@@ -8,17 +8,26 @@ reporting (signals, the summary) to the process that started them.
 from __future__ import annotations
 
 import os
-from typing import Any, Sequence
+from dataclasses import dataclass
+from typing import Any
 
 from dpkit.launch.agent import launch
 from dpkit.launch.environment import RELAUNCHED_VARIABLE
 
 
-def relaunch(module: str, argv: Sequence[str], processes: int, **launch_options: Any) -> None:
-    """Run `python -m module argv…` once per process through `launch` (launch_options: max_restarts=,
-    hang_timeout_seconds=, force=, …); returns when every worker exited with 0, raises as `launch` does."""
-    launch(module, list(argv), nproc_per_node=processes, module=True, worker_environment={RELAUNCHED_VARIABLE: "1"},
-           **launch_options)
+@dataclass(frozen=True)
+class Command:
+    """What runs in each process: `python -m module *argv` (e.g. dpkit.cli.main with a command line)."""
+
+    module: str
+    argv: tuple[str, ...] = ()
+
+
+def relaunch(command: Command, processes: int, **launch_options: Any) -> None:
+    """Run `command` once per process through `launch` (launch_options: max_restarts=, hang_timeout_seconds=,
+    force=, …); returns when every worker exited with 0, raises as `launch` does."""
+    launch(command.module, list(command.argv), nproc_per_node=processes, module=True,
+           worker_environment={RELAUNCHED_VARIABLE: "1"}, **launch_options)
 
 
 def relaunched() -> bool:

@@ -47,13 +47,13 @@ class BenchRun:
     def load(cls, path: str | os.PathLike, statistic: str = "median", reference_seconds: float | None = None) -> "BenchRun":
         path = Path(path)
         if not path.is_file():
-            raise FileNotFoundError(f"--calibration: no bench JSON at {str(path)!r}; write one with `dpkit bench --json {path}`")
+            raise FileNotFoundError(f"calibration: no bench JSON at {str(path)!r}; write one with `dpkit bench --json {path}`")
         try:
             data = json.loads(path.read_text())
         except json.JSONDecodeError as error:
-            raise ValueError(f"--calibration: {str(path)!r} is not JSON ({error})") from None
+            raise ValueError(f"calibration: {str(path)!r} is not JSON ({error})") from None
         if data.get("kind") != "dpkit-bench" or "results" not in data:
-            raise ValueError(f"--calibration: {str(path)!r} is not a dpkit bench JSON (no kind 'dpkit-bench' with results)")
+            raise ValueError(f"calibration: {str(path)!r} is not a dpkit bench JSON (no kind 'dpkit-bench' with results)")
         return cls.from_dict(data, str(path), statistic, reference_seconds)
 
     @classmethod
@@ -143,7 +143,7 @@ class Calibration:
         other hardware only the host constants carry over (a CPU's FLOP rate says nothing of a GPU's)."""
         if hardware is None:
             if self.hardware is None:
-                raise ValueError("--gpu/--link: a calibration from a GPU bench needs the GPU and link named")
+                raise ValueError("gpu/link: a calibration from a GPU bench needs the GPU and the link named")
             return self.hardware, self.constants
         if self.hardware is not None:
             return hardware, replace(CostConstants(), launch_seconds=self.constants.launch_seconds,
@@ -159,10 +159,10 @@ def calibrate(bench: BenchRun | str | os.PathLike, hardware: Hardware | None = N
 
     run = bench if isinstance(bench, BenchRun) else BenchRun.load(bench, "relative")
     if not run.measured:
-        raise ValueError("--calibration: the bench JSON has no results to fit")
+        raise ValueError("calibration: the bench JSON has no results to fit")
     on_cpu = run.accelerator == "cpu"
     if not on_cpu and hardware is None:
-        raise ValueError("--calibration: the bench ran on GPUs; name them with --gpu and --link to fit against their peak")
+        raise ValueError("calibration: the bench ran on GPUs; name them (gpu=... link=...) to fit against their peak")
     knobs = CPU_KNOBS if on_cpu else GPU_KNOBS
     source = Path(run.path).name if run.path else "a bench run"
 

@@ -4,6 +4,10 @@ Every phase is computation (FLOPs at the achieved rate), memory traffic (bytes a
 bandwidth), a transfer (alpha + bytes / beta over a link: the alpha-beta model), or host time to launch
 kernels. The formulas, with their sources, are in docs/cost-model.md; this module is that page in code.
 
+A strategy's phases and memory follow from its traits (dpkit.strategies.base.Traits), never from its
+name: whether one process drives several replicas, whether they are copied every step or persist,
+where the loss runs, whether it spans nodes. A new strategy is predicted from the traits it declares.
+
     hardware = Hardware(catalogue.gpu("h100-sxm"), catalogue.link("nvlink4"))
     prediction = predict(profile, hardware, "ddp", devices=8, batch_per_device=32)
     prediction.step_seconds, prediction.breakdown   # {"forward": ..., "all_reduce": ..., ...}
@@ -16,9 +20,9 @@ from typing import Any
 
 from dpkit.plan.catalogue import GPU, Link
 from dpkit.plan.profiles import FP32_BYTES, ModelProfile
+from dpkit.strategies import (IN_REPLICAS, ON_ROOT, ONE_PROCESS, PER_DEVICE, PER_STEP, PERSISTENT, reference,
+                              strategy_class)
 
-STRATEGIES = ("single", "dp", "dp-balanced", "replicated", "ddp")
-SINGLE_PROCESS = ("single", "dp", "dp-balanced", "replicated")  # one process drives every device of a node
 OPTIMIZER_STATE_BYTES_PER_PARAMETER = {"adam": 8, "sgd": 4}  # Adam: two moments; SGD: momentum
 # bytes an optimizer step reads and writes per fp32 parameter with PyTorch's default (unfused, for-each)
 # implementations, which make one pass over memory per elementwise operation: Adam's lerp, mul, addcmul,
@@ -116,10 +120,10 @@ def precision_key(precision: str) -> str:
 def achieved_flops(hardware: Hardware, precision: str, constants: CostConstants) -> float:
     key = precision_key(precision)
     if not key:
-        raise ValueError(f"--precision: expected 32, tf32, bf16-mixed or 16-mixed, got {precision!r}")
+        raise ValueError(f"precision: expected 32, tf32, bf16-mixed or 16-mixed, got {precision!r}")
     peaks = hardware.gpu.peak_flops
     if key not in peaks:
-        raise ValueError(f"--precision: {hardware.gpu.name} has no peak figure for {key!r}; it has {', '.join(peaks)}")
+        raise ValueError(f"precision: {hardware.gpu.name} has no peak figure for {key!r}; it has {', '.join(peaks)}")
     return peaks[key] * constants.compute_efficiency
 
 
@@ -129,8 +133,7 @@ def step_breakdown(profile: ModelProfile, hardware: Hardware, strategy: str, dev
                    precision: str = "32", constants: CostConstants = CostConstants(),
                    optimizer: str = "adam") -> dict[str, float]:
     """Seconds per phase of one step on the slowest device (device 0 under dp), as they add up."""
-    if strategy not in STRATEGIES:
-        raise ValueError(f"--strategies: unknown strategy {strategy!r}; choose from {', '.join(STRATEGIES)}")
+    traits = strategy_class(strategy).traits
     nodes = hardware.nodes
     total = devices * nodes
     local = devices
@@ -147,7 +150,9 @@ def step_breakdown(profile: ModelProfile, hardware: Hardware, strategy: str, dev
     backward_compute = 2 * forward_compute
     forward_launch = profile.kernels_per_forward * constants.launch_seconds
     backward_launch = 2 * forward_launch
-    threads = strategy in ("dp", "dp-balanced", "replicated")
+    threads = traits.threads_per_step
+    per_step = traits.replicas == PER_STEP  # DataParallel: replicas copied from device 0 at every forward
+    persistent = traits.replicas == PERSISTENT  # every replica keeps its copy and steps it with the summed gradient
     phases: dict[str, float] = {}
 
     # forward: under one process the replicas' threads take turns holding the GIL to launch kernels
@@ -160,46 +165,47 @@ def step_breakdown(profile: ModelProfile, hardware: Hardware, strategy: str, dev
         phases["forward"] = forward_compute
         phases["launch"] = max(0.0, serial_launch - forward_compute)
     # backward: autograd's device threads launch without the GIL (GPU); on CPU autograd runs every
-    # replica's backward in the one calling thread, one after the other, except under replicated, whose
-    # replicas run their own backward in their own threads
-    if shared and threads and strategy != "replicated":
+    # replica's backward in the one calling thread, one after the other, except where the replicas persist
+    # (replicated): they run their own backward in their own threads
+    if shared and threads and per_step:
         phases["backward"] = local * 2 * B * profile.flops_per_sample / rate
     else:
         phases["backward"] = backward_compute if shared else max(backward_compute, backward_launch)
 
     others = total - 1
-    if strategy in ("dp", "dp-balanced", "replicated"):
+    if threads:  # one process loads the whole batch and sends every replica its rows
         phases["scatter"] = root_fan_seconds(link, B * profile.input_bytes_per_sample, others)
-    if strategy in ("dp", "dp-balanced"):
+    if per_step:
         # DataParallel copies the parameters from device 0 to every replica at every step
         phases["replicate"] = (root_fan_seconds(link, params_bytes, others)
                                + total * (profile.parameter_tensors or 1) * constants.launch_seconds) if others else 0.0
     output_bytes = B * profile.output_bytes_per_sample
-    if strategy == "dp":
+    if per_step and traits.loss == ON_ROOT:  # the replicas' outputs gathered on device 0 for the loss
         phases["gather"] = root_fan_seconds(link, output_bytes, others)
         # the loss and its gradient over every replica's outputs, on device 0 alone (read, write, read)
         phases["loss"] = 3 * total * output_bytes / memory_rate
     else:
         phases["loss"] = 3 * output_bytes / memory_rate * (local if shared and threads else 1)
-        if strategy == "dp-balanced":
+        if per_step and traits.loss == IN_REPLICAS:  # DataParallel gathers the replicas' losses only
             phases["gather"] = root_fan_seconds(link, FP32_BYTES, others)
-    if strategy in ("dp", "dp-balanced"):
+    if per_step:
         # backward of the broadcast: every replica's gradients summed into device 0's
         phases["reduce"] = root_fan_seconds(link, params_bytes, others) + others * 3 * params_bytes / memory_rate
-    # replicated on virtual CPU devices: the replicas share replica 0's weights, so the sum is a reduce into
-    # it in memory and the optimizer steps once; elsewhere every replica holds and steps its own copy
-    shared_weights = strategy == "replicated" and shared
+    # replicas that share host weights on virtual CPU devices (replicated): the sum is a reduce into replica
+    # 0's weights in memory and the optimizer steps once; elsewhere every replica holds and steps its own copy
+    shared_weights = traits.shares_host_weights and shared
     if shared_weights and total > 1:
         phases["all_reduce"] = others * 3 * params_bytes / memory_rate
-    elif strategy in ("replicated", "ddp") and total > 1:
+    elif persistent and total > 1:
         phases["all_reduce"] = exposed_all_reduce_seconds(profile, hardware, strategy, devices, phases["backward"], constants)
     traffic = OPTIMIZER_TRAFFIC_BYTES_PER_PARAMETER[optimizer] * profile.parameters
-    steps_in_process = local if strategy == "replicated" and not shared_weights else 1
+    # one process whose replicas persist steps each replica's copy; a process per device steps its own one
+    steps_in_process = local if traits.processes == ONE_PROCESS and persistent and not shared_weights else 1
     if not shared:
         optimizer_memory = traffic / memory_rate
     elif shared_weights:  # one step, its parameters split among the replicas' threads
         optimizer_memory = traffic / (hardware.gpu.memory_bytes_per_second * min(local, hardware.compute_slots))
-    elif strategy in ("replicated", "ddp"):  # every replica steps its own copy at once
+    elif persistent:  # every replica steps its own copy at once
         optimizer_memory = traffic / memory_rate * steps_in_process
     else:  # one thread steps while the replicas' threads wait: nothing crowds it
         optimizer_memory = traffic / hardware.gpu.memory_bytes_per_second
@@ -215,7 +221,7 @@ def all_reduce_link(hardware: Hardware, strategy: str) -> Link:
     """The link a gradient all-reduce is bound by: across nodes the slower of the node link and the
     network; between processes of one node the interprocess link where one is given."""
     link = hardware.link
-    if strategy == "ddp" and hardware.interprocess is not None:
+    if strategy_class(strategy).traits.processes == PER_DEVICE and hardware.interprocess is not None:
         link = hardware.interprocess
     if hardware.nodes > 1 and hardware.network is not None:
         if hardware.network.achieved_bytes_per_second < link.achieved_bytes_per_second:
@@ -244,30 +250,28 @@ def memory_per_device(profile: ModelProfile, strategy: str, devices: int, batch_
                       optimizer: str = "adam", shared_weights: bool = False) -> tuple[list[int], list[float]]:
     """(peak bytes per device, bytes per extra sample per device). Device 0 first.
 
-    `shared_weights`: replicated on virtual CPU devices, whose replicas are views of replica 0's weights and
-    step once with one optimizer state: the other replicas hold only their gradients until the sum."""
+    `shared_weights`: the devices are virtual CPU devices, on which a strategy that shares host weights
+    (replicated) makes its replicas views of replica 0's weights, stepped once with one optimizer state:
+    the other replicas hold only their gradients until the sum. Other strategies ignore it."""
+    traits = strategy_class(strategy).traits
     params = profile.parameter_bytes
     grads = params
     state = OPTIMIZER_STATE_BYTES_PER_PARAMETER[optimizer] * profile.parameters
     activation_scale = 0.5 if precision in ("bf16-mixed", "16-mixed") else 1.0
     per_sample = profile.activation_bytes_per_sample * activation_scale + 2 * profile.output_bytes_per_sample
     replica_fixed = params + grads  # a replica's copy and its gradients, while the step runs
-    if strategy == "dp":
-        root_fixed = params + grads + state
-        # gathered logits and their gradient (one device: DataParallel runs the module directly)
-        root_per_sample = per_sample + (2 * profile.output_bytes_per_sample * devices if devices > 1 else 0)
-        fixed = [root_fixed] + [replica_fixed] * (devices - 1)
-        slope = [root_per_sample] + [per_sample] * (devices - 1)
-    elif strategy == "dp-balanced":
+    slope = [per_sample] * devices
+    if traits.replicas == PER_STEP:  # device 0 keeps the model and the optimizer state; the others a copy per step
         fixed = [params + grads + state] + [replica_fixed] * (devices - 1)
-        slope = [per_sample] * devices
-    elif strategy == "replicated" and shared_weights:
+        if traits.loss == ON_ROOT and devices > 1:
+            # gathered logits and their gradient (one device: DataParallel runs the module directly)
+            slope[0] = per_sample + 2 * profile.output_bytes_per_sample * devices
+    elif traits.shares_host_weights and shared_weights:
         fixed = [params + grads + state] + [grads] * (devices - 1)
-        slope = [per_sample] * devices
     else:
-        buckets = grads if strategy == "ddp" and devices > 1 else 0  # DDP's gradient buckets are a second copy
+        # DDP's gradient buckets are a second copy of the gradients in every process
+        buckets = grads if traits.processes == PER_DEVICE and devices > 1 else 0
         fixed = [params + grads + state + buckets] * devices
-        slope = [per_sample] * devices
     peaks = [int(f + s * batch_per_device) for f, s in zip(fixed, slope)]
     return peaks, slope
 
@@ -286,11 +290,11 @@ def largest_batch_per_device(profile: ModelProfile, hardware: Hardware, strategy
 def predict(profile: ModelProfile, hardware: Hardware, strategy: str, devices: int, batch_per_device: int,
             precision: str = "32", constants: CostConstants = CostConstants(), optimizer: str = "adam") -> Prediction:
     if devices < 1:
-        raise ValueError(f"--devices: expected positive device counts, got {devices}")
+        raise ValueError(f"devices: expected positive device counts, got {devices}")
     if batch_per_device < 1:
-        raise ValueError(f"--batch-size-per-device: expected at least 1, got {batch_per_device}")
+        raise ValueError(f"batch_per_device: expected at least 1, got {batch_per_device}")
     if optimizer not in OPTIMIZER_STATE_BYTES_PER_PARAMETER:
-        raise ValueError(f"--optimizer: expected one of {', '.join(OPTIMIZER_STATE_BYTES_PER_PARAMETER)}, got {optimizer!r}")
+        raise ValueError(f"optimizer: expected one of {', '.join(OPTIMIZER_STATE_BYTES_PER_PARAMETER)}, got {optimizer!r}")
     breakdown = step_breakdown(profile, hardware, strategy, devices, batch_per_device, precision, constants, optimizer)
     step = sum(breakdown.values())
     peaks, _ = memory_per_device(profile, strategy, devices, batch_per_device, precision, optimizer,
@@ -310,18 +314,21 @@ def predict(profile: ModelProfile, hardware: Hardware, strategy: str, devices: i
 def predict_all(profile: ModelProfile, hardware: Hardware, strategies: list[str], device_counts: list[int],
                 batch_per_device: int, precision: str = "32", constants: CostConstants = CostConstants(),
                 optimizer: str = "adam") -> list[Prediction]:
-    """Every strategy at every device count (only ddp spans nodes), with speed-up and efficiency
-    against a single device on one node."""
-    baseline = predict(profile, replace(hardware, nodes=1), "single", 1, batch_per_device, precision, constants, optimizer)
+    """Every strategy at every device count it can use (only strategies with a process per device, such
+    as ddp, span nodes), with speed-up and efficiency against the reference strategy on one device of one node."""
+    baseline = predict(profile, replace(hardware, nodes=1), reference(), 1, batch_per_device, precision, constants,
+                       optimizer)
     predictions = []
     for strategy in strategies:
+        traits = strategy_class(strategy).traits
+        spans_nodes = traits.processes == PER_DEVICE  # a launcher's processes reach another node's devices
+        one_device = traits.max_devices == 1  # the reference: predicted on one device of one node, as the baseline
+        if hardware.nodes > 1 and not spans_nodes and not one_device:
+            continue  # one process cannot drive another node's devices
         for devices in device_counts:
-            if strategy == "single" and devices != 1:
+            if traits.max_devices is not None and devices > traits.max_devices:
                 continue
-            nodes = hardware.nodes if strategy == "ddp" else 1
-            if strategy != "ddp" and hardware.nodes > 1 and strategy != "single":
-                continue  # one process cannot drive another node's devices
-            node_hardware = replace(hardware, nodes=nodes) if strategy != "single" else replace(hardware, nodes=1)
+            node_hardware = replace(hardware, nodes=hardware.nodes if spans_nodes and not one_device else 1)
             prediction = predict(profile, node_hardware, strategy, devices, batch_per_device, precision, constants, optimizer)
             prediction.speedup = prediction.samples_per_second / baseline.samples_per_second
             prediction.efficiency = prediction.speedup / prediction.total_devices

@@ -12,6 +12,7 @@ from dpkit.plan.advisor import Recommendation, recommend
 from dpkit.plan.catalogue import Link
 from dpkit.plan.cost_model import PHASE_ORDER, CostConstants, Hardware, Prediction, predict_all
 from dpkit.plan.profiles import ModelProfile
+from dpkit.strategies import reference
 
 
 @dataclass
@@ -61,7 +62,7 @@ class Plan:
         return save_scaling_figure(
             path, throughput, [(f"{p.strategy}\n{p.total_devices}", p.breakdown) for p in self.predictions], PHASE_ORDER,
             title=f"{self.profile.name} on {self.hardware.gpu.name} / {self.hardware.link.name}",
-            throughput_label="samples/s (predicted)", phase_label="ms per step (predicted)")
+            throughput_label="samples/s (predicted)", phase_label="ms per step (predicted)", reference=reference())
 
 
 def faster_link(hardware: Hardware, links: dict[str, Link]) -> Hardware | None:

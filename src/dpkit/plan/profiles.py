@@ -138,7 +138,7 @@ def _cnn(name: str, parameters: float, macs_224: float, kernels: int, activation
     def build(input_shape: Sequence[int] | None = None, seq_len: int | None = None) -> ModelProfile:
         shape = tuple(input_shape) if input_shape else (3, 224, 224)
         if len(shape) != 3:
-            raise ValueError(f"--input-shape: {name} takes channels,height,width such as 3,224,224, got {','.join(map(str, shape))}")
+            raise ValueError(f"input_shape: {name} takes channels,height,width such as 3,224,224, got {','.join(map(str, shape))}")
         area = shape[1] * shape[2] / (224 * 224)
         return ModelProfile(name, int(parameters), 2 * macs_224 * area, kernels, activation_bytes_224 * area,
                             1000 * FP32_BYTES, math.prod(shape) * FP32_BYTES, tensors, source + f"; scaled to input {shape}")
@@ -155,7 +155,7 @@ def _transformer(name: str, parameters: float, layers: int, width: int, vocab: i
     def build(input_shape: Sequence[int] | None = None, seq_len: int | None = None) -> ModelProfile:
         seq = int(seq_len or (input_shape[0] if input_shape else default_seq))
         if seq < 1:
-            raise ValueError(f"--seq-len: expected a positive sequence length for {name}, got {seq}")
+            raise ValueError(f"seq_len: expected a positive sequence length for {name}, got {seq}")
         non_embedding = 12 * layers * width * width
         flops = seq * (2 * non_embedding + 2 * layers * seq * width) + 2 * seq * width * vocab  # + the output projection
         activations = 2 * layers * seq * width * (34 + 5 * heads * seq / width)
@@ -188,7 +188,7 @@ BUILTIN_PROFILES: dict[str, Callable[..., ModelProfile]] = {
 
 def builtin_profile(name: str, input_shape: Sequence[int] | None = None, seq_len: int | None = None) -> ModelProfile:
     if name not in BUILTIN_PROFILES:
-        raise ValueError(f"--model: unknown built-in model {name!r}; choose one of {', '.join(BUILTIN_PROFILES)} "
+        raise ValueError(f"model: unknown built-in model {name!r}; choose one of {', '.join(BUILTIN_PROFILES)} "
                          "or give a factory as 'package.module:factory'")
     return BUILTIN_PROFILES[name](input_shape, seq_len)
 
@@ -199,7 +199,7 @@ def given_profile(parameters: float, flops_per_sample: float | None = None, *, n
     """A profile from numbers; what is not given is estimated from the parameter count (a transformer-like
     6N training FLOPs per token at 512 tokens per sample, and 16 activation bytes per parameter)."""
     if parameters is None or parameters <= 0:
-        raise ValueError(f"--params: expected a positive parameter count, got {parameters!r}")
+        raise ValueError(f"params: expected a positive parameter count, got {parameters!r}")
     flops = flops_per_sample if flops_per_sample is not None else 2.0 * parameters * 512
     activations = activation_bytes_per_sample if activation_bytes_per_sample is not None else 16.0 * parameters / 8
     return ModelProfile(name, int(parameters), float(flops), int(kernels_per_forward), float(activations),

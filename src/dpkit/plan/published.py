@@ -10,6 +10,7 @@ from typing import Any
 from dpkit.plan.catalogue import Catalogue
 from dpkit.plan.cost_model import Hardware, predict_all
 from dpkit.plan.profiles import builtin_profile
+from dpkit.strategies import reference
 
 
 @dataclass
@@ -34,7 +35,7 @@ def compare(run: dict[str, Any], catalogue: Catalogue | None = None) -> Comparis
     catalogue = catalogue or Catalogue.load()
     profile = builtin_profile(run["model"], seq_len=run.get("seq_len"))
     hardware = Hardware(catalogue.gpu(run["gpu"]), catalogue.link(run["link"]))
-    predictions = predict_all(profile, hardware, ["single", run["strategy"]], [1, run["devices"]],
+    predictions = predict_all(profile, hardware, [reference(), run["strategy"]], [1, run["devices"]],
                               run["batch_size_per_device"], run["precision"])
     prediction = next(p for p in predictions if p.strategy == run["strategy"] and p.devices == run["devices"])
     quantity, measured = next(iter(run["measured"].items()))

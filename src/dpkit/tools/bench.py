@@ -4,10 +4,10 @@
     print(result.format_table())
 
 Each configuration trains the same model from the same initial weights with the same per-device batch
-(weak scaling: N devices take N times the samples per step). The in-process strategies take turns,
-one step each per round, so that drift of a shared machine hits every contender alike; ddp runs in its
-own processes through dpkit's launcher, one launch per device count, with a small worker (this module
-run with `--worker`). Step times are medians over the measured steps after the warm-up ones. A few
+(weak scaling: N devices take N times the samples per step). The strategies that run in one process take
+turns, one step each per round, so that drift of a shared machine hits every contender alike; a strategy
+with one process per device runs in its own processes through dpkit's launcher, one launch per device
+count, with a small worker (this module run with `--worker`). Step times are medians over the measured steps after the warm-up ones. A few
 more steps run under an `dpkit.observe.Observer` for the time by phase; they do not count in the
 medians, since observing costs time itself.
 """
@@ -27,21 +27,24 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from tqdm import tqdm
 
+from dpkit.checks import check_int
 from dpkit.devices import resolve_devices
+from dpkit.launch import Command, relaunch
 from dpkit.observe import Observer
 from dpkit.observe.plots import save_scaling_figure
 from dpkit.observe.report import write_json
 from dpkit.observe.timing import PHASES
+from dpkit.parallel.balance import CALIBRATION_CALLS
 from dpkit.plan.profiles import measure_model
+from dpkit.strategies import PER_DEVICE, available_strategies, reference, strategy_class
+from dpkit.training.sources import criterion_for, model_source
 
 log = logging.getLogger("dpkit")
 
 SCHEMA_VERSION = 1
-DEFAULT_STRATEGIES = ("single", "dp", "dp-balanced", "replicated", "ddp")
 LOOP_PHASES = ("forward", "loss", "backward")  # what the bench times itself when a strategy does not report it
 SHOWN_PHASES = tuple(PHASES) + tuple(p for p in ("all_reduce", "all_reduce_hidden") if p not in PHASES)
 
@@ -55,7 +58,7 @@ class BenchSpec:
     model: str | None = None
     data: str | None = None
     input_shape: tuple[int, ...] | None = None
-    strategies: list[str] = field(default_factory=lambda: list(DEFAULT_STRATEGIES))
+    strategies: list[str] = field(default_factory=available_strategies)
     device_counts: list[int] = field(default_factory=lambda: [1, 2, 3])
     batch_size_per_device: int = 64
     steps: int = 10
@@ -69,28 +72,25 @@ class BenchSpec:
     progress: bool = True
 
     def check(self) -> None:
-        from dpkit.strategies import STRATEGIES
-
         for name in self.strategies:
-            if name not in STRATEGIES:
-                raise ValueError(f"--strategies: unknown strategy {name!r}; choose from {', '.join(STRATEGIES)}")
+            strategy_class(name, argument="strategies")
         if not self.device_counts or any(not isinstance(n, int) or n < 1 for n in self.device_counts):
-            raise ValueError(f"--devices: expected positive device counts such as 1,2,3, got {self.device_counts!r}")
-        for flag, value, low in (("--steps", self.steps, 1), ("--warmup", self.warmup, 0),
-                                 ("--batch-size-per-device", self.batch_size_per_device, 1), ("--observed-steps", self.observed_steps, 0),
-                                 ("--threads-per-device", self.threads_per_device, 0)):
-            if value < low:
-                raise ValueError(f"{flag}: expected at least {low}, got {value}")
+            raise ValueError(f"device_counts: expected positive device counts such as 1,2,3, got {self.device_counts!r}")
+        for name, low in (("steps", 1), ("warmup", 0), ("batch_size_per_device", 1), ("observed_steps", 0),
+                          ("threads_per_device", 0)):
+            check_int(getattr(self, name), name, minimum=low)
         if self.model is None and self.example is None:
-            raise ValueError("--model/--example: give a built-in example or a model factory")
+            raise ValueError("model/example: give a built-in example or a model factory")
         if self.model and not (self.data or self.input_shape):
-            raise ValueError("--model: a factory needs --data pkg.mod:loader or --input-shape (e.g. 3,32,32)")
-        if "dp-balanced" in self.strategies and self.warmup < 3:
-            # its balancer observes its first 3 steps, and an observer slows every contender while it runs
-            log.warning("--warmup %d: dp-balanced calibrates during its first 3 steps, which slows the other contenders "
-                        "of those rounds; use --warmup 3 or more", self.warmup)
+            raise ValueError("model: a factory needs data=package.module:loader or input_shape=3,32,32 (its per-sample shape)")
+        calibrating = [name for name in self.strategies if strategy_class(name).traits.balances]
+        if calibrating and self.warmup < CALIBRATION_CALLS["memory"]:
+            # a balancer observes its first steps, and an observer slows every contender while it runs
+            log.warning("warmup %d: %s calibrate(s) during the first %d steps, which slows the other contenders of those "
+                        "rounds; use a warm-up of %d or more", self.warmup, ", ".join(calibrating),
+                        CALIBRATION_CALLS["memory"], CALIBRATION_CALLS["memory"])
         if self.optimizer not in ("adam", "sgd"):
-            raise ValueError(f"--optimizer: expected adam or sgd, got {self.optimizer!r}")
+            raise ValueError(f"optimizer: expected adam or sgd, got {self.optimizer!r}")
 
 
 @dataclass
@@ -122,8 +122,8 @@ class BenchResult:
     results: list[ConfigResult]
 
     def baseline(self) -> ConfigResult:
-        single = [r for r in self.results if r.devices == 1]
-        return next((r for r in single if r.strategy == "single"), single[0] if single else self.results[0])
+        one_device = [r for r in self.results if r.devices == 1]
+        return next((r for r in one_device if r.strategy == reference()), one_device[0] if one_device else self.results[0])
 
     def to_dict(self) -> dict[str, Any]:
         spec = asdict(self.spec)
@@ -161,39 +161,17 @@ class BenchResult:
             [p for p in SHOWN_PHASES if not p.endswith("_hidden")],  # hidden time is inside another phase
             title=f"throughput, batch {self.spec.batch_size_per_device} per device",
             throughput_label="samples/s (median step)", phase_label="ms per observed step (slowest device per phase)",
-            linear_from=self.baseline().samples_per_second)
+            linear_from=self.baseline().samples_per_second, reference=reference())
 
 
 # ---- model and data -------------------------------------------------------------------------------
 
 def load_model_source(spec: BenchSpec) -> tuple[Callable[[], nn.Module], torch.Tensor, torch.Tensor, str]:
     """(factory, x, y, name): the model factory and the data rows to cut batches from."""
-    from dpkit.examples import get_example, load_factory
-
-    example = get_example(spec.example) if not spec.model or not (spec.data or spec.input_shape) else None
-    factory = load_factory(spec.model) if spec.model else example.build_model
-    name = spec.model or spec.example
-    if spec.data:
-        data = load_factory(spec.data)(spec.seed)
-        x, y = data[0], data[1]
-    elif spec.model and spec.input_shape:
-        generator = torch.Generator().manual_seed(spec.seed)
-        rows = max(256, spec.batch_size_per_device * max(spec.device_counts))
-        x = torch.randn((rows, *spec.input_shape), generator=generator)
-        torch.manual_seed(spec.seed)
-        with torch.no_grad():
-            probe = factory()(x[:2])
-        if not isinstance(probe, torch.Tensor):
-            raise TypeError("--model: with --input-shape the model must return one tensor (the bench regresses it on noise)")
-        y = torch.randn((rows, *probe.shape[1:]), generator=generator)
-    else:
-        x, y = example.load_data(spec.seed)[:2]
-    return factory, x, y, name
-
-
-def criterion_for(target: torch.Tensor) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
-    """Cross-entropy for class labels, mean squared error for anything else."""
-    return F.cross_entropy if not target.is_floating_point() else F.mse_loss
+    source = model_source(spec.example, spec.model, spec.data, input_shape=spec.input_shape,
+                          synthetic_rows=max(256, spec.batch_size_per_device * max(spec.device_counts)))
+    x, y = source.load_data(spec.seed)[:2]
+    return source.build_model, x, y, source.name
 
 
 def batch_rows(step: int, rows: int, total_rows: int) -> torch.Tensor:
@@ -216,7 +194,8 @@ class Contender:
         # one thread count for every contender: OpenMP threads are per calling thread, and on a busy
         # machine a contender with more threads than free cores loses most of its time spinning
         self.threads = spec.threads_per_device or None
-        if self.threads and spec.accelerator == "cpu" and strategy in ("replicated", "ddp"):
+        self.traits = strategy_class(strategy).traits
+        if self.threads and spec.accelerator == "cpu" and "threads_per_device" in strategy_class(strategy).options:
             options["threads_per_device"] = self.threads
         self.engine = Engine(strategy=strategy, accelerator=spec.accelerator, devices=devices, progress=False, **options)
         torch.manual_seed(spec.seed)  # every contender starts from the same weights
@@ -261,7 +240,7 @@ class Contender:
         with timed("backward"):
             self.engine.backward(loss)
         self.optimizer.step()
-        if self.strategy == "ddp":
+        if self.traits.processes == PER_DEVICE:
             loss.item()  # the step is over when every rank's all-reduce is
         return time.perf_counter() - start
 
@@ -278,7 +257,7 @@ class Contender:
             self.step(trial)
         reported = {phase for device in trial.report().devices for phase in device.seconds_by_phase}
         self.wrapped = tuple(p for p in LOOP_PHASES if p not in reported)
-        home = self.engine.device if self.strategy in ("single", "ddp") else None
+        home = self.engine.device if self.traits.one_device_per_process else None
         per_step: list[dict[str, float]] = []
         for _ in range(steps):  # one observer per step: a median per phase shrugs off a step the machine stalled
             with Observer(home, memory=False, trace=False) as observer:
@@ -308,24 +287,22 @@ class Contender:
         self.engine.close()
 
 
-# ---- ddp through the launcher ---------------------------------------------------------------------
+# ---- a process per device, through the launcher ---------------------------------------------------
 
-def run_ddp(spec: BenchSpec, devices: int) -> tuple[list[float], dict[str, float]]:
-    """Launch `devices` worker processes; rank 0's step times and phase seconds."""
-    from dpkit.launch import launch
-
+def run_in_processes(spec: BenchSpec, strategy: str, devices: int) -> tuple[list[float], dict[str, float]]:
+    """Launch `devices` worker processes of `strategy`; rank 0's step times and phase seconds."""
     with tempfile.TemporaryDirectory(prefix="dpkit-bench-") as folder:
         spec_path, out_path = Path(folder, "spec.json"), Path(folder, "out.json")
         worker_spec = asdict(spec)
-        worker_spec.update(progress=False, device_counts=[devices])
+        worker_spec.update(progress=False, device_counts=[devices], strategies=[strategy])
         spec_path.write_text(json.dumps(worker_spec))
-        launch("dpkit.tools.bench", ["--worker", str(spec_path), str(out_path)], nproc_per_node=devices, module=True)
+        relaunch(Command("dpkit.tools.bench", ("--worker", str(spec_path), str(out_path))), devices)
         measured = json.loads(out_path.read_text())
     return measured["times"], measured["phase_seconds"]
 
 
 def worker_main(spec_path: str, out_path: str) -> int:
-    """The ddp worker: warm up, time the steps, observe a few; rank 0 writes what it measured."""
+    """A worker process: warm up, time the steps, observe a few; rank 0 writes what it measured."""
     data = json.loads(Path(spec_path).read_text())
     if data.get("input_shape"):
         data["input_shape"] = tuple(data["input_shape"])
@@ -333,7 +310,7 @@ def worker_main(spec_path: str, out_path: str) -> int:
     factory, x, y, _ = load_model_source(spec)
     world_size = int(os.environ["WORLD_SIZE"])
     rank = int(os.environ["RANK"])
-    contender = Contender(spec, "ddp", world_size, factory, x, y, rank=rank, world_size=1)
+    contender = Contender(spec, spec.strategies[0], world_size, factory, x, y, rank=rank, world_size=1)
     # under the launcher, `devices` is this node's process count; every rank cuts its own share
     contender.share_rows = spec.batch_size_per_device
     contender.global_rows = spec.batch_size_per_device * world_size
@@ -391,6 +368,11 @@ class ReferenceWork:
         torch.set_num_threads(threads)
 
 
+def _in_processes(strategy: str) -> bool:
+    """Whether the strategy runs in processes of its own (one per device), not as a contender in this one."""
+    return strategy_class(strategy).traits.processes == PER_DEVICE
+
+
 def run_bench(spec: BenchSpec) -> BenchResult:
     return run_benches([spec])[0]
 
@@ -407,24 +389,25 @@ def run_benches(specs: list[BenchSpec]) -> list[BenchResult]:
     for spec in specs:
         factory, x, y, name = load_model_source(spec)
         profile = measure_model(factory, tuple(x.shape[1:]), input_dtype=x.dtype, name=name)
-        configs = [(s, n) for s in spec.strategies for n in spec.device_counts if not (s == "single" and n != 1)]
-        if ("single", 1) not in configs:
-            configs.insert(0, ("single", 1))  # the reference every speed-up is measured against
+        configs = [(s, n) for s in spec.strategies for n in spec.device_counts
+                   if strategy_class(s).traits.max_devices is None or n <= strategy_class(s).traits.max_devices]
+        if (reference(), 1) not in configs:
+            configs.insert(0, (reference(), 1))  # the reference every speed-up is measured against
         sources.append((factory, x, y, profile))
         plans.append(configs)
-    total_steps = sum(len([c for c in configs if c[0] != "ddp"]) * (spec.warmup + spec.steps + spec.observed_steps + 1)
-                      + len([c for c in configs if c[0] == "ddp"]) for spec, configs in zip(specs, plans))
+    total_steps = sum(len([c for c in configs if not _in_processes(c[0])]) * (spec.warmup + spec.steps + spec.observed_steps + 1)
+                      + len([c for c in configs if _in_processes(c[0])]) for spec, configs in zip(specs, plans))
     times: list[dict[tuple[str, int], list[float]]] = [{} for _ in specs]
     phases: list[dict[tuple[str, int], dict[str, float]]] = [{} for _ in specs]
-    reference = ReferenceWork()
+    reference_work = ReferenceWork()
     with tqdm(total=total_steps, desc="dpkit bench", unit="step", disable=not any(spec.progress for spec in specs)) as bar:
         contenders: list[tuple[int, Contender]] = []
         try:
             for index, (spec, configs, (factory, x, y, _)) in enumerate(zip(specs, plans, sources)):
-                contenders += [(index, Contender(spec, s, n, factory, x, y)) for s, n in configs if s != "ddp"]
+                contenders += [(index, Contender(spec, s, n, factory, x, y)) for s, n in configs if not _in_processes(s)]
             rounds = max(spec.warmup + spec.steps for spec in specs)
             for round_index in range(rounds):
-                reference.run()
+                reference_work.run()
                 for index, contender in contenders:  # interleaved: one step each per round
                     spec = specs[index]
                     if round_index >= spec.warmup + spec.steps:
@@ -432,7 +415,7 @@ def run_benches(specs: list[BenchSpec]) -> list[BenchResult]:
                     seconds = contender.step()
                     if round_index >= spec.warmup:
                         contender.times.append(seconds)
-                        contender.reference_times.append(reference.times[-1])
+                        contender.reference_times.append(reference_work.times[-1])
                     bar.update()
             for index, contender in contenders:
                 key = (contender.strategy, contender.devices)
@@ -443,18 +426,18 @@ def run_benches(specs: list[BenchSpec]) -> list[BenchResult]:
             for _, contender in contenders:
                 contender.close()
         for index, (spec, configs) in enumerate(zip(specs, plans)):
-            for strategy, devices in (c for c in configs if c[0] == "ddp"):
-                bar.set_postfix_str(f"ddp x{devices} (processes)")
-                times[index][(strategy, devices)], phases[index][(strategy, devices)] = run_ddp(spec, devices)
+            for strategy, devices in (c for c in configs if _in_processes(c[0])):
+                bar.set_postfix_str(f"{strategy} x{devices} (processes)")
+                times[index][(strategy, devices)], phases[index][(strategy, devices)] = run_in_processes(spec, strategy, devices)
                 bar.update()
     references = {(index, c.strategy, c.devices): c.reference_times for index, c in contenders}
     benches = []
     for index, (spec, configs, (_, _, _, profile)) in enumerate(zip(specs, plans, sources)):
         results = [ConfigResult(s, n, statistics.median(times[index][(s, n)]), times[index][(s, n)], phases[index][(s, n)],
-                                fastest_step_seconds=min(times[index][(s, n)]), interleaved=s != "ddp",
+                                fastest_step_seconds=min(times[index][(s, n)]), interleaved=not _in_processes(s),
                                 reference_seconds_samples=references.get((index, s, n), [])) for s, n in configs]
         machine = machine_description(spec)
-        machine["reference_seconds"] = statistics.median(reference.times) if reference.times else None
+        machine["reference_seconds"] = statistics.median(reference_work.times) if reference_work.times else None
         bench = BenchResult(spec, profile.to_dict(), machine, results)
         baseline = bench.baseline()
         for result in results:

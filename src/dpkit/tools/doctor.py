@@ -164,7 +164,7 @@ def detect_accelerator(accelerator: str) -> str:
     if accelerator == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
     if accelerator == "cuda" and not torch.cuda.is_available():
-        raise ValueError("accelerator: 'cuda' was asked for but torch sees no CUDA GPU; use --accelerator cpu")
+        raise ValueError("accelerator: 'cuda' was asked for but torch sees no CUDA GPU; use accelerator=cpu")
     return accelerator
 
 
@@ -431,11 +431,11 @@ def run_doctor(options: DoctorOptions | None = None) -> dict[str, Any]:
         for entry in devices["cuda"]:
             if entry["catalogue_gpu"] is None:
                 notes.append(f"cuda:{entry['index']} ({entry['name']}) is not in the catalogue; add it with --catalogue FILE")
-        host_links = {index: _resolve_link(catalogue, options.host_link, HOST_LINK_BY_GPU.get(gpu.name) if gpu else None, "--host-link")
+        host_links = {index: _resolve_link(catalogue, options.host_link, HOST_LINK_BY_GPU.get(gpu.name) if gpu else None, "host_link")
                       for index, gpu in gpus.items()}
         first = gpus.get(0)
         peer_default = (PEER_LINK_BY_GPU.get(first.name) or HOST_LINK_BY_GPU.get(first.name)) if first else None
-        peer_link = _resolve_link(catalogue, options.link, peer_default, "--link")
+        peer_link = _resolve_link(catalogue, options.link, peer_default, "link")
         report["peer_access"] = peer_access_matrix(torch.cuda.device_count())
         report["links"] = {"host": {str(i): (link.name if link else None) for i, (link, _) in host_links.items()},
                            "peer": peer_link[0].name if peer_link[0] else None,
@@ -450,7 +450,7 @@ def run_doctor(options: DoctorOptions | None = None) -> dict[str, Any]:
                                                    report["peer_access"], lambda _: bar.update())
         torch.cuda.empty_cache()  # the collective workers get the GPUs' memory back
     else:
-        peer_link = _resolve_link(catalogue, options.link, None, "--link")
+        peer_link = _resolve_link(catalogue, options.link, None, "link")
         report["links"] = {"host": None, "peer": peer_link[0].name if peer_link[0] else None, "inferred": False}
         if peer_link[0] is None:
             notes.append("CPU only: the virtual devices share host memory and gloo runs over loopback, so no catalogue link "

@@ -311,7 +311,7 @@ def write_safetensors(state_dict: Mapping[str, torch.Tensor], path: str | os.Pat
     try:
         from safetensors.torch import save
     except ImportError as error:
-        raise RuntimeError("--safetensors: the safetensors package is not installed; pip install safetensors") from error
+        raise RuntimeError("safetensors: the safetensors package is not installed; pip install safetensors") from error
     tensors = {}
     for key, value in state_dict.items():
         if not isinstance(value, torch.Tensor):

@@ -1,0 +1,176 @@
+"""Profile a few steps of a model under any strategy, through the Engine: per device peak memory by
+category, time by phase, and the imbalance (max/mean of per-device peaks). `dpkit profile` runs this.
+
+    report, last_loss = profile(ProfileSpec(example="wide-output", strategy="dp", accelerator="cpu", devices=4))
+    print(report.format_table())
+
+`run(spec)` also prints the table and writes the JSON report (spec.json), a stacked bar chart of memory
+by category per device (spec.png) and a Chrome trace of the phases on each device's track (spec.trace).
+With a strategy that runs one process per device, every process measures itself and rank 0 writes one
+report holding every rank's devices; without a launcher, `run` starts the processes itself
+(spec.relaunch says how to run this same profile in each).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+import torch
+from torch.utils.data import DataLoader, RandomSampler, TensorDataset
+
+from dpkit.checks import check_int, check_output_file
+from dpkit.devices import resolve_devices
+from dpkit.launch import Command, relaunch
+from dpkit.observe import Observer, Report
+from dpkit.parallel.balance import CALIBRATION_CALLS
+from dpkit.strategies import strategy_class
+from dpkit.training.engine import Engine
+from dpkit.training.sources import criterion_for, model_source
+
+DTYPES = {"float32": torch.float32, "float64": torch.float64}
+OPTIMIZERS = ("adam", "sgd")
+
+
+@dataclass
+class ProfileSpec:
+    """What to profile: the model and data (an example, or your 'package.module:factory' and loader), the
+    strategy and devices, and the steps: `warmup` unobserved ones first, then `steps` observed ones."""
+
+    example: str | None = "wide-output"
+    model: str | None = None
+    data: str | None = None
+    strategy: str = "dp"
+    accelerator: str = "auto"
+    devices: Any = "auto"
+    steps: int = 3
+    warmup: int = 3
+    batch_size: int = 256
+    lr: float = 1e-3
+    optimizer: str = "adam"
+    dtype: str = "float32"
+    seed: int = 0
+    json: str | None = None
+    png: str | None = None
+    trace: str | None = None
+    progress: bool = True
+    # how to run this same profile again, once per device, where the strategy needs a process per device
+    relaunch: Command | None = field(default=None, compare=False)
+
+    def check(self) -> None:
+        for name in ("json", "png", "trace"):  # a folder or an unwritable place is found now, not after profiling
+            check_output_file(getattr(self, name), name)
+        strategy_class(self.strategy)
+        check_int(self.steps, "steps")
+        check_int(self.warmup, "warmup", minimum=0)
+        check_int(self.batch_size, "batch_size")
+        if self.optimizer not in OPTIMIZERS:
+            raise ValueError(f"optimizer: expected one of {', '.join(OPTIMIZERS)}, got {self.optimizer!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype: expected one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        calibration = CALIBRATION_CALLS["memory"]
+        if strategy_class(self.strategy).traits.balances and self.warmup < calibration:
+            logging.getLogger("dpkit").warning(
+                "warmup %d: strategy %s calibrates during its first %d steps, so the observed steps include unbalanced "
+                "ones; use a warm-up of %d or more", self.warmup, self.strategy, calibration, calibration)
+
+
+def batches_forever(loader: Any) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    epoch = 0
+    while True:
+        if hasattr(loader, "set_epoch"):
+            loader.set_epoch(epoch)
+        yield from loader
+        epoch += 1
+
+
+def profile(spec: ProfileSpec) -> tuple[Report | None, float]:
+    """Run warm-up and observed steps through the Engine; the report of the observed ones (every rank's
+    devices when there is a process per device; None on the ranks other than 0) and the last loss (the
+    global batch's)."""
+    spec.check()
+    cls = strategy_class(spec.strategy)
+    devices = resolve_devices(spec.accelerator, spec.devices)
+    if cls.traits.max_devices is not None:
+        devices = devices[:cls.traits.max_devices]
+    source = model_source(spec.example, spec.model, spec.data)
+    torch.manual_seed(spec.seed)
+    model = source.build_model()
+    x, y = source.load_data(spec.seed)[:2]
+    if len(x) < spec.batch_size:
+        raise ValueError(f"batch_size: {spec.batch_size} rows but the data has only {len(x)}; use a smaller batch")
+    dtype = DTYPES[spec.dtype]
+    model = model.to(dtype=dtype)
+    x = x.to(dtype) if x.is_floating_point() else x
+    y = y.to(dtype) if y.is_floating_point() else y
+    optimizer = (torch.optim.Adam(model.parameters(), lr=spec.lr) if spec.optimizer == "adam"
+                 else torch.optim.SGD(model.parameters(), lr=spec.lr, momentum=0.9))
+    # the layout a strategy has on GPUs, also on virtual CPU devices (replicated would share one copy there)
+    engine = Engine(strategy=spec.strategy, accelerator=devices[0].type, devices=devices, progress=spec.progress,
+                    **cls.profile_options())
+    try:
+        model, engine_optimizer = engine.setup(model, optimizer)
+        criterion = engine.setup_criterion(criterion_for(y))
+        sampler = RandomSampler(range(len(x)), generator=torch.Generator().manual_seed(spec.seed))
+        loader = engine.setup_dataloader(DataLoader(TensorDataset(x, y), batch_size=spec.batch_size, sampler=sampler,
+                                                    drop_last=True))
+        batches = batches_forever(loader)
+
+        def step() -> float:
+            xb, yb = next(batches)
+            engine_optimizer.zero_grad(set_to_none=True)
+            loss = criterion(model(xb), yb)
+            engine.backward(loss)
+            engine_optimizer.step()  # timed and charged by the observer's optimizer hooks
+            return float(engine.reduce(loss.detach(), "mean", weight=len(yb)))
+
+        with engine.progress(total=spec.warmup + spec.steps, desc=f"profile {spec.strategy}", unit="step") as bar:
+            for _ in range(spec.warmup):
+                step()
+                bar.update()
+            with Observer(engine.device, models=engine.model_copies(), optimizers=[optimizer]) as observer:
+                for _ in range(spec.steps):
+                    last_loss = step()
+                    bar.update()
+        reports = engine.gather_object(observer.report())
+        writes = engine.is_global_zero
+    finally:
+        engine.close()
+    if not writes:
+        return None, last_loss
+    report = Report.merged(reports) if len(reports) > 1 else reports[0]
+    report.meta = {
+        "example": None if spec.model else spec.example, "model": spec.model, "strategy": spec.strategy,
+        "devices_requested": [str(d) for d in devices], "processes": len(reports), "batch_size": spec.batch_size,
+        "dtype": spec.dtype, "optimizer": spec.optimizer, "warmup_steps": spec.warmup, "seed": spec.seed,
+        "last_loss": last_loss,
+    }
+    return report, last_loss
+
+
+def run(spec: ProfileSpec) -> Report | None:
+    """Profile, print the table and write the files asked for; starts one process per device first where the
+    strategy needs it (the report is then printed and written by their rank 0, and None returned here)."""
+    if strategy_class(spec.strategy).needs_launcher():
+        spec.check()
+        if spec.relaunch is None:
+            raise RuntimeError(f"strategy: '{spec.strategy}' runs one process per device; give the spec a relaunch= that "
+                               "runs this profile again in each, or use `dpkit profile`")
+        relaunch(spec.relaunch, len(resolve_devices(spec.accelerator, spec.devices)))
+        return None
+    report, last_loss = profile(spec)
+    if report is None:  # a rank other than 0: rank 0 writes every rank's devices
+        return None
+    devices = ", ".join(d.device for d in report.devices)
+    print(f"dpkit profile: {report.meta['model'] or spec.example}, strategy {spec.strategy}, batch {spec.batch_size}, "
+          f"{spec.dtype}, {spec.steps} observed step(s) after {spec.warmup} warm-up, on {devices}")
+    print(report.format_table())
+    print(f"last loss: {last_loss:.6f}")
+    if spec.json:
+        print(f"wrote {report.save_json(spec.json)}")
+    if spec.png:
+        print(f"wrote {report.save_png(spec.png, title=f'{spec.strategy}: memory by category at each device peak')}")
+    if spec.trace:
+        print(f"wrote {report.save_trace(spec.trace)}")
+    return report

@@ -1,0 +1,143 @@
+"""Where a run's model and data come from, for `dpkit train`, `profile` and `bench` alike.
+
+A built-in example brings both (dpkit.examples); your own model comes as 'package.module:factory'
+(factory() returns an nn.Module) and your own data as 'package.module:loader' (loader(seed) returns
+x_train, y_train, x_test, y_test); a model measured without data gets synthetic inputs of a given shape
+and regression targets of its output's shape. The loss follows the targets: cross-entropy for class
+labels, mean squared error for anything else.
+
+    source = model_source(example="digits")
+    model, (x_train, y_train, x_test, y_test) = source.build_model(), source.load_data(seed=0)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dpkit.checks import check_int_list
+from dpkit.examples import get_example, load_factory
+
+Tensors = tuple[torch.Tensor, ...]
+
+
+@dataclass(frozen=True)
+class Source:
+    """A named model factory and a data loader; `model_name` and `data_name` are what errors call them."""
+
+    name: str
+    factory: Callable[[], Any]
+    loader: Callable[[int], Any]
+    model_name: str = "model"
+    data_name: str = "data"
+
+    def build_model(self) -> nn.Module:
+        """Call the factory and insist on an nn.Module back."""
+        try:
+            model = self.factory()
+        except Exception as error:  # the user's code: say where it came from, in one line
+            raise ValueError(f"model: {self.model_name}() raised {type(error).__name__}: {error}") from error
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"model: {self.model_name}() returned {type(model).__name__}, expected a torch.nn.Module")
+        return model
+
+    def load_data(self, seed: int) -> Tensors:
+        """Whatever the loader returns for `seed`, at least (x, y) with matching rows."""
+        try:
+            data = self.loader(seed)
+        except Exception as error:
+            raise ValueError(f"data: {self.data_name}(seed) raised {type(error).__name__}: {error}") from error
+        if not isinstance(data, (tuple, list)) or len(data) < 2 or not all(isinstance(t, torch.Tensor) for t in data[:2]):
+            raise TypeError(f"data: {self.data_name}(seed) returned {_described(data)}; expected tensors (x, y, ...)")
+        return tuple(data)
+
+    def load_classification_data(self, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(x_train, y_train, x_test, y_test) as tensors with matching rows, class labels as 1-D integers."""
+        try:
+            data = self.loader(seed)
+        except Exception as error:
+            raise ValueError(f"data: {self.data_name}(seed) raised {type(error).__name__}: {error}") from error
+        if not isinstance(data, (tuple, list)) or len(data) != 4 or not all(isinstance(t, torch.Tensor) for t in data):
+            raise TypeError(f"data: {self.data_name}(seed) returned {_described(data)}; expected 4 tensors "
+                            "(x_train, y_train, x_test, y_test)")
+        x_train, y_train, x_test, y_test = data
+        for x, y, part in ((x_train, y_train, "train"), (x_test, y_test, "test")):
+            if x.dim() < 1 or len(x) == 0 or y.dim() != 1 or len(x) != len(y):
+                raise ValueError(f"data: {self.data_name}(seed) gave x_{part} of shape {tuple(x.shape)} and y_{part} of shape "
+                                 f"{tuple(y.shape)}; expected N rows of features and N labels (shape (N,))")
+            if y.is_floating_point() or y.is_complex() or (len(y) and int(y.min()) < 0):
+                raise ValueError(f"data: {self.data_name}(seed) gave y_{part} of dtype {y.dtype}; expected class labels "
+                                 "0 … C-1 as integers")
+        if x_train.shape[1:] != x_test.shape[1:]:
+            raise ValueError(f"data: {self.data_name}(seed) gave train rows of shape {tuple(x_train.shape[1:])} and test rows "
+                             f"of shape {tuple(x_test.shape[1:])}; expected the same")
+        return x_train, y_train, x_test, y_test
+
+
+def _described(data: Any) -> str:
+    if not isinstance(data, (tuple, list)):
+        return type(data).__name__
+    return f"{len(data)} item(s) of {', '.join(type(t).__name__ for t in data)}"
+
+
+def model_source(example: str | None = None, model: str | None = None, data: str | None = None, *,
+                 input_shape: Sequence[int] | None = None, synthetic_rows: int = 256) -> Source:
+    """The model from `model` ('package.module:factory') or the example's; the data from `data`
+    ('package.module:loader'), synthetic rows of `input_shape` (with a model of yours), or the example's."""
+    own_data = data is not None or (model is not None and input_shape is not None)
+    chosen = None if (model is not None and own_data) else get_example(example if example is not None else "")
+    factory = load_factory(model) if model is not None else chosen.build_model
+    if data is not None:
+        loader = load_factory(data)
+    elif model is not None and input_shape is not None:
+        shape = tuple(check_int_list(input_shape, "input_shape", minimum=1))
+        loader = _synthetic_regression(factory, shape, synthetic_rows)
+    else:
+        loader = chosen.load_data
+    return Source(name=model or chosen.name, factory=factory, loader=loader, model_name=model or "model",
+                  data_name=data or "data")
+
+
+def _synthetic_regression(factory: Callable[[], Any], input_shape: tuple[int, ...], rows: int) -> Callable[[int], Tensors]:
+    """Gaussian inputs of `input_shape` and Gaussian targets of the model's output shape, from the seed."""
+
+    def load(seed: int) -> Tensors:
+        generator = torch.Generator().manual_seed(seed)
+        x = torch.randn((rows, *input_shape), generator=generator)
+        with torch.random.fork_rng(devices=[]), torch.no_grad():
+            torch.manual_seed(seed)
+            probe = factory()(x[:2])
+        if not isinstance(probe, torch.Tensor):
+            raise TypeError("model: with input_shape the model must return one tensor (it is regressed on noise)")
+        return x, torch.randn((rows, *probe.shape[1:]), generator=generator)
+
+    return load
+
+
+def criterion_for(target: torch.Tensor) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """Cross-entropy for class labels, mean squared error for anything else."""
+    return F.cross_entropy if not target.is_floating_point() else F.mse_loss
+
+
+def check_model_fits(model: nn.Module, x: torch.Tensor, y: torch.Tensor, argument: str = "model") -> None:
+    """One probe forward on two rows: the model takes the data's rows and scores every class it has."""
+    probe = x[:2]
+    was_training = model.training
+    model.eval()  # no batch statistics updated, no dropout drawn from the generators
+    try:
+        with torch.no_grad(), torch.random.fork_rng(devices=[]):
+            output = model(probe)
+    except Exception as error:
+        raise ValueError(f"{argument}: the model cannot take rows of shape {tuple(x.shape[1:])} ({type(error).__name__}: "
+                         f"{str(error).splitlines()[0] if str(error) else ''})") from error
+    finally:
+        model.train(was_training)
+    classes = int(y.max()) + 1
+    if not isinstance(output, torch.Tensor) or output.dim() != 2 or output.shape[0] != len(probe) or output.shape[1] < classes:
+        shape = tuple(output.shape) if isinstance(output, torch.Tensor) else type(output).__name__
+        raise ValueError(f"{argument}: the model gives {shape} for {len(probe)} rows; expected ({len(probe)}, C) scores with "
+                         f"C >= {classes}, the classes in the labels")
