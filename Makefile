@@ -17,10 +17,12 @@ demo: $(STAMP)
 	$(VENV)/bin/dpkit demo
 
 test: $(STAMP)
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/ruff check .
 	$(PY) -m pytest
 
 bench: $(STAMP)
 	$(PY) benchmarks/strategies_throughput.py
 
 clean:
-	rm -rf $(VENV) runs build src/*.egg-info
+	rm -rf $(VENV) runs build src/*.egg-info .ruff_cache

@@ -51,8 +51,12 @@ def measure(name: str, model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor,
         with Observer():
             return step(dp)
 
-    variants = {"bare verbs": lambda: step(lambda t: bare_forward(dp, t)), "observe off": lambda: step(dp),
-                "observe on": observed, "off, again": lambda: step(dp)}  # the last one: the noise floor
+    variants = {
+        "bare verbs": lambda: step(lambda t: bare_forward(dp, t)),
+        "observe off": lambda: step(dp),
+        "observe on": observed,
+        "off, again": lambda: step(dp),
+    }  # the last one: the noise floor
     for run in variants.values():  # warm the worker threads and allocator
         run()
     times: dict[str, list[float]] = {k: [] for k in variants}
@@ -65,8 +69,11 @@ def measure(name: str, model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor,
     print(f"{name}: {devices} virtual CPU devices, batch {len(x)}, median of {repeats} steps (forward+loss+backward)")
     for key, ms in medians.items():
         print(f"  {key:12s} {ms:9.3f} ms")
-    print(f"  off / bare = {medians['observe off'] / medians['bare verbs']:.3f}    on / off = {medians['observe on'] / medians['observe off']:.3f}"
-          f"    noise (off again / off) = {medians['off, again'] / medians['observe off']:.3f}")
+    print(
+        f"  off / bare = {medians['observe off'] / medians['bare verbs']:.3f}"
+        f"    on / off = {medians['observe on'] / medians['observe off']:.3f}"
+        f"    noise (off again / off) = {medians['off, again'] / medians['observe off']:.3f}"
+    )
 
 
 def main() -> None:
@@ -75,10 +82,22 @@ def main() -> None:
     args = parser.parse_args()
     torch.manual_seed(0)
     generator = torch.Generator().manual_seed(0)
-    measure("digits MLP (many small ops)", DigitsMLP(), torch.randn(64, 64, generator=generator),
-            torch.randint(0, 10, (64,), generator=generator), 2, args.repeats)
-    measure("wide-output (few large ops)", WideOutputNet(), torch.randn(256, 64, generator=generator),
-            torch.randint(0, 20_000, (256,), generator=generator), 4, args.repeats)
+    measure(
+        "digits MLP (many small ops)",
+        DigitsMLP(),
+        torch.randn(64, 64, generator=generator),
+        torch.randint(0, 10, (64,), generator=generator),
+        2,
+        args.repeats,
+    )
+    measure(
+        "wide-output (few large ops)",
+        WideOutputNet(),
+        torch.randn(256, 64, generator=generator),
+        torch.randint(0, 20_000, (256,), generator=generator),
+        4,
+        args.repeats,
+    )
 
 
 if __name__ == "__main__":

@@ -26,11 +26,11 @@ import argparse
 import collections
 import contextlib
 import json
-import threading
 import os
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -39,8 +39,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import dpkit
-from dpkit.training.engine import Engine
 from dpkit.launch import launch
+from dpkit.training.engine import Engine
 
 DEVICES = 2
 THREADS_PER_DEVICE = 1
@@ -96,8 +96,8 @@ def engine_step(args: argparse.Namespace, strategy: str, devices: int, **options
     x, y = make_batch(args.batch_size, args.width)
     if engine.world_size > 1:
         sizes = dpkit.split_sizes(args.batch_size, engine.world_size)
-        start = sum(sizes[:engine.rank])
-        x, y = x[start:start + sizes[engine.rank]], y[start:start + sizes[engine.rank]]
+        start = sum(sizes[: engine.rank])
+        x, y = x[start : start + sizes[engine.rank]], y[start : start + sizes[engine.rank]]
 
     def step() -> None:
         optimizer.zero_grad()
@@ -118,7 +118,7 @@ def torch_ddp_step(args: argparse.Namespace):
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     x, y = make_batch(args.batch_size, args.width)
     share = args.batch_size // world
-    x, y = x[rank * share:(rank + 1) * share], y[rank * share:(rank + 1) * share]
+    x, y = x[rank * share : (rank + 1) * share], y[rank * share : (rank + 1) * share]
 
     def step() -> None:
         optimizer.zero_grad()
@@ -137,21 +137,31 @@ def worker(args: argparse.Namespace) -> dict[str, list[float]]:
     torch.set_num_threads(THREADS_PER_DEVICE)
     dist.init_process_group("gloo")
     rank = dist.get_rank()
-    steps = {TORCH_DDP: torch_ddp_step(args), DPKIT_DDP: engine_step(args, "ddp", DEVICES, threads_per_device=THREADS_PER_DEVICE)}
+    steps = {
+        TORCH_DDP: torch_ddp_step(args),
+        DPKIT_DDP: engine_step(args, "ddp", DEVICES, threads_per_device=THREADS_PER_DEVICE),
+    }
     if rank == 0:
-        steps.update({
-            BARE: bare_step(args),
-            BARE_CORES: bare_step(args),
-            SINGLE: engine_step(args, "single", 1),
-            REPLICATED: engine_step(args, "replicated", DEVICES, threads_per_device=THREADS_PER_DEVICE),
-            DP: engine_step(args, "dp", DEVICES),
-            DP_BALANCED: engine_step(args, "dp-balanced", DEVICES),
-        })
+        steps.update(
+            {
+                BARE: bare_step(args),
+                BARE_CORES: bare_step(args),
+                SINGLE: engine_step(args, "single", 1),
+                REPLICATED: engine_step(args, "replicated", DEVICES, threads_per_device=THREADS_PER_DEVICE),
+                DP: engine_step(args, "dp", DEVICES),
+                DP_BALANCED: engine_step(args, "dp-balanced", DEVICES),
+            }
+        )
 
     def run(name: str, count: int) -> float | None:
         rate = None
         if name in (TORCH_DDP, DPKIT_DDP) or rank == 0:
-            rate = time_window(steps[name], count, args.batch_size, DEVICES * THREADS_PER_DEVICE if name == BARE_CORES else THREADS_PER_DEVICE)
+            rate = time_window(
+                steps[name],
+                count,
+                args.batch_size,
+                DEVICES * THREADS_PER_DEVICE if name == BARE_CORES else THREADS_PER_DEVICE,
+            )
         if name not in (TORCH_DDP, DPKIT_DDP):
             dist.barrier()
         return rate
@@ -160,7 +170,7 @@ def worker(args: argparse.Namespace) -> dict[str, list[float]]:
         run(name, args.warmup)
     rates: dict[str, list[float]] = {name: [] for name in ORDER}
     for window in range(args.windows):
-        for name in ORDER[window % len(ORDER):] + ORDER[:window % len(ORDER)]:
+        for name in ORDER[window % len(ORDER) :] + ORDER[: window % len(ORDER)]:
             rates[name].append(run(name, args.steps))
     dist.destroy_process_group()
     return rates
@@ -237,27 +247,47 @@ def phase_split(args: argparse.Namespace) -> dict[str, dict[str, float]]:
         bare()
         bare_seconds.append(time.perf_counter() - started)
         bare_cpu_seconds.append(time.thread_time() - started_cpu)
-    split = {key: {"wall_ms": 1e3 * clock.wall[key] / args.phase_steps, "cpu_ms": 1e3 * clock.cpu[key] / args.phase_steps}
-             for key in sorted(clock.wall)}
+    split = {
+        key: {"wall_ms": 1e3 * clock.wall[key] / args.phase_steps, "cpu_ms": 1e3 * clock.cpu[key] / args.phase_steps}
+        for key in sorted(clock.wall)
+    }
     split["step"] = {"wall_ms": 1e3 * wall / args.phase_steps, "cpu_ms": float("nan")}
-    split["ideal (bare 1-thread step / devices)"] = {"wall_ms": 1e3 * statistics.median(bare_seconds) / DEVICES,
-                                                     "cpu_ms": 1e3 * statistics.median(bare_cpu_seconds) / DEVICES}
-    print(f"\nreplicated, ms per step by phase ({args.phase_steps} steps, this process alone; "
-          "replica rows: time in each replica's thread):")
+    split["ideal (bare 1-thread step / devices)"] = {
+        "wall_ms": 1e3 * statistics.median(bare_seconds) / DEVICES,
+        "cpu_ms": 1e3 * statistics.median(bare_cpu_seconds) / DEVICES,
+    }
+    print(
+        f"\nreplicated, ms per step by phase ({args.phase_steps} steps, this process alone; "
+        "replica rows: time in each replica's thread):"
+    )
     print(f"  {'phase':38s} {'wall':>8s} {'cpu':>8s}")
     for key, value in split.items():
         print(f"  {key:38s} {value['wall_ms']:8.1f} {value['cpu_ms']:8.1f}")
     # on idle cores a step takes about the busiest replica's CPU time; the ideal is half the bare loop's
     busiest = max(sum(v["cpu_ms"] for k, v in split.items() if k.startswith(f"replica {i} ")) for i in range(DEVICES))
     ideal = split["ideal (bare 1-thread step / devices)"]["cpu_ms"]
-    print(f"  busiest replica's CPU per step {busiest:.1f} ms vs ideal {ideal:.1f} ms: replicated at most "
-          f"{ideal / busiest:.3f}x the ideal {DEVICES}x speed-up on {DEVICES} idle cores")
+    print(
+        f"  busiest replica's CPU per step {busiest:.1f} ms vs ideal {ideal:.1f} ms: replicated at most "
+        f"{ideal / busiest:.3f}x the ideal {DEVICES}x speed-up on {DEVICES} idle cores"
+    )
     return split
 
 
 def shape_argv(args: argparse.Namespace) -> list[str]:
-    return ["--width", str(args.width), "--depth", str(args.depth), "--batch-size", str(args.batch_size),
-            "--steps", str(args.steps), "--windows", str(args.windows), "--warmup", str(args.warmup)]
+    return [
+        "--width",
+        str(args.width),
+        "--depth",
+        str(args.depth),
+        "--batch-size",
+        str(args.batch_size),
+        "--steps",
+        str(args.steps),
+        "--windows",
+        str(args.windows),
+        "--warmup",
+        str(args.warmup),
+    ]
 
 
 BARE, SINGLE = "bare torch loop (1 device)", "dpkit single"
@@ -282,7 +312,9 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=10, help="steps per timed window (default 10)")
     parser.add_argument("--windows", type=int, default=15, help="timed windows per contender (default 15)")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps per contender first (default 3)")
-    parser.add_argument("--phase-steps", type=int, default=10, help="steps of the per-phase split of replicated (0: skip)")
+    parser.add_argument(
+        "--phase-steps", type=int, default=10, help="steps of the per-phase split of replicated (0: skip)"
+    )
     parser.add_argument("--json", default=None, help="also write the medians and ratios to this file")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--result", help=argparse.SUPPRESS)
@@ -294,31 +326,46 @@ def main() -> int:
             Path(args.result).write_text(json.dumps(rates))
         return 0
 
-    print(f"MLP {args.depth}x{args.width} -> 10, global batch {args.batch_size}, SGD; {DEVICES} virtual CPU devices x "
-          f"{THREADS_PER_DEVICE} intra-op thread (single-device loops: {THREADS_PER_DEVICE} thread); "
-          f"{args.windows} windows x {args.steps} steps per contender, interleaved", flush=True)
+    print(
+        f"MLP {args.depth}x{args.width} -> 10, global batch {args.batch_size}, SGD; {DEVICES} virtual CPU devices x "
+        f"{THREADS_PER_DEVICE} intra-op thread (single-device loops: {THREADS_PER_DEVICE} thread); "
+        f"{args.windows} windows x {args.steps} steps per contender, interleaved",
+        flush=True,
+    )
     with tempfile.TemporaryDirectory() as folder:
         result = Path(folder) / "rates.json"
-        launch(str(Path(__file__).resolve()), [*shape_argv(args), "--worker", "--result", str(result)], nproc_per_node=DEVICES)
+        launch(
+            str(Path(__file__).resolve()),
+            [*shape_argv(args), "--worker", "--result", str(result)],
+            nproc_per_node=DEVICES,
+        )
         rates = json.loads(result.read_text())
 
     medians = {name: statistics.median(rates[name]) for name in ORDER}
     print(f"\n{'contender':34s} {'median samples/s':>17s} {'ms/step':>8s} {'min':>7s} {'max':>7s}")
     for name in ORDER:
-        print(f"{name:34s} {medians[name]:17.0f} {1e3 * args.batch_size / medians[name]:8.1f} "
-              f"{min(rates[name]):7.0f} {max(rates[name]):7.0f}")
+        print(
+            f"{name:34s} {medians[name]:17.0f} {1e3 * args.batch_size / medians[name]:8.1f} "
+            f"{min(rates[name]):7.0f} {max(rates[name]):7.0f}"
+        )
     print()
     results, ok = [], True
     for contender, reference, at_least in TARGETS:
         ratio = medians[contender] / medians[reference]
         passed = ratio >= at_least
         ok &= passed
-        results.append({"contender": contender, "reference": reference, "ratio": ratio, "target": at_least, "passed": passed})
+        results.append(
+            {"contender": contender, "reference": reference, "ratio": ratio, "target": at_least, "passed": passed}
+        )
         print(f"{contender} / {reference}: {ratio:.3f}x (target >= {at_least}) {'ok' if passed else 'BELOW TARGET'}")
     phases = phase_split(args) if args.phase_steps > 0 else None
     if args.json:
-        Path(args.json).write_text(json.dumps({"medians": medians, "rates": rates, "ratios": results, "phases": phases,
-                                               "config": vars(args)}, indent=2))
+        Path(args.json).write_text(
+            json.dumps(
+                {"medians": medians, "rates": rates, "ratios": results, "phases": phases, "config": vars(args)},
+                indent=2,
+            )
+        )
     return 0 if ok else 1
 
 

@@ -11,13 +11,16 @@ def test_cpu_devices_are_indexed_virtual_devices():
         dpkit.cpu_devices(0)
 
 
-@pytest.mark.parametrize("spec, expected", [
-    (1, torch.device("cuda", 1)),
-    ("cuda:2", torch.device("cuda", 2)),
-    ("cpu:3", torch.device("cpu", 3)),
-    ("cpu", torch.device("cpu", 0)),
-    (torch.device("cpu", 1), torch.device("cpu", 1)),
-])
+@pytest.mark.parametrize(
+    "spec, expected",
+    [
+        (1, torch.device("cuda", 1)),
+        ("cuda:2", torch.device("cuda", 2)),
+        ("cpu:3", torch.device("cpu", 3)),
+        ("cpu", torch.device("cpu", 0)),
+        (torch.device("cpu", 1), torch.device("cpu", 1)),
+    ],
+)
 def test_parse_device(spec, expected):
     assert parse_device(spec) == expected
 
@@ -82,8 +85,11 @@ def test_indices_past_the_limit_are_refused_not_wrapped(spec):
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU message")
 @pytest.mark.parametrize("device_ids", [[0], ["cuda:0"], [0, 1]])
 def test_gpus_this_machine_lacks_are_an_error_at_construction(device_ids):
-    with pytest.raises(ValueError, match=r"device_ids\[0\]: cuda:0 does not exist on this machine \(no GPU is visible\); "
-                                         r"for virtual CPU devices use 'cpu:0'.*dpkit.cpu_devices\(n\).*accelerator=cpu"):
+    with pytest.raises(
+        ValueError,
+        match=r"device_ids\[0\]: cuda:0 does not exist on this machine \(no GPU is visible\); "
+        r"for virtual CPU devices use 'cpu:0'.*dpkit.cpu_devices\(n\).*accelerator=cpu",
+    ):
         dpkit.DataParallel(torch.nn.Linear(2, 2), device_ids)
 
 
@@ -95,6 +101,7 @@ def test_cuda_devices_with_the_cpu_accelerator_is_one_clear_error(devices):
 
 def test_process_count_is_capped_by_the_cores_unless_forced():
     from dpkit.devices import PROCESSES_PER_CORE, available_cores, check_process_count
+
     limit = PROCESSES_PER_CORE * available_cores()
     check_process_count(limit)
     with pytest.raises(ValueError, match=f"{limit + 1} processes on {available_cores()} CPU core"):

@@ -71,7 +71,7 @@ def code_blocks(page: Path) -> list[Block]:
         indent, language = opening.group(1), opening.group(2).strip()
         start, body, i = i, [], i + 1
         while i < len(lines) and lines[i].strip() != "```":
-            body.append(lines[i][len(indent):] if lines[i].startswith(indent) else lines[i])
+            body.append(lines[i][len(indent) :] if lines[i].startswith(indent) else lines[i])
             i += 1
         if i == len(lines):
             raise AssertionError(f"{page}:{start + 1}: code block is never closed")
@@ -79,7 +79,9 @@ def code_blocks(page: Path) -> list[Block]:
         while previous >= 0 and not lines[previous].strip():
             previous -= 1
         marker = NOT_RUN.match(lines[previous].strip()) if previous >= 0 else None
-        blocks.append(Block(page, start + 1, language, "\n".join(body) + "\n", marker.group(1).strip() if marker else None))
+        blocks.append(
+            Block(page, start + 1, language, "\n".join(body) + "\n", marker.group(1).strip() if marker else None)
+        )
         i += 1
     return blocks
 
@@ -137,8 +139,11 @@ def run_pages(results_path: Path, pages: list[Path]) -> None:
                 result = {"ok": True}
             except BaseException:
                 result = {"ok": False, "error": traceback.format_exc()}
-            result.update(seconds=round(time.perf_counter() - started, 2), cpu_seconds=round(time.process_time() - started_cpu, 2),
-                          output=output.getvalue()[-4000:])
+            result.update(
+                seconds=round(time.perf_counter() - started, 2),
+                cpu_seconds=round(time.process_time() - started_cpu, 2),
+                output=output.getvalue()[-4000:],
+            )
             results[str(page)] = result
             results_path.write_text(json.dumps(results))  # as we go: a later hang keeps these
 
@@ -148,8 +153,13 @@ def run_pages(results_path: Path, pages: list[Path]) -> None:
 def page_results(tmp_path_factory) -> tuple[dict, str]:
     results_path = tmp_path_factory.mktemp("docs") / "results.json"
     try:
-        done = subprocess.run([sys.executable, __file__, str(results_path), *map(str, PAGES)], capture_output=True,
-                              text=True, timeout=RUN_TIMEOUT_SECONDS, env={**os.environ, "TQDM_DISABLE": "1"})
+        done = subprocess.run(
+            [sys.executable, __file__, str(results_path), *map(str, PAGES)],
+            capture_output=True,
+            text=True,
+            timeout=RUN_TIMEOUT_SECONDS,
+            env={**os.environ, "TQDM_DISABLE": "1"},
+        )
         log = done.stdout[-3000:] + done.stderr[-3000:]
     except subprocess.TimeoutExpired:
         log = f"the docs runner passed its {RUN_TIMEOUT_SECONDS} s timeout"
@@ -181,9 +191,12 @@ def block_problems(page: Path) -> list[str]:
             commands = shell_commands(block.code)
             if not commands:
                 problems.append(f"{block.where}: an empty {block.language} block")
-            problems += [f"{block.where}: `{shlex.join(argv)}` is not a dpkit command, so the test cannot run it; "
-                         "mark the block <!-- not-run: why --> or show it as ```console"
-                         for argv in commands if argv[0] != "dpkit"]
+            problems += [
+                f"{block.where}: `{shlex.join(argv)}` is not a dpkit command, so the test cannot run it; "
+                "mark the block <!-- not-run: why --> or show it as ```console"
+                for argv in commands
+                if argv[0] != "dpkit"
+            ]
     return problems
 
 
@@ -229,7 +242,13 @@ def test_the_checker_names_each_unmarked_or_unlabelled_block(tmp_path: Path) -> 
     page.write_text(FAULTY_PAGE)
     blocks = code_blocks(page)
     assert [(b.line, b.language, b.not_run) for b in blocks] == [
-        (3, "", None), (7, "bash", None), (12, "python", ""), (17, "bash", "needs GPUs"), (22, "console", "output"), (26, "bash", None)]
+        (3, "", None),
+        (7, "bash", None),
+        (12, "python", ""),
+        (17, "bash", "needs GPUs"),
+        (22, "console", "output"),
+        (26, "bash", None),
+    ]
     problems = block_problems(page)
     assert [problem.split(": ")[0] for problem in problems] == [f"{page}:{line}" for line in (3, 7, 12, 22)]
     assert "`make demo` is not a dpkit command" in problems[1]
@@ -273,14 +292,18 @@ def test_relative_links_resolve(page: Path) -> None:
             assert relative in PENDING_PAGES, f"{page.relative_to(ROOT)}: link to {target} finds nothing"
             continue
         if anchor and path.suffix == ".md":
-            assert anchor in heading_anchors(path), f"{page.relative_to(ROOT)}: link to {target}: no such heading in {relative}"
+            assert anchor in heading_anchors(path), (
+                f"{page.relative_to(ROOT)}: link to {target}: no such heading in {relative}"
+            )
 
 
 def test_readme_is_a_front_page() -> None:
     size = len((ROOT / "README.md").read_bytes())
     assert size <= README_MAX_BYTES, f"README.md is {size} bytes; move reference material into docs/"
     linked = {target.partition("#")[0] for target in LINK.findall((ROOT / "README.md").read_text(encoding="utf-8"))}
-    unlinked = [page.relative_to(ROOT).as_posix() for page in PAGES[1:] if page.relative_to(ROOT).as_posix() not in linked]
+    unlinked = [
+        page.relative_to(ROOT).as_posix() for page in PAGES[1:] if page.relative_to(ROOT).as_posix() not in linked
+    ]
     assert not unlinked, f"README.md does not link {', '.join(unlinked)}; add them under 'More'"
 
 

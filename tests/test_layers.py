@@ -1,4 +1,11 @@
-"""dpkit's layers (DESIGN.md): data flows down, no module imports a layer above its own."""
+"""dpkit's layers: data flows down, no module imports a layer above its own, and every module has a layer.
+
+From the top: the command, the tools that run models to measure them, the integrations with other
+trainers, the training core (Engine, recipe, state, checkpoints, model and data sources), the planner (which
+predicts from the strategies' traits and never runs a model), the strategies, the launcher, measuring,
+the one-process engine, devices. The leaves (argument checks, errors, precision, the built-in examples) may be
+used by every layer and use no layer themselves. The package root only re-exports the public API.
+"""
 
 import ast
 from pathlib import Path
@@ -7,18 +14,20 @@ import dpkit
 
 PACKAGE = Path(dpkit.__file__).parent
 
-# from the top down; a module may import its own layer and any below it. checkpoint, precision, launch,
-# examples and errors are leaves every layer may use. plan/ predicts from what observe/ and bench measured
-# (and may name the strategies); nothing below the CLI runs it. observe/ listens to parallel/'s seam.
 LAYERS = [
     ("cli", ["dpkit.cli"]),
+    ("tools", ["dpkit.tools"]),
+    ("integrations", ["dpkit.integrations"]),
+    ("training", ["dpkit.training"]),
     ("plan", ["dpkit.plan"]),
-    ("engine", ["dpkit.training.engine"]),
     ("strategies", ["dpkit.strategies"]),
+    ("launch", ["dpkit.launch"]),
     ("observe", ["dpkit.observe"]),
     ("parallel", ["dpkit.parallel"]),
     ("devices", ["dpkit.devices"]),
 ]
+LEAVES = ["dpkit.checks", "dpkit.errors", "dpkit.precision", "dpkit.examples"]
+ROOT = "dpkit"
 
 
 def module_name(path: Path) -> str:
@@ -43,11 +52,19 @@ def imports_of(path: Path, package: str) -> set[str]:
     return {name for name in found if name == "dpkit" or name.startswith("dpkit.")}
 
 
+def _within(module: str, prefix: str) -> bool:
+    return module == prefix or module.startswith(prefix + ".")
+
+
 def layer_of(module: str) -> int | None:
     for rank, (_, prefixes) in enumerate(LAYERS):
-        if any(module == p or module.startswith(p + ".") for p in prefixes):
+        if any(_within(module, p) for p in prefixes):
             return rank
     return None
+
+
+def is_leaf(module: str) -> bool:
+    return any(_within(module, leaf) for leaf in LEAVES)
 
 
 def import_graph() -> dict[str, set[str]]:
@@ -58,12 +75,11 @@ def import_graph() -> dict[str, set[str]]:
     return graph
 
 
-def test_parallel_knows_nothing_of_observe_strategies_engine_or_cli():
-    for module, imported in import_graph().items():
-        if module.startswith("dpkit.parallel"):
-            above = {name for name in imported
-                     if name.split(".")[:2] in (["dpkit", "observe"], ["dpkit", "strategies"], ["dpkit", "engine"], ["dpkit", "cli"])}
-            assert not above, f"{module} imports {sorted(above)}"
+def test_every_module_has_a_layer():
+    homeless = sorted(
+        module for module in import_graph() if module != ROOT and layer_of(module) is None and not is_leaf(module)
+    )
+    assert not homeless, f"modules in no layer (add them to LAYERS or LEAVES): {homeless}"
 
 
 def test_no_layer_imports_a_layer_above_it():
@@ -76,12 +92,42 @@ def test_no_layer_imports_a_layer_above_it():
             theirs = layer_of(name)
             if theirs is not None and theirs < mine:
                 offences.append(f"{module} ({LAYERS[mine][0]}) imports {name} ({LAYERS[theirs][0]})")
+            if name == ROOT or (
+                name.startswith(ROOT + ".") and name.count(".") == 1 and layer_of(name) is None and not is_leaf(name)
+            ):
+                offences.append(f"{module} imports {name}, the package root (import the module that defines it)")
     assert not offences, "\n".join(offences)
+
+
+def test_the_leaves_use_no_layer():
+    offences = [
+        f"{module} imports {name}"
+        for module, imported in import_graph().items()
+        if is_leaf(module)
+        for name in imported
+        if not is_leaf(name)
+    ]
+    assert not offences, "\n".join(offences)
+
+
+def test_parallel_knows_nothing_of_observe_strategies_engine_or_cli():
+    for module, imported in import_graph().items():
+        if _within(module, "dpkit.parallel"):
+            above = {
+                name for name in imported if layer_of(name) is not None and layer_of(name) < layer_of("dpkit.parallel")
+            }
+            assert not above, f"{module} imports {sorted(above)}"
 
 
 def test_the_check_sees_relative_and_function_level_imports(tmp_path):
     offending = tmp_path / "offending.py"
-    offending.write_text("from ..observe import observer\nfrom . import hooks\n\ndef f():\n    import dpkit.training.engine\n")
+    offending.write_text(
+        "from ..observe import observer\nfrom . import hooks\n\ndef f():\n    import dpkit.training.engine\n"
+    )
     imported = imports_of(offending, "dpkit.parallel")
     assert {"dpkit.observe", "dpkit.observe.observer", "dpkit.parallel.hooks", "dpkit.training.engine"} <= imported
-    assert {layer_of(name) for name in imported} == {layer_of("dpkit.observe"), layer_of("dpkit.parallel"), layer_of("dpkit.training.engine")}
+    assert {layer_of(name) for name in imported} == {
+        layer_of("dpkit.observe"),
+        layer_of("dpkit.parallel"),
+        layer_of("dpkit.training"),
+    }

@@ -10,8 +10,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from dpkit.cli.main import main
-from dpkit.training.engine import Engine
 from dpkit.precision import Precision
+from dpkit.training.engine import Engine
 
 
 def test_bf16_mixed_autocasts_matmuls_on_cpu():
@@ -67,9 +67,33 @@ def one_thread():
 def test_bf16_mixed_trains_digits_to_the_fp32_accuracy_band(tmp_path, one_thread, strategy, devices):
     def accuracy(precision: str) -> float:
         out = tmp_path / f"{strategy}-{precision}"
-        assert main(["train", "--strategy", strategy, "--accelerator", "cpu", "--devices", str(devices), "--steps", "150",
-                     "--batch-size", "64", "--lr", "0.2", "--momentum", "0.9", "--precision", precision,
-                     "--out", str(out), "--no-progress"]) == 0
+        assert (
+            main(
+                [
+                    "train",
+                    "--strategy",
+                    strategy,
+                    "--accelerator",
+                    "cpu",
+                    "--devices",
+                    str(devices),
+                    "--steps",
+                    "150",
+                    "--batch-size",
+                    "64",
+                    "--lr",
+                    "0.2",
+                    "--momentum",
+                    "0.9",
+                    "--precision",
+                    precision,
+                    "--out",
+                    str(out),
+                    "--no-progress",
+                ]
+            )
+            == 0
+        )
         metrics = json.loads((out / "metrics.json").read_text())
         assert metrics["precision"] == precision
         return metrics["test_accuracy"]

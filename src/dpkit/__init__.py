@@ -1,11 +1,18 @@
 """dpkit: data-parallel training for PyTorch, on GPUs and on virtual CPU devices."""
 
-from dpkit.training.checkpoint import CheckpointCorruptError, CheckpointMismatchError, load_model, save_model, strip_prefixes, unwrap_model
+from dpkit import observe
 from dpkit.devices import cpu_devices
 from dpkit.errors import DpkitError
-from dpkit.parallel import Broadcast, DataParallel, split_sizes
-from dpkit import observe
 from dpkit.observe import Observer
+from dpkit.parallel import Broadcast, DataParallel, split_sizes
+from dpkit.training.checkpoint import (
+    CheckpointCorruptError,
+    CheckpointMismatchError,
+    load_model,
+    save_model,
+    strip_prefixes,
+    unwrap_model,
+)
 from dpkit.training.engine import Engine
 
 __version__ = "0.1.0"

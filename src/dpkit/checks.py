@@ -4,6 +4,7 @@ command translates the argument names into its flags (cli/flags.py)."""
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 from pathlib import Path
@@ -21,10 +22,8 @@ def check_int(value: Any, argument: str, *, minimum: int = 1, meaning: str = "")
     if isinstance(value, bool) or not isinstance(value, int):
         # an integral tensor or numpy scalar is as good as an int
         if hasattr(value, "__index__") and not isinstance(value, bool):
-            try:
+            with contextlib.suppress(TypeError):
                 value = value.__index__()
-            except TypeError:
-                pass
         if isinstance(value, bool) or not isinstance(value, int):
             raise TypeError(f"{argument}: expected {kind}{detail}, got {value!r} ({type(value).__name__})")
     if value < minimum:
@@ -32,14 +31,17 @@ def check_int(value: Any, argument: str, *, minimum: int = 1, meaning: str = "")
     return value
 
 
-def check_int_list(values: Any, argument: str, *, length: int | None = None, minimum: int = 0,
-                   meaning: str = "") -> list[int]:
+def check_int_list(
+    values: Any, argument: str, *, length: int | None = None, minimum: int = 0, meaning: str = ""
+) -> list[int]:
     """A list of ints each at least `minimum` (and `length` of them when given)."""
     if isinstance(values, (str, bytes)) or not hasattr(values, "__len__"):
         raise TypeError(f"{argument}: expected a list of ints{' (' + meaning + ')' if meaning else ''}, got {values!r}")
     items = list(values)
     if length is not None and len(items) != length:
-        raise ValueError(f"{argument}: has {len(items)} entries where {length} are needed{' (' + meaning + ')' if meaning else ''}")
+        raise ValueError(
+            f"{argument}: has {len(items)} entries where {length} are needed{' (' + meaning + ')' if meaning else ''}"
+        )
     return [check_int(item, f"{argument}[{i}]", minimum=minimum) for i, item in enumerate(items)]
 
 
@@ -92,7 +94,11 @@ def check_output_folder(path: str | os.PathLike, argument: str) -> Path:
     if not existing.is_dir():
         raise ValueError(f"{argument}: {str(path)!r} cannot be created: {str(existing)!r} is a file")
     if not os.access(existing, os.W_OK | os.X_OK):
-        what = "is not writable" if existing == path.absolute() else f"cannot be created: {str(existing)!r} is not writable"
+        what = (
+            "is not writable"
+            if existing == path.absolute()
+            else f"cannot be created: {str(existing)!r} is not writable"
+        )
         raise ValueError(f"{argument}: {str(path)!r} {what}; choose a folder you can write to")
     return path
 
@@ -103,7 +109,9 @@ def check_output_file(path: str | os.PathLike | None, argument: str) -> Path | N
         return None
     path = Path(path)
     if path.is_dir() or str(path).endswith(os.sep):
-        raise ValueError(f"{argument}: {str(path)!r} is a folder, expected a file name (e.g. {str(path / 'report.json')!r})")
+        raise ValueError(
+            f"{argument}: {str(path)!r} is a folder, expected a file name (e.g. {str(path / 'report.json')!r})"
+        )
     if path.exists() and not os.access(path, os.W_OK):
         raise ValueError(f"{argument}: {str(path)!r} is not writable; choose a file you can write")
     check_output_folder(path.parent, argument)

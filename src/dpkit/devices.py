@@ -9,34 +9,40 @@ from __future__ import annotations
 
 import os
 import re
-from typing import Iterable, Sequence, Union
+from collections.abc import Iterable, Sequence
 
 import torch
 
 from dpkit.checks import check_int
 
-DeviceLike = Union[int, str, torch.device]
+DeviceLike = int | str | torch.device
 
 # torch stores a device index in 8 signed bits: torch.device("cpu", 128) silently becomes cpu:-128 and
 # torch.device("cpu", 256) becomes cpu:0, so two replicas would share one device
 MAX_DEVICE_INDEX = 127
 MAX_DEVICES = MAX_DEVICE_INDEX + 1
 _DEVICE_SPEC = re.compile(r"^([a-z_]+)(?::(-?\d+))?$")
-_HOW_TO_ASK_FOR_CPU = "for virtual CPU devices use 'cpu:0', 'cpu:1', … (dpkit.cpu_devices(n), or accelerator=cpu devices=n)"
+_HOW_TO_ASK_FOR_CPU = (
+    "for virtual CPU devices use 'cpu:0', 'cpu:1', … (dpkit.cpu_devices(n), or accelerator=cpu devices=n)"
+)
 
 
 def _check_index(index: int, spec: object, argument: str) -> None:
     if index < 0:
         raise ValueError(f"{argument}: device index must be >= 0, got {spec!r}")
     if index > MAX_DEVICE_INDEX:
-        raise ValueError(f"{argument}: device index {index} in {spec!r} is past torch's limit of {MAX_DEVICE_INDEX} "
-                         f"(a device index is 8 bits); use indices 0 … {MAX_DEVICE_INDEX}")
+        raise ValueError(
+            f"{argument}: device index {index} in {spec!r} is past torch's limit of {MAX_DEVICE_INDEX} "
+            f"(a device index is 8 bits); use indices 0 … {MAX_DEVICE_INDEX}"
+        )
 
 
 def parse_device(spec: DeviceLike, *, argument: str = "device") -> torch.device:
     """Turn an int (CUDA index), a string or a torch.device into a torch.device with an index."""
     if isinstance(spec, bool):  # bool is an int subclass; True is never a device
-        raise TypeError(f"{argument}: expected an int, a string like 'cuda:1' or 'cpu:0', or a torch.device; got {spec!r}")
+        raise TypeError(
+            f"{argument}: expected an int, a string like 'cuda:1' or 'cpu:0', or a torch.device; got {spec!r}"
+        )
     if isinstance(spec, int):
         if spec < 0:
             raise ValueError(f"{argument}: CUDA index must be >= 0, got {spec}")
@@ -54,10 +60,15 @@ def parse_device(spec: DeviceLike, *, argument: str = "device") -> torch.device:
     elif isinstance(spec, torch.device):
         device = spec
         if device.index is not None and device.index < 0:  # made by torch.device(type, 128 … 255)
-            raise ValueError(f"{argument}: {device} has a negative index (torch wrapped an index past "
-                             f"{MAX_DEVICE_INDEX} around); use indices 0 … {MAX_DEVICE_INDEX}")
+            raise ValueError(
+                f"{argument}: {device} has a negative index (torch wrapped an index past "
+                f"{MAX_DEVICE_INDEX} around); use indices 0 … {MAX_DEVICE_INDEX}"
+            )
     else:
-        raise TypeError(f"{argument}: expected an int, a string like 'cuda:1' or 'cpu:0', or a torch.device; got {type(spec).__name__}")
+        raise TypeError(
+            f"{argument}: expected an int, a string like 'cuda:1' or 'cpu:0', or a torch.device; "
+            f"got {type(spec).__name__}"
+        )
     if device.index is None:
         device = torch.device(device.type, 0 if device.type == "cpu" else _current_index(device.type))
     return device
@@ -74,14 +85,22 @@ def parse_device_list(device_ids: Iterable[DeviceLike] | None, *, argument: str 
     if device_ids is None:
         return default_devices(argument=argument)
     if isinstance(device_ids, (str, int, torch.device)):
-        raise TypeError(f"{argument}: expected a list of devices, got a single {type(device_ids).__name__} {device_ids!r}; wrap it in a list")
+        raise TypeError(
+            f"{argument}: expected a list of devices, got a single {type(device_ids).__name__} {device_ids!r}; "
+            "wrap it in a list"
+        )
     devices = [parse_device(spec, argument=f"{argument}[{i}]") for i, spec in enumerate(device_ids)]
     if not devices:
-        raise ValueError(f"{argument}: the device list is empty; give at least one device, e.g. dpkit.cpu_devices(2) or [0, 1]")
+        raise ValueError(
+            f"{argument}: the device list is empty; give at least one device, e.g. dpkit.cpu_devices(2) or [0, 1]"
+        )
     seen: dict[torch.device, int] = {}
     for i, device in enumerate(devices):
         if device in seen:
-            raise ValueError(f"{argument}: device {device} appears twice (positions {seen[device]} and {i}); each device may appear once")
+            raise ValueError(
+                f"{argument}: device {device} appears twice (positions {seen[device]} and {i}); "
+                "each device may appear once"
+            )
         seen[device] = i
     types = sorted({device.type for device in devices})
     if len(types) > 1:
@@ -93,15 +112,19 @@ def parse_device_list(device_ids: Iterable[DeviceLike] | None, *, argument: str 
 def check_devices_exist(devices: Sequence[torch.device], *, argument: str = "device_ids") -> None:
     """A device list may only name GPUs this machine has (virtual CPU devices always exist)."""
     if len(devices) > MAX_DEVICES:
-        raise ValueError(f"{argument}: {len(devices)} devices is past torch's limit of {MAX_DEVICES} per process "
-                         f"(a device index is 8 bits)")
+        raise ValueError(
+            f"{argument}: {len(devices)} devices is past torch's limit of {MAX_DEVICES} per process "
+            f"(a device index is 8 bits)"
+        )
     for i, device in enumerate(devices):
         if device.type != "cuda":
             continue
         visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if device.index >= visible:
             have = "no GPU is visible" if visible == 0 else f"only cuda:0 … cuda:{visible - 1} are visible"
-            raise ValueError(f"{argument}[{i}]: {device} does not exist on this machine ({have}); {_HOW_TO_ASK_FOR_CPU}")
+            raise ValueError(
+                f"{argument}[{i}]: {device} does not exist on this machine ({have}); {_HOW_TO_ASK_FOR_CPU}"
+            )
 
 
 def default_devices(*, argument: str = "device_ids") -> list[torch.device]:
@@ -134,8 +157,13 @@ def detect_accelerator() -> str:
     return "cuda" if torch.cuda.is_available() and torch.cuda.device_count() > 0 else "cpu"
 
 
-def resolve_devices(accelerator: str = "auto", devices: int | Sequence[DeviceLike] | str = "auto", *,
-                    argument: str = "devices", accelerator_argument: str = "accelerator") -> list[torch.device]:
+def resolve_devices(
+    accelerator: str = "auto",
+    devices: int | Sequence[DeviceLike] | str = "auto",
+    *,
+    argument: str = "devices",
+    accelerator_argument: str = "accelerator",
+) -> list[torch.device]:
     """The devices a command-line run or an Engine asks for, e.g. ("cpu", 2) -> [cpu:0, cpu:1].
 
     A count is bounded by torch's 8-bit device index (at most 128 devices); a list must name devices of
@@ -147,7 +175,10 @@ def resolve_devices(accelerator: str = "auto", devices: int | Sequence[DeviceLik
     if accelerator == "auto":
         accelerator = detect_accelerator()
     if accelerator == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"{accelerator_argument}='cuda' but no GPU is visible; use {accelerator_argument}='cpu' for virtual CPU devices")
+        raise ValueError(
+            f"{accelerator_argument}='cuda' but no GPU is visible; "
+            f"use {accelerator_argument}='cpu' for virtual CPU devices"
+        )
     if isinstance(devices, str):
         if devices == "auto":
             devices = torch.cuda.device_count() if accelerator == "cuda" else 2
@@ -161,16 +192,24 @@ def resolve_devices(accelerator: str = "auto", devices: int | Sequence[DeviceLik
         if devices < 1:
             raise ValueError(f"{argument}: expected a positive count, got {devices}")
         if devices > MAX_DEVICES:
-            raise ValueError(f"{argument}: {devices} devices is past torch's limit of {MAX_DEVICES} per process "
-                             f"(a device index is 8 bits: cpu:0 … cpu:{MAX_DEVICE_INDEX}); ask for at most {MAX_DEVICES}")
+            raise ValueError(
+                f"{argument}: {devices} devices is past torch's limit of {MAX_DEVICES} per process "
+                f"(a device index is 8 bits: cpu:0 … cpu:{MAX_DEVICE_INDEX}); ask for at most {MAX_DEVICES}"
+            )
         if accelerator == "cuda" and devices > torch.cuda.device_count():
             raise ValueError(f"{argument}={devices} but only {torch.cuda.device_count()} GPU(s) are visible")
         return [torch.device(accelerator, i) for i in range(devices)]
-    parsed = [parse_device(spec, argument=f"{argument}[{i}]") for i, spec in enumerate(devices)] if isinstance(devices, (list, tuple)) else None
+    parsed = (
+        [parse_device(spec, argument=f"{argument}[{i}]") for i, spec in enumerate(devices)]
+        if isinstance(devices, (list, tuple))
+        else None
+    )
     if parsed and asked != "auto" and any(device.type != asked for device in parsed):
         listed = ",".join(str(spec) for spec in devices)
-        raise ValueError(f"{argument}: {listed!r} names {parsed[0].type} devices but {accelerator_argument}={asked!r}; "
-                         + ("give a count (e.g. 2) or cpu:0,cpu:1" if asked == "cpu" else "give a count or cuda:0,cuda:1"))
+        raise ValueError(
+            f"{argument}: {listed!r} names {parsed[0].type} devices but {accelerator_argument}={asked!r}; "
+            + ("give a count (e.g. 2) or cpu:0,cpu:1" if asked == "cpu" else "give a count or cuda:0,cuda:1")
+        )
     return parse_device_list(devices, argument=argument)
 
 
@@ -193,8 +232,10 @@ def check_process_count(processes: int, *, argument: str = "nproc_per_node", for
     """Refuse a worker count far past the cores (ddp: one process per device) unless forced."""
     limit = PROCESSES_PER_CORE * available_cores()
     if processes > limit and not force:
-        raise ValueError(f"{argument}: {processes} processes on {available_cores()} CPU core(s) is past the limit of "
-                         f"{limit} ({PROCESSES_PER_CORE} per core); ask for fewer, or pass force=True to start them anyway")
+        raise ValueError(
+            f"{argument}: {processes} processes on {available_cores()} CPU core(s) is past the limit of "
+            f"{limit} ({PROCESSES_PER_CORE} per core); ask for fewer, or pass force=True to start them anyway"
+        )
 
 
 def tensor_device(tensor: torch.Tensor, virtual_cpu_device: DeviceLike) -> torch.device:
@@ -214,9 +255,15 @@ def tensor_device(tensor: torch.Tensor, virtual_cpu_device: DeviceLike) -> torch
 # Keeping them is what PyTorch's CUDA caching allocator does on GPUs, and what jemalloc/tcmalloc do when
 # preloaded for CPU training.
 MMAP_THRESHOLD_BYTES = 32 << 20  # glibc's ceiling for M_MMAP_THRESHOLD on 64-bit: larger blocks stay mmapped
-TRIM_THRESHOLD_BYTES = 1 << 30   # free memory a malloc heap keeps at its top before giving it back
+TRIM_THRESHOLD_BYTES = 1 << 30  # free memory a malloc heap keeps at its top before giving it back
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
-_USER_ALLOCATOR_SETTINGS = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_", "GLIBC_TUNABLES", "LD_PRELOAD")
+_USER_ALLOCATOR_SETTINGS = (
+    "MALLOC_MMAP_THRESHOLD_",
+    "MALLOC_TRIM_THRESHOLD_",
+    "MALLOC_TOP_PAD_",
+    "GLIBC_TUNABLES",
+    "LD_PRELOAD",
+)
 HOST_MEMORY_ENV = "DPKIT_KEEP_HOST_MEMORY"  # "0" leaves malloc as it is
 _host_memory_kept: bool | None = None
 
@@ -249,5 +296,7 @@ def keep_freed_host_memory() -> bool:
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
     # setting either switches off glibc's dynamic adjustment of both; a fixed trim threshold alone (with the
     # mmap threshold back at 128 KiB) would be worse than nothing, so the mmap threshold goes first
-    _host_memory_kept = bool(mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)) and bool(mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES))
+    _host_memory_kept = bool(mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)) and bool(
+        mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES)
+    )
     return _host_memory_kept

@@ -10,7 +10,8 @@ whose gradients overflowed).
 from __future__ import annotations
 
 import contextlib
-from typing import Any, ContextManager
+from contextlib import AbstractContextManager
+from typing import Any
 
 import torch
 
@@ -34,7 +35,7 @@ class Precision:
         self.dtype = {"32": None, "bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}[precision]
         self.scaler = torch.amp.GradScaler("cuda") if precision == "16-mixed" else None
 
-    def autocast(self) -> ContextManager:
+    def autocast(self) -> AbstractContextManager:
         if self.dtype is None:
             return contextlib.nullcontext()
         return torch.autocast(self.device_type, dtype=self.dtype)

@@ -2,14 +2,34 @@
 
 import json
 
-from dpkit.tools.bench import ConfigResult, lost_by_phase
 from dpkit.cli.main import main
+from dpkit.tools.bench import ConfigResult, lost_by_phase
 
 
 def test_bench_runs_every_strategy_and_device_count(tmp_path, capsys):
     out, png = tmp_path / "bench.json", tmp_path / "bench.png"
-    code = main(["bench", "--example", "digits", "--devices", "1,2,3", "--batch-size-per-device", "16", "--steps", "2",
-                 "--warmup", "1", "--observed-steps", "1", "--no-progress", "--json", str(out), "--png", str(png)])
+    code = main(
+        [
+            "bench",
+            "--example",
+            "digits",
+            "--devices",
+            "1,2,3",
+            "--batch-size-per-device",
+            "16",
+            "--steps",
+            "2",
+            "--warmup",
+            "1",
+            "--observed-steps",
+            "1",
+            "--no-progress",
+            "--json",
+            str(out),
+            "--png",
+            str(png),
+        ]
+    )
     assert code == 0
     data = json.loads(out.read_text())
     configurations = [(r["strategy"], r["devices"]) for r in data["results"]]
@@ -33,7 +53,9 @@ def test_bench_runs_every_strategy_and_device_count(tmp_path, capsys):
 
 def test_lost_efficiency_is_split_among_the_phases_that_grew():
     baseline = ConfigResult("single", 1, 0.010, [0.010], {"forward": 0.004, "backward": 0.005})
-    two = ConfigResult("dp", 2, 0.020, [0.020], {"forward": 0.004, "backward": 0.005, "replicate": 0.003, "gather": 0.001})
+    two = ConfigResult(
+        "dp", 2, 0.020, [0.020], {"forward": 0.004, "backward": 0.005, "replicate": 0.003, "gather": 0.001}
+    )
     two.speedup, two.efficiency = 1.0, 0.5
     lost = lost_by_phase(two, baseline)
     assert abs(sum(lost.values()) - 0.5) < 1e-9  # half the step is lost against one device

@@ -9,7 +9,9 @@ from dpkit.cli.main import main
 
 def test_runs_the_script_once_per_process_with_its_arguments(tmp_path):
     script = tmp_path / "touch.py"
-    script.write_text("import os, sys\nopen(os.path.join(sys.argv[1], 'rank' + os.environ['RANK'] + sys.argv[2]), 'w').close()\n")
+    script.write_text(
+        "import os, sys\nopen(os.path.join(sys.argv[1], 'rank' + os.environ['RANK'] + sys.argv[2]), 'w').close()\n"
+    )
     assert main(["launch", "--nproc-per-node", "2", str(script), str(tmp_path), "-x"]) == 0
     assert sorted(p.name for p in tmp_path.glob("rank*")) == ["rank0-x", "rank1-x"]
 

@@ -7,7 +7,9 @@ from dpkit.examples.digits import DigitsMLP
 
 
 def test_demo_trains_reports_and_saves_a_clean_checkpoint(tmp_path, capsys):
-    code = main(["demo", "--accelerator", "cpu", "--devices", "2", "--epochs", "20", "--out", str(tmp_path), "--no-progress"])
+    code = main(
+        ["demo", "--accelerator", "cpu", "--devices", "2", "--epochs", "20", "--out", str(tmp_path), "--no-progress"]
+    )
     out = capsys.readouterr().out
     assert code == 0, out
     accuracy = float(re.search(r"held-out accuracy: ([0-9.]+)", out).group(1))

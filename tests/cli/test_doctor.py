@@ -6,9 +6,18 @@ import torch
 
 from dpkit.cli.doctor import format_report, parse_bytes
 from dpkit.cli.main import main
-from dpkit.tools.doctor import (Comparison, DoctorOptions, algorithm_bandwidth, bus_bandwidth, bus_bandwidth_factor,
-                          collective_rows, measure_cpu_copy, message_sizes, run_doctor)
 from dpkit.plan.catalogue import Catalogue
+from dpkit.tools.doctor import (
+    Comparison,
+    DoctorOptions,
+    algorithm_bandwidth,
+    bus_bandwidth,
+    bus_bandwidth_factor,
+    collective_rows,
+    measure_cpu_copy,
+    message_sizes,
+    run_doctor,
+)
 
 
 @pytest.mark.parametrize("world_size, factor", [(1, 0.0), (2, 1.0), (4, 1.5), (8, 1.75)])
@@ -19,7 +28,9 @@ def test_all_reduce_bus_factor_is_two_n_minus_one_over_n(world_size, factor):
 
 @pytest.mark.parametrize("world_size", [2, 3, 8])
 def test_broadcast_bus_bandwidth_is_algorithm_bandwidth(world_size):
-    assert bus_bandwidth("broadcast", 4096, 2e-6, world_size) == algorithm_bandwidth(4096, 2e-6) == pytest.approx(2.048e9)
+    assert (
+        bus_bandwidth("broadcast", 4096, 2e-6, world_size) == algorithm_bandwidth(4096, 2e-6) == pytest.approx(2.048e9)
+    )
 
 
 def test_bandwidth_arguments_checked():
@@ -45,10 +56,14 @@ def test_parse_bytes():
 
 
 def test_collective_rows_ratio_and_low_flag_only_at_the_largest_size():
-    timings = [{"collective": "all_reduce", "size_bytes": 4096, "seconds": 1e-3},
-               {"collective": "all_reduce", "size_bytes": 2**20, "seconds": 1e-3}]
+    timings = [
+        {"collective": "all_reduce", "size_bytes": 4096, "seconds": 1e-3},
+        {"collective": "all_reduce", "size_bytes": 2**20, "seconds": 1e-3},
+    ]
     pcie4 = Catalogue.load().link("pcie4")
-    rows = collective_rows(timings, 4, Comparison(pcie4.name, pcie4.nominal_bytes_per_second, pcie4.achieved_bytes_per_second))
+    rows = collective_rows(
+        timings, 4, Comparison(pcie4.name, pcie4.nominal_bytes_per_second, pcie4.achieved_bytes_per_second)
+    )
     for row in rows:
         assert row["busbw_bytes_per_second"] == pytest.approx(row["size_bytes"] / 1e-3 * 1.5)
         assert row["ratio"] == pytest.approx(row["busbw_bytes_per_second"] / 31.5e9)
@@ -67,8 +82,26 @@ def test_cpu_memory_copy_measured():
 
 def test_doctor_json_on_cpu_holds_measured_collectives(tmp_path, capsys):
     path = tmp_path / "doctor.json"
-    code = main(["doctor", "--accelerator", "cpu", "--max-bytes", "64K", "--iters", "3", "--warmup", "1",
-                 "--copy-bytes", "1M", "--link", "pcie4", "--no-progress", "--json", str(path)])
+    code = main(
+        [
+            "doctor",
+            "--accelerator",
+            "cpu",
+            "--max-bytes",
+            "64K",
+            "--iters",
+            "3",
+            "--warmup",
+            "1",
+            "--copy-bytes",
+            "1M",
+            "--link",
+            "pcie4",
+            "--no-progress",
+            "--json",
+            str(path),
+        ]
+    )
     assert code == 0
     report = json.loads(path.read_text())
     assert report["backend"] == "gloo" and report["world_size"] == 2
@@ -92,20 +125,31 @@ def test_doctor_json_on_cpu_holds_measured_collectives(tmp_path, capsys):
 
 
 def test_format_report_without_link_says_nothing_applies():
-    report = {"accelerator": "cpu", "backend": "gloo", "world_size": 2, "torch_version": torch.__version__,
-              "devices": {"cpu": {"cores": 2, "logical_cpus": 2, "torch_threads": 2, "torch_interop_threads": 2}, "cuda": []},
-              "peer_access": None, "copies": measure_cpu_copy(2**16, 1),
-              "collectives": collective_rows([{"collective": "broadcast", "size_bytes": 4096, "seconds": 1e-4}], 2, Comparison()),
-              "notes": ["CPU only: no catalogue link applies"]}
+    report = {
+        "accelerator": "cpu",
+        "backend": "gloo",
+        "world_size": 2,
+        "torch_version": torch.__version__,
+        "devices": {"cpu": {"cores": 2, "logical_cpus": 2, "torch_threads": 2, "torch_interop_threads": 2}, "cuda": []},
+        "peer_access": None,
+        "copies": measure_cpu_copy(2**16, 1),
+        "collectives": collective_rows(
+            [{"collective": "broadcast", "size_bytes": 4096, "seconds": 1e-4}], 2, Comparison()
+        ),
+        "notes": ["CPU only: no catalogue link applies"],
+    }
     text = format_report(report)
     assert "nothing" in text and "note: CPU only" in text and "broadcast" in text
 
 
-@pytest.mark.parametrize("argv, expected", [
-    (["--link", "nvlink9"], "--link: link: unknown link 'nvlink9'"),
-    (["--collectives", "all_reduce,gossip"], "--collectives"),
-    (["--iters", "0"], "--iters: expected an integer >= 1, got 0"),
-])
+@pytest.mark.parametrize(
+    "argv, expected",
+    [
+        (["--link", "nvlink9"], "--link: link: unknown link 'nvlink9'"),
+        (["--collectives", "all_reduce,gossip"], "--collectives"),
+        (["--iters", "0"], "--iters: expected an integer >= 1, got 0"),
+    ],
+)
 def test_bad_arguments_are_one_line(capsys, argv, expected):
     assert main(["doctor", "--accelerator", "cpu", "--no-progress", *argv]) == 2
     error = capsys.readouterr().err.strip()
@@ -121,8 +165,11 @@ def test_cuda_asked_without_gpu_is_refused():
 
 @pytest.mark.cuda
 def test_doctor_on_gpus():
-    report = run_doctor(DoctorOptions(accelerator="cuda", max_bytes=2**20, iterations=3, copy_bytes=2**24, copy_repeats=2,
-                                      progress=False))
+    report = run_doctor(
+        DoctorOptions(
+            accelerator="cuda", max_bytes=2**20, iterations=3, copy_bytes=2**24, copy_repeats=2, progress=False
+        )
+    )
     count = torch.cuda.device_count()
     assert report["backend"] == "nccl" and len(report["devices"]["cuda"]) == count
     kinds = [(row["kind"], row["memory"]) for row in report["copies"]]
@@ -139,7 +186,10 @@ def test_failed_worker_is_one_runtime_error_line():
     if torch.cuda.is_available():
         pytest.skip("needs a machine where NCCL workers fail: no GPU")
     from dpkit.tools.doctor import measure_collectives
+
     with pytest.raises(RuntimeError) as info:
-        measure_collectives("nccl", 2, [4096], ["all_reduce"], iterations=1, warmup=0, show_progress=False, timeout_seconds=30)
+        measure_collectives(
+            "nccl", 2, [4096], ["all_reduce"], iterations=1, warmup=0, show_progress=False, timeout_seconds=30
+        )
     message = str(info.value)
     assert message.startswith("doctor: a nccl worker failed") and "\n" not in message

@@ -18,10 +18,34 @@ def plan(tmp_path, *args):
 
 
 def test_json_has_the_contracted_shape_and_every_configuration(tmp_path):
-    data = plan(tmp_path, "--model", "gpt2-124m", "--gpu", "h100-sxm", "--link", "nvlink4", "--devices", "1,2,4,8",
-                "--batch-size-per-device", "8", "--precision", "bf16-mixed", "--png", str(tmp_path / "plan.png"))
-    keys = {"strategy", "devices", "nodes", "step_seconds", "samples_per_second", "speedup", "efficiency",
-            "peak_bytes_per_device", "breakdown"}
+    data = plan(
+        tmp_path,
+        "--model",
+        "gpt2-124m",
+        "--gpu",
+        "h100-sxm",
+        "--link",
+        "nvlink4",
+        "--devices",
+        "1,2,4,8",
+        "--batch-size-per-device",
+        "8",
+        "--precision",
+        "bf16-mixed",
+        "--png",
+        str(tmp_path / "plan.png"),
+    )
+    keys = {
+        "strategy",
+        "devices",
+        "nodes",
+        "step_seconds",
+        "samples_per_second",
+        "speedup",
+        "efficiency",
+        "peak_bytes_per_device",
+        "breakdown",
+    }
     assert all(keys <= set(p) for p in data["predictions"])
     configurations = {(p["strategy"], p["devices"]) for p in data["predictions"]}
     assert ("single", 1) in configurations and ("ddp", 8) in configurations and ("dp", 4) in configurations
@@ -34,8 +58,21 @@ def test_json_has_the_contracted_shape_and_every_configuration(tmp_path):
 
 
 def test_slow_link_recommends_ddp_and_names_the_bottleneck(tmp_path, capsys):
-    data = plan(tmp_path, "--model", "gpt2-124m", "--gpu", "h100-sxm", "--link", "pcie4", "--devices", "1,8",
-                "--batch-size-per-device", "8", "--precision", "bf16-mixed")
+    data = plan(
+        tmp_path,
+        "--model",
+        "gpt2-124m",
+        "--gpu",
+        "h100-sxm",
+        "--link",
+        "pcie4",
+        "--devices",
+        "1,8",
+        "--batch-size-per-device",
+        "8",
+        "--precision",
+        "bf16-mixed",
+    )
     assert data["recommendation"]["strategy"] == "ddp"
     reasons = " ".join(data["recommendation"]["reasons"])
     assert "bottleneck link: pcie4" in reasons and "DP reaches only" in reasons
@@ -43,31 +80,114 @@ def test_slow_link_recommends_ddp_and_names_the_bottleneck(tmp_path, capsys):
 
 
 def test_a_factory_is_measured_and_numbers_can_be_given(tmp_path):
-    measured = plan(tmp_path, "--model", "widths:narrow", "--input-shape", "64", "--gpu", "t4", "--link", "pcie3",
-                    "--batch-size-per-device", "32", "--devices", "1,2")
+    measured = plan(
+        tmp_path,
+        "--model",
+        "widths:narrow",
+        "--input-shape",
+        "64",
+        "--gpu",
+        "t4",
+        "--link",
+        "pcie3",
+        "--batch-size-per-device",
+        "32",
+        "--devices",
+        "1,2",
+    )
     assert measured["model"]["parameters"] == 64 * 512 + 512 + 512 * 512 + 512 + 512 * 10 + 10
-    given = plan(tmp_path, "--params", "125e6", "--flops-per-sample", "2.5e11", "--gpu", "a100-80gb-sxm", "--link", "nvlink3",
-                 "--batch-size-per-device", "16")
+    given = plan(
+        tmp_path,
+        "--params",
+        "125e6",
+        "--flops-per-sample",
+        "2.5e11",
+        "--gpu",
+        "a100-80gb-sxm",
+        "--link",
+        "nvlink3",
+        "--batch-size-per-device",
+        "16",
+    )
     assert given["model"]["parameters"] == 125_000_000
 
 
 def test_calibration_plans_this_machine(tmp_path):
     bench = tmp_path / "bench.json"
-    assert main(["bench", "--model", "widths:narrow", "--input-shape", "64", "--strategies", "single,dp", "--devices", "1,2",
-                 "--steps", "3", "--warmup", "1", "--observed-steps", "0", "--no-progress", "--json", str(bench)]) == 0
-    data = plan(tmp_path, "--model", "widths:narrow", "--input-shape", "64", "--calibration", str(bench),
-                "--batch-size-per-device", "64", "--devices", "1,2", "--strategies", "single,dp")
+    assert (
+        main(
+            [
+                "bench",
+                "--model",
+                "widths:narrow",
+                "--input-shape",
+                "64",
+                "--strategies",
+                "single,dp",
+                "--devices",
+                "1,2",
+                "--steps",
+                "3",
+                "--warmup",
+                "1",
+                "--observed-steps",
+                "0",
+                "--no-progress",
+                "--json",
+                str(bench),
+            ]
+        )
+        == 0
+    )
+    data = plan(
+        tmp_path,
+        "--model",
+        "widths:narrow",
+        "--input-shape",
+        "64",
+        "--calibration",
+        str(bench),
+        "--batch-size-per-device",
+        "64",
+        "--devices",
+        "1,2",
+        "--strategies",
+        "single,dp",
+    )
     assert data["hardware"]["gpu"] == "virtual CPU device"
     assert "fitted" in data["constants"]["source"]
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--model", "gpt2-124m", "--gpu", "h100-sxm", "--batch-size-per-device", "8"], "--gpu/--link"),
-    (["--model", "gpt2-124m", "--gpu", "h99", "--link", "nvlink4", "--batch-size-per-device", "8"], "h99"),
-    (["--model", "widths:narrow", "--gpu", "t4", "--link", "pcie3", "--batch-size-per-device", "8"], "--input-shape"),
-    (["--model", "gpt2-124m", "--gpu", "t4", "--link", "pcie3", "--batch-size-per-device", "8", "--strategies", "fsdp"], "fsdp"),
-    (["--model", "gpt2-124m", "--gpu", "t4", "--link", "pcie3", "--batch-size-per-device", "8", "--nodes", "2"], "--network"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--model", "gpt2-124m", "--gpu", "h100-sxm", "--batch-size-per-device", "8"], "--gpu/--link"),
+        (["--model", "gpt2-124m", "--gpu", "h99", "--link", "nvlink4", "--batch-size-per-device", "8"], "h99"),
+        (
+            ["--model", "widths:narrow", "--gpu", "t4", "--link", "pcie3", "--batch-size-per-device", "8"],
+            "--input-shape",
+        ),
+        (
+            [
+                "--model",
+                "gpt2-124m",
+                "--gpu",
+                "t4",
+                "--link",
+                "pcie3",
+                "--batch-size-per-device",
+                "8",
+                "--strategies",
+                "fsdp",
+            ],
+            "fsdp",
+        ),
+        (
+            ["--model", "gpt2-124m", "--gpu", "t4", "--link", "pcie3", "--batch-size-per-device", "8", "--nodes", "2"],
+            "--network",
+        ),
+    ],
+)
 def test_bad_arguments_get_one_line(args, message, capsys):
     assert main(["plan", *args]) == 2
     err = capsys.readouterr().err.strip().splitlines()

@@ -8,7 +8,19 @@ import pytest
 
 from dpkit.cli.main import main
 
-SMALL = ["--accelerator", "cpu", "--devices", "4", "--batch-size", "256", "--steps", "2", "--warmup", "3", "--no-progress"]
+SMALL = [
+    "--accelerator",
+    "cpu",
+    "--devices",
+    "4",
+    "--batch-size",
+    "256",
+    "--steps",
+    "2",
+    "--warmup",
+    "3",
+    "--no-progress",
+]
 
 
 def run_profile(tmp_path, strategy, *extra):
@@ -55,19 +67,42 @@ def test_single_and_a_user_model(tmp_path, monkeypatch):
     package = tmp_path / "mymodels"
     package.mkdir()
     (package / "__init__.py").write_text("")
-    (package / "tiny.py").write_text(textwrap.dedent("""
+    (package / "tiny.py").write_text(
+        textwrap.dedent("""
         import torch
         def build():
             return torch.nn.Sequential(torch.nn.Linear(5, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3))
         def data(seed):
             g = torch.Generator().manual_seed(seed)
             return torch.randn(64, 5, generator=g), torch.randint(0, 3, (64,), generator=g)
-    """))
+    """)
+    )
     monkeypatch.syspath_prepend(str(tmp_path))
     out = tmp_path / "single.json"
-    code = main(["profile", "--model", "mymodels.tiny:build", "--data", "mymodels.tiny:data", "--strategy", "single",
-                 "--accelerator", "cpu", "--devices", "2", "--batch-size", "16", "--steps", "1", "--warmup", "0",
-                 "--no-progress", "--json", str(out)])
+    code = main(
+        [
+            "profile",
+            "--model",
+            "mymodels.tiny:build",
+            "--data",
+            "mymodels.tiny:data",
+            "--strategy",
+            "single",
+            "--accelerator",
+            "cpu",
+            "--devices",
+            "2",
+            "--batch-size",
+            "16",
+            "--steps",
+            "1",
+            "--warmup",
+            "0",
+            "--no-progress",
+            "--json",
+            str(out),
+        ]
+    )
     assert code == 0
     report = json.loads(out.read_text())
     assert [d["device"] for d in report["devices"]] == ["cpu:0"] and report["imbalance"] == 1.0
@@ -86,8 +121,18 @@ def param_bytes_of_wide_output(dtype_bytes=4):
 
 
 def test_replicated_reports_every_replica_on_its_own_device(tmp_path):
-    report = run_profile(tmp_path, "replicated", "--devices", "3", "--batch-size", "96", "--warmup", "1",
-                         "--trace", str(tmp_path / "replicated_trace.json"))
+    report = run_profile(
+        tmp_path,
+        "replicated",
+        "--devices",
+        "3",
+        "--batch-size",
+        "96",
+        "--warmup",
+        "1",
+        "--trace",
+        str(tmp_path / "replicated_trace.json"),
+    )
     assert [d["device"] for d in report["devices"]] == ["cpu:0", "cpu:1", "cpu:2"]
     for entry in report["devices"]:
         # each replica's own parameters, and its own optimizer's state, on its own device's books
@@ -102,8 +147,9 @@ def test_replicated_reports_every_replica_on_its_own_device(tmp_path):
 
 def test_ddp_writes_one_report_with_every_rank_and_its_all_reduce(tmp_path):
     small = ["--devices", "2", "--batch-size", "64", "--warmup", "1", "--dtype", "float64"]
-    report = run_profile(tmp_path, "ddp", *small, "--trace", str(tmp_path / "ddp_trace.json"),
-                         "--png", str(tmp_path / "ddp.png"))
+    report = run_profile(
+        tmp_path, "ddp", *small, "--trace", str(tmp_path / "ddp_trace.json"), "--png", str(tmp_path / "ddp.png")
+    )
     assert report["processes"] == 2
     assert [d["device"] for d in report["devices"]] == ["cpu:0", "cpu:1"]
     assert [d["rows"] for d in report["devices"]] == [32, 32] and report["steps"] == 2
@@ -114,7 +160,10 @@ def test_ddp_writes_one_report_with_every_rank_and_its_all_reduce(tmp_path):
         assert entry["peak_bytes_by_category"]["parameters"] == param_bytes_of_wide_output(8)
     trace = json.loads((tmp_path / "ddp_trace.json").read_text())["traceEvents"]
     tracks = {e["args"]["name"]: e["tid"] for e in trace if e.get("name") == "thread_name"}
-    assert {e["tid"] for e in trace if e["ph"] == "X" and e["name"] == "all_reduce"} == {tracks["cpu:0"], tracks["cpu:1"]}
+    assert {e["tid"] for e in trace if e["ph"] == "X" and e["name"] == "all_reduce"} == {
+        tracks["cpu:0"],
+        tracks["cpu:1"],
+    }
     assert (tmp_path / "ddp.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     # the global batch's loss after three Adam steps equals one device's, as ddp promises
     single = run_profile(tmp_path, "single", *small)

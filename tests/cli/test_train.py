@@ -3,7 +3,12 @@
 from __future__ import annotations
 
 import json
+import re
+import signal
+import subprocess
+import sys
 import textwrap
+import time
 
 import pytest
 import torch
@@ -21,8 +26,31 @@ FACTORY = textwrap.dedent("""
 
 def test_writes_a_clean_model_and_metrics(tmp_path):
     out = tmp_path / "run"
-    assert main(["train", "--strategy", "replicated", "--accelerator", "cpu", "--devices", "2", "--steps", "4",
-                 "--batch-size", "33", "--seed", "1", "--lr", "0.05", "--out", str(out), "--no-progress"]) == 0
+    assert (
+        main(
+            [
+                "train",
+                "--strategy",
+                "replicated",
+                "--accelerator",
+                "cpu",
+                "--devices",
+                "2",
+                "--steps",
+                "4",
+                "--batch-size",
+                "33",
+                "--seed",
+                "1",
+                "--lr",
+                "0.05",
+                "--out",
+                str(out),
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
     model = DigitsMLP()
     model.load_state_dict(torch.load(out / "model.pt", weights_only=True))
     metrics = json.loads((out / "metrics.json").read_text())
@@ -33,8 +61,29 @@ def test_writes_a_clean_model_and_metrics(tmp_path):
 
 def test_accumulate_counts_optimizer_steps(tmp_path):
     out = tmp_path / "run"
-    assert main(["train", "--strategy", "dp", "--accelerator", "cpu", "--devices", "2", "--steps", "3", "--accumulate", "2",
-                 "--batch-size", "16", "--out", str(out), "--no-progress"]) == 0
+    assert (
+        main(
+            [
+                "train",
+                "--strategy",
+                "dp",
+                "--accelerator",
+                "cpu",
+                "--devices",
+                "2",
+                "--steps",
+                "3",
+                "--accumulate",
+                "2",
+                "--batch-size",
+                "16",
+                "--out",
+                str(out),
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
     assert len(json.loads((out / "metrics.json").read_text())["loss"]) == 3
 
 
@@ -42,19 +91,41 @@ def test_a_user_model_factory(tmp_path, monkeypatch):
     (tmp_path / "my_models.py").write_text(FACTORY)
     monkeypatch.syspath_prepend(str(tmp_path))
     out = tmp_path / "run"
-    assert main(["train", "--model", "my_models:tiny", "--strategy", "dp", "--accelerator", "cpu", "--devices", "2",
-                 "--steps", "3", "--out", str(out), "--no-progress"]) == 0
+    assert (
+        main(
+            [
+                "train",
+                "--model",
+                "my_models:tiny",
+                "--strategy",
+                "dp",
+                "--accelerator",
+                "cpu",
+                "--devices",
+                "2",
+                "--steps",
+                "3",
+                "--out",
+                str(out),
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
     state = torch.load(out / "model.pt", weights_only=True)
     assert list(state) == ["0.weight", "0.bias", "2.weight", "2.bias"]
 
 
-@pytest.mark.parametrize("argv,message", [
-    (["--steps", "0"], "--steps: expected a positive int, got 0"),
-    (["--batch-size", "0"], "--batch-size: expected a positive int, got 0"),
-    (["--example", "imagenet"], "--example: unknown example 'imagenet'"),
-    (["--model", "no_such_module:build"], "cannot import 'no_such_module'"),
-    (["--strategy", "single", "--devices", "2"], "--devices 1"),
-])
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["--steps", "0"], "--steps: expected a positive int, got 0"),
+        (["--batch-size", "0"], "--batch-size: expected a positive int, got 0"),
+        (["--example", "imagenet"], "--example: unknown example 'imagenet'"),
+        (["--model", "no_such_module:build"], "cannot import 'no_such_module'"),
+        (["--strategy", "single", "--devices", "2"], "--devices 1"),
+    ],
+)
 def test_errors_name_the_argument(tmp_path, capsys, argv, message):
     assert main(["train", "--accelerator", "cpu", "--out", str(tmp_path), "--no-progress", *argv]) == 2
     assert message in capsys.readouterr().err
@@ -62,16 +133,25 @@ def test_errors_name_the_argument(tmp_path, capsys, argv, message):
 
 # --- checkpoints, signals and resume --------------------------------------------------------------------
 
-import re
-import signal
-import subprocess
-import sys
-import time
-
 
 def _train_process(out, *argv):
-    return subprocess.Popen([sys.executable, "-m", "dpkit.cli.main", "train", "--accelerator", "cpu", "--no-progress",
-                             "--out", str(out), *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "dpkit.cli.main",
+            "train",
+            "--accelerator",
+            "cpu",
+            "--no-progress",
+            "--out",
+            str(out),
+            *argv,
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def _wait_for_state(out, process, timeout_seconds=120):
@@ -99,18 +179,54 @@ def test_a_signal_saves_the_state_and_resume_ends_with_the_uninterrupted_weights
     lines = _dpkit_lines(stderr)
     assert len(lines) == 1 and "Traceback" not in stderr, stderr
     stopped_at = int(lines[0].split(" at step ")[1].split()[0])
-    assert lines[0].startswith("dpkit train: stopped by ") and f"state saved in {tmp_path / 'stopped' / 'state'}" in lines[0]
+    assert (
+        lines[0].startswith("dpkit train: stopped by ")
+        and f"state saved in {tmp_path / 'stopped' / 'state'}" in lines[0]
+    )
     assert lines[0].endswith("--resume") and "resume with: dpkit train " in lines[0]
 
     # resume to a few steps past the stop, and an uninterrupted run of as many steps: the same, bitwise
     total = stopped_at + 3
-    assert main(["train", "--accelerator", "cpu", "--no-progress", "--out", str(tmp_path / "stopped"), "--steps", str(total),
-                 "--checkpoint-every", "4", "--resume", *flags]) == 0
-    assert main(["train", "--accelerator", "cpu", "--no-progress", "--out", str(tmp_path / "whole"), "--steps", str(total),
-                 *flags]) == 0
+    assert (
+        main(
+            [
+                "train",
+                "--accelerator",
+                "cpu",
+                "--no-progress",
+                "--out",
+                str(tmp_path / "stopped"),
+                "--steps",
+                str(total),
+                "--checkpoint-every",
+                "4",
+                "--resume",
+                *flags,
+            ]
+        )
+        == 0
+    )
+    assert (
+        main(
+            [
+                "train",
+                "--accelerator",
+                "cpu",
+                "--no-progress",
+                "--out",
+                str(tmp_path / "whole"),
+                "--steps",
+                str(total),
+                *flags,
+            ]
+        )
+        == 0
+    )
     resumed, whole = (torch.load(tmp_path / name / "model.pt", weights_only=True) for name in ("stopped", "whole"))
     assert all(torch.equal(resumed[key], whole[key]) for key in whole)
-    resumed_metrics, whole_metrics = (json.loads((tmp_path / name / "metrics.json").read_text()) for name in ("stopped", "whole"))
+    resumed_metrics, whole_metrics = (
+        json.loads((tmp_path / name / "metrics.json").read_text()) for name in ("stopped", "whole")
+    )
     assert resumed_metrics["loss"] == whole_metrics["loss"] and len(whole_metrics["loss"]) == total
     assert resumed_metrics["resumed"] is True
 
@@ -124,8 +240,11 @@ def test_ctrl_c_without_checkpoints_is_one_line_and_130(tmp_path):
     assert process.returncode == 130
     lines = _dpkit_lines(stderr)
     assert len(lines) == 1 and "Traceback" not in stderr, stderr
-    assert re.fullmatch(r"dpkit train: stopped by Ctrl-C \(SIGINT\) at step \d+ of 100000; nothing saved yet "
-                        r"\(--checkpoint-every K saves state to resume from\)", lines[0]), lines[0]
+    assert re.fullmatch(
+        r"dpkit train: stopped by Ctrl-C \(SIGINT\) at step \d+ of 100000; nothing saved yet "
+        r"\(--checkpoint-every K saves state to resume from\)",
+        lines[0],
+    ), lines[0]
     assert not (tmp_path / "run" / "model.pt").exists()
 
 
@@ -138,11 +257,33 @@ def test_ctrl_c_under_ddp_is_one_line_130_and_resumable(tmp_path):
     assert process.returncode == 130
     lines = _dpkit_lines(stderr)
     assert len(lines) == 1 and "Traceback" not in stderr and "SignalException" not in stderr, stderr
-    assert lines[0].startswith("dpkit train: stopped by Ctrl-C (SIGINT); state saved in ") and lines[0].endswith("--resume")
+    assert lines[0].startswith("dpkit train: stopped by Ctrl-C (SIGINT); state saved in ") and lines[0].endswith(
+        "--resume"
+    )
     # the state a ddp run saved continues under another strategy
     saved = json.loads((out / "run.json").read_text())
     assert saved["steps"] == 100000
     steps_saved = max(int(p.name.split("-")[1]) for p in (out / "state").glob("step-*"))
-    assert main(["train", "--accelerator", "cpu", "--no-progress", "--out", str(out), "--strategy", "replicated", "--devices", "2",
-                 "--steps", str(steps_saved + 2), "--checkpoint-every", "3", "--resume"]) == 0
+    assert (
+        main(
+            [
+                "train",
+                "--accelerator",
+                "cpu",
+                "--no-progress",
+                "--out",
+                str(out),
+                "--strategy",
+                "replicated",
+                "--devices",
+                "2",
+                "--steps",
+                str(steps_saved + 2),
+                "--checkpoint-every",
+                "3",
+                "--resume",
+            ]
+        )
+        == 0
+    )
     assert len(json.loads((out / "metrics.json").read_text())["loss"]) == steps_saved + 2

@@ -18,9 +18,16 @@ TOLERANCE = 1e-5
 def bn_cnn(seed=0):
     torch.manual_seed(seed)
     model = nn.Sequential(
-        nn.Conv2d(3, 6, 3, padding=1), nn.BatchNorm2d(6), nn.ReLU(),
-        nn.Conv2d(6, 4, 3, padding=1), nn.BatchNorm2d(4, momentum=None), nn.ReLU(),
-        nn.Flatten(), nn.Linear(4 * 5 * 5, 8), nn.BatchNorm1d(8), nn.Linear(8, 3),
+        nn.Conv2d(3, 6, 3, padding=1),
+        nn.BatchNorm2d(6),
+        nn.ReLU(),
+        nn.Conv2d(6, 4, 3, padding=1),
+        nn.BatchNorm2d(4, momentum=None),
+        nn.ReLU(),
+        nn.Flatten(),
+        nn.Linear(4 * 5 * 5, 8),
+        nn.BatchNorm1d(8),
+        nn.Linear(8, 3),
     )
     return nn.SyncBatchNorm.convert_sync_batchnorm(model)
 

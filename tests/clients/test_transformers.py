@@ -14,7 +14,9 @@ TOLERANCE = 1e-5
 
 
 def hook_count(model):
-    return sum(len(m._forward_hooks) + len(m._forward_pre_hooks) + len(m._forward_hooks_with_kwargs) for m in model.modules())
+    return sum(
+        len(m._forward_hooks) + len(m._forward_pre_hooks) + len(m._forward_hooks_with_kwargs) for m in model.modules()
+    )
 
 
 def grads(model):
@@ -29,9 +31,17 @@ def assert_same_grads(model, reference):
 
 
 def tiny_bert():
-    config = transformers.BertConfig(vocab_size=60, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
-                                     intermediate_size=32, max_position_embeddings=32, attn_implementation="eager",
-                                     hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    config = transformers.BertConfig(
+        vocab_size=60,
+        hidden_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=32,
+        max_position_embeddings=32,
+        attn_implementation="eager",
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+    )
     return transformers.BertModel(config)
 
 
@@ -48,8 +58,10 @@ def test_bert_with_hidden_states_and_attentions_matches_and_leaves_the_model_alo
     expected = reference(input_ids=ids, attention_mask=mask, output_hidden_states=True, output_attentions=True)
     assert len(out.hidden_states) == len(expected.hidden_states) == 3
     assert len(out.attentions) == len(expected.attentions) == 2
-    for got, want in zip((out.last_hidden_state, *out.hidden_states, *out.attentions),
-                         (expected.last_hidden_state, *expected.hidden_states, *expected.attentions)):
+    for got, want in zip(
+        (out.last_hidden_state, *out.hidden_states, *out.attentions),
+        (expected.last_hidden_state, *expected.hidden_states, *expected.attentions),
+    ):
         assert torch.allclose(got, want, atol=TOLERANCE)
     (out.last_hidden_state.pow(2).mean() + out.pooler_output.sum()).backward()
     (expected.last_hidden_state.pow(2).mean() + expected.pooler_output.sum()).backward()
@@ -57,12 +69,24 @@ def test_bert_with_hidden_states_and_attentions_matches_and_leaves_the_model_alo
     # the user's bare model is unchanged: no hooks added, the same outputs
     assert hook_count(model) == hooks_before
     bare = model(input_ids=ids, attention_mask=mask, output_hidden_states=True)
-    assert len(bare.hidden_states) == 3 and torch.allclose(bare.last_hidden_state, expected.last_hidden_state, atol=TOLERANCE)
+    assert len(bare.hidden_states) == 3 and torch.allclose(
+        bare.last_hidden_state, expected.last_hidden_state, atol=TOLERANCE
+    )
 
 
 def tiny_gpt2():
-    config = transformers.GPT2Config(vocab_size=50, n_positions=16, n_embd=16, n_layer=2, n_head=2, bos_token_id=49, eos_token_id=49,
-                                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    config = transformers.GPT2Config(
+        vocab_size=50,
+        n_positions=16,
+        n_embd=16,
+        n_layer=2,
+        n_head=2,
+        bos_token_id=49,
+        eos_token_id=49,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+    )
     return transformers.GPT2LMHeadModel(config)
 
 

@@ -1,7 +1,7 @@
 """CPU memory accounting against known tensor sizes: right device, right category, gone when freed."""
 
-import importlib
 import gc
+import importlib
 
 import pytest
 import torch
@@ -50,6 +50,7 @@ def test_replica_thread_allocation_is_charged_to_its_device():
         with obs.replica(3, device):
             kept = torch.zeros(4096, dtype=torch.float32)  # 16384 bytes, activations of cpu:3
             from dpkit.observe import replica_phase
+
             with replica_phase("loss"):
                 loss_part = torch.zeros(16, dtype=torch.float64)  # 128 bytes, loss of cpu:3
             return kept, loss_part
@@ -108,8 +109,11 @@ def test_nothing_runs_when_no_observer_is_started(monkeypatch):
     replicate_calls = []
     data_parallel_module = importlib.import_module("dpkit.parallel.data_parallel")  # the attribute is torch's verb
     original = data_parallel_module.replicate
-    monkeypatch.setattr(data_parallel_module, "replicate",
-                        lambda module, devices, primary: replicate_calls.append(list(devices)) or original(module, devices, primary))
+    monkeypatch.setattr(
+        data_parallel_module,
+        "replicate",
+        lambda module, devices, primary: replicate_calls.append(list(devices)) or original(module, devices, primary),
+    )
     dp = dpkit.DataParallel(nn.Linear(4, 4), dpkit.cpu_devices(2))
     dp(torch.randn(4, 4))
     assert replicate_calls == [dpkit.cpu_devices(2)]  # all at once: no per-device phase for anyone to time
@@ -133,10 +137,8 @@ def test_observers_nest_and_stop_in_any_order():
 
 
 def test_unknown_phase_is_a_clear_error():
-    with Observer() as obs:
-        with pytest.raises(ValueError, match="phase: unknown phase 'fwd'"):
-            with obs.phase("fwd"):
-                pass
+    with Observer() as obs, pytest.raises(ValueError, match="phase: unknown phase 'fwd'"), obs.phase("fwd"):
+        pass
 
 
 @pytest.mark.cuda

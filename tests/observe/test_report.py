@@ -33,9 +33,22 @@ def test_every_phase_of_a_data_parallel_step_is_timed_on_its_device():
 
 
 def test_imbalance_table_json_and_trace(tmp_path):
-    categories = {"parameters": 60, "gradients": 0, "optimizer_state": 0, "activations": 40, "gathered_outputs": 0, "loss": 0, "other": 0}
-    report = Report([DeviceReport("cpu:0", 3, 300, dict(categories, other=200), {"forward": 0.5}),
-                     DeviceReport("cpu:1", 5, 100, categories, {"forward": 0.25})], steps=2)
+    categories = {
+        "parameters": 60,
+        "gradients": 0,
+        "optimizer_state": 0,
+        "activations": 40,
+        "gathered_outputs": 0,
+        "loss": 0,
+        "other": 0,
+    }
+    report = Report(
+        [
+            DeviceReport("cpu:0", 3, 300, dict(categories, other=200), {"forward": 0.5}),
+            DeviceReport("cpu:1", 5, 100, categories, {"forward": 0.25}),
+        ],
+        steps=2,
+    )
     assert report.imbalance == 300 / 200
     data = json.loads(report.save_json(tmp_path / "r.json").read_text())
     assert data["imbalance"] == 1.5 and data["devices"][1]["rows"] == 5
@@ -61,10 +74,18 @@ def test_trace_has_a_track_per_device_with_complete_events(tmp_path):
 def test_reports_of_several_processes_merge_on_one_time_axis():
     from dpkit.observe.timing import Span
 
-    first = Report([DeviceReport("cpu:0", 4, 100, {}, {"all_reduce": 0.5}, {}, {"all_reduce": 0.2})], steps=3,
-                   spans=[Span("cpu:0", "forward", 1.0, 0.5)], clock_origin_unix_seconds=1000.0)
-    second = Report([DeviceReport("cpu:1", 4, 300, {}, {"all_reduce": 0.4})], steps=3,
-                    spans=[Span("cpu:1", "forward", 1.0, 0.5)], clock_origin_unix_seconds=1000.25)
+    first = Report(
+        [DeviceReport("cpu:0", 4, 100, {}, {"all_reduce": 0.5}, {}, {"all_reduce": 0.2})],
+        steps=3,
+        spans=[Span("cpu:0", "forward", 1.0, 0.5)],
+        clock_origin_unix_seconds=1000.0,
+    )
+    second = Report(
+        [DeviceReport("cpu:1", 4, 300, {}, {"all_reduce": 0.4})],
+        steps=3,
+        spans=[Span("cpu:1", "forward", 1.0, 0.5)],
+        clock_origin_unix_seconds=1000.25,
+    )
     merged = Report.merged([first, second])
     assert [d.device for d in merged.devices] == ["cpu:0", "cpu:1"] and merged.steps == 3
     assert merged.imbalance == 300 / 200

@@ -120,10 +120,12 @@ def test_an_optimizer_is_timed_on_the_device_that_holds_its_parameters():
 
 
 def test_a_replica_phase_must_be_a_known_phase():
-    with Observer("cpu:0"):
-        with pytest.raises(ValueError, match="replica_phase: unknown phase 'fwd'"):
-            with hooks.replica_phase("fwd"):
-                pass
+    with (
+        Observer("cpu:0"),
+        pytest.raises(ValueError, match="replica_phase: unknown phase 'fwd'"),
+        hooks.replica_phase("fwd"),
+    ):
+        pass
 
 
 @pytest.mark.parametrize("strategy, devices", [("single", 1), ("dp", 2)])

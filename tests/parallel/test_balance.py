@@ -8,13 +8,14 @@ import torch
 import torch.nn.functional as F
 
 import dpkit
-data_parallel_module = importlib.import_module("dpkit.parallel.data_parallel")  # dpkit.parallel.data_parallel is the function, as in torch
 from dpkit.examples.wide_output import WideOutputNet
 from dpkit.observe import Observer
 from dpkit.observe.measured_balance import Balancer
 from dpkit.observe.report import DeviceReport, Report
 from dpkit.parallel.balance import CALIBRATION_CALLS, LinearCost, fill_rows, fit_linear, solve, spread_within_slack
 
+# dpkit.parallel.data_parallel is the function, as in torch; this is the module
+data_parallel_module = importlib.import_module("dpkit.parallel.data_parallel")
 CLASSES, HIDDEN, BATCH = 20_000, 32, 256
 
 
@@ -90,7 +91,9 @@ def test_one_device_needs_no_balance():
 
 def fake_report(peaks, seconds=None):
     seconds = seconds or [0.0] * len(peaks)
-    return Report([DeviceReport(f"cpu:{i}", None, peak, {}, {"forward": s}) for i, (peak, s) in enumerate(zip(peaks, seconds))])
+    return Report(
+        [DeviceReport(f"cpu:{i}", None, peak, {}, {"forward": s}) for i, (peak, s) in enumerate(zip(peaks, seconds))]
+    )
 
 
 # ---- DataParallel(balance="memory") on the wide-output model ------------------------------------------
@@ -101,7 +104,9 @@ def wide_model():
 
 def batch(rows=BATCH, seed=0):
     generator = torch.Generator().manual_seed(seed)
-    return torch.randn(rows, 64, generator=generator, dtype=torch.float64), torch.randint(0, CLASSES, (rows,), generator=generator)
+    return torch.randn(rows, 64, generator=generator, dtype=torch.float64), torch.randint(
+        0, CLASSES, (rows,), generator=generator
+    )
 
 
 def calibrate(dp, steps=4, rows=BATCH):
@@ -148,12 +153,17 @@ def test_a_device_limit_is_never_exceeded_and_a_device_that_holds_nothing_gets_n
     limit = cost.fixed[2] + cost.per_row[2] * (free_sizes[2] // 2)
     limits = [None, cost.fixed[1] * 0.5, limit]
     model = wide_model()
-    dp = dpkit.DataParallel(model, dpkit.cpu_devices(3), loss_fn=F.cross_entropy, balance="memory", max_bytes_per_device=limits)
+    dp = dpkit.DataParallel(
+        model, dpkit.cpu_devices(3), loss_fn=F.cross_entropy, balance="memory", max_bytes_per_device=limits
+    )
     optimizer = calibrate(dp)
     replicated_to = []
     original = data_parallel_module.replicate
-    monkeypatch.setattr(data_parallel_module, "replicate",
-                        lambda module, devices, primary: replicated_to.extend(devices) or original(module, devices, primary))
+    monkeypatch.setattr(
+        data_parallel_module,
+        "replicate",
+        lambda module, devices, primary: replicated_to.extend(devices) or original(module, devices, primary),
+    )
     x, y = batch(seed=11)
     optimizer.zero_grad(set_to_none=True)
     with Observer(models=[model], optimizers=[optimizer]) as obs:
@@ -168,16 +178,24 @@ def test_a_device_limit_is_never_exceeded_and_a_device_that_holds_nothing_gets_n
 def test_zero_row_chunk_is_not_replicated(monkeypatch):
     replicated_to = []
     original = data_parallel_module.replicate
-    monkeypatch.setattr(data_parallel_module, "replicate",
-                        lambda module, devices, primary: replicated_to.extend(devices) or original(module, devices, primary))
+    monkeypatch.setattr(
+        data_parallel_module,
+        "replicate",
+        lambda module, devices, primary: replicated_to.extend(devices) or original(module, devices, primary),
+    )
     dp = dpkit.DataParallel(torch.nn.Linear(3, 2), dpkit.cpu_devices(3), chunk_sizes=[2, 0, 2])
     assert dp(torch.randn(4, 3)).shape == (4, 2)
     assert replicated_to == [torch.device("cpu", 0), torch.device("cpu", 2)]
 
 
 def test_impossible_limits_are_a_clear_error():
-    dp = dpkit.DataParallel(wide_model(), dpkit.cpu_devices(2), loss_fn=F.cross_entropy, balance="memory",
-                            max_bytes_per_device=4 * 1024 * 1024)
+    dp = dpkit.DataParallel(
+        wide_model(),
+        dpkit.cpu_devices(2),
+        loss_fn=F.cross_entropy,
+        balance="memory",
+        max_bytes_per_device=4 * 1024 * 1024,
+    )
     with pytest.raises(ValueError, match="max_bytes_per_device"):
         calibrate(dp, steps=5)
 
@@ -253,9 +271,13 @@ def test_one_data_parallel_measures_through_the_planner_plugged_into_the_seam(mo
     from dpkit.parallel.data_parallel import DataParallel as ParallelDataParallel
 
     assert dpkit.DataParallel is dpkit.parallel.DataParallel is ParallelDataParallel
-    assert isinstance(ParallelDataParallel(torch.nn.Linear(3, 2), dpkit.cpu_devices(2), balance="memory").balancer, MeasuredBalance)
+    assert isinstance(
+        ParallelDataParallel(torch.nn.Linear(3, 2), dpkit.cpu_devices(2), balance="memory").balancer, MeasuredBalance
+    )
     monkeypatch.setattr(hooks, "_balance_planner", None)  # parallel/ alone measures nothing
-    with pytest.raises(ValueError, match="balance: 'memory' needs a planner that measures steps and none is plugged in"):
+    with pytest.raises(
+        ValueError, match="balance: 'memory' needs a planner that measures steps and none is plugged in"
+    ):
         ParallelDataParallel(torch.nn.Linear(3, 2), dpkit.cpu_devices(2), balance="memory")
 
     class FixedPlanner:  # the ChunkPlanner protocol: rows per call, finish() at the start of the next

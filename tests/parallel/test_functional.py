@@ -6,7 +6,6 @@ import pytest
 import torch
 from torch import nn
 
-import dpkit
 import dpkit.parallel as dp
 from dpkit.parallel import apply
 

@@ -75,14 +75,17 @@ def test_flattened_batch_is_warned_about():
         gather([torch.zeros(18, 100), torch.zeros(12, 100)], CPU, dim=1, rows=[3, 2])
 
 
-@pytest.mark.parametrize("outputs, dim, rows, input_sizes", [
-    ([torch.zeros(6, 4, 100), torch.zeros(6, 4, 100)], 1, [4, 4], [6]),      # batch kept on dim 1
-    ([torch.zeros(24, 100), torch.zeros(24, 100)], 0, [4, 4], [6]),          # (batch*seq, vocab) on dim 0: fine
-    ([torch.zeros(18, 100), torch.zeros(12, 100)], 0, [3, 2], []),           # the same, uneven
-    ([torch.zeros(8, 8), torch.zeros(8, 8)], 0, [4, 4], [5]),                # a fixed-size output, even rows
-    ([torch.zeros(3), torch.zeros(3)], 0, [4, 4], [6]),                       # a per-replica summary
-    ([torch.zeros(4, 12), torch.zeros(4, 12)], 0, [4, 4], [12]),             # ordinary (batch, features)
-])
+@pytest.mark.parametrize(
+    "outputs, dim, rows, input_sizes",
+    [
+        ([torch.zeros(6, 4, 100), torch.zeros(6, 4, 100)], 1, [4, 4], [6]),  # batch kept on dim 1
+        ([torch.zeros(24, 100), torch.zeros(24, 100)], 0, [4, 4], [6]),  # (batch*seq, vocab) on dim 0: fine
+        ([torch.zeros(18, 100), torch.zeros(12, 100)], 0, [3, 2], []),  # the same, uneven
+        ([torch.zeros(8, 8), torch.zeros(8, 8)], 0, [4, 4], [5]),  # a fixed-size output, even rows
+        ([torch.zeros(3), torch.zeros(3)], 0, [4, 4], [6]),  # a per-replica summary
+        ([torch.zeros(4, 12), torch.zeros(4, 12)], 0, [4, 4], [12]),  # ordinary (batch, features)
+    ],
+)
 def test_ordinary_outputs_raise_no_false_alarm(outputs, dim, rows, input_sizes):
     import warnings as warnings_module
 

@@ -17,7 +17,9 @@ def make_model():
 
 def data(rows=8):
     generator = torch.Generator().manual_seed(1)
-    return torch.randn(rows, 6, generator=generator, dtype=torch.float64), torch.randint(0, 5, (rows,), generator=generator)
+    return torch.randn(rows, 6, generator=generator, dtype=torch.float64), torch.randint(
+        0, 5, (rows,), generator=generator
+    )
 
 
 def single_device(model, x, y, reduction):
@@ -34,7 +36,9 @@ def test_loss_and_every_gradient_equal_single_device(reduction, chunk_sizes):
     x, y = data()
     expected_loss, expected_grads = single_device(model, x, y, reduction)
     criterion = lambda out, target: F.cross_entropy(out, target, reduction=reduction)  # noqa: E731
-    dp = dpkit.DataParallel(model, dpkit.cpu_devices(3), chunk_sizes=chunk_sizes, loss_fn=criterion, loss_reduction=reduction)
+    dp = dpkit.DataParallel(
+        model, dpkit.cpu_devices(3), chunk_sizes=chunk_sizes, loss_fn=criterion, loss_reduction=reduction
+    )
     loss = dp(x, target=y)
     assert loss.dim() == 0
     loss.backward()
@@ -50,7 +54,7 @@ def test_unweighted_mean_of_replica_losses_would_be_wrong_on_this_split():
     expected_loss, _ = single_device(model, x, y, "mean")
     with torch.no_grad():
         offsets = [0, 1, 6]
-        per_replica = [F.cross_entropy(model(x[o:o + n]), y[o:o + n]) for o, n in zip(offsets, sizes)]
+        per_replica = [F.cross_entropy(model(x[o : o + n]), y[o : o + n]) for o, n in zip(offsets, sizes)]
     unweighted = torch.stack(per_replica).mean()
     assert abs(unweighted - expected_loss) > 1e-3  # the split is uneven enough to matter
     dp = dpkit.DataParallel(model, dpkit.cpu_devices(3), chunk_sizes=sizes, loss_fn=F.cross_entropy)
@@ -79,7 +83,9 @@ def test_target_goes_to_the_module_when_there_is_no_loss_fn():
 
 
 def test_loss_fn_must_return_a_scalar():
-    dp = dpkit.DataParallel(make_model(), dpkit.cpu_devices(2), loss_fn=lambda out, t: F.cross_entropy(out, t, reduction="none"))
+    dp = dpkit.DataParallel(
+        make_model(), dpkit.cpu_devices(2), loss_fn=lambda out, t: F.cross_entropy(out, t, reduction="none")
+    )
     x, y = data()
     with pytest.raises(ValueError, match="loss_fn: must return a 0-dim tensor"):
         dp(x, target=y)

@@ -29,7 +29,7 @@ def roots(models: list[nn.Module], rows: list[int]) -> list[tuple[int, torch.Ten
 
 
 def manual_sums(models, rows) -> list[torch.Tensor]:
-    for i, loss, grad in roots(models, rows):
+    for _, loss, grad in roots(models, rows):
         loss.backward(grad)
     grads = [[p.grad for p in m.parameters()] for m in models]
     return [sum(g for g in group if g is not None) for group in zip(*grads)]
@@ -41,8 +41,9 @@ def manual_sums(models, rows) -> list[torch.Tensor]:
 def test_every_replica_holds_the_sum_bitwise_equal_to_the_manual_sum(overlap, bucket_cap_bytes, rows):
     expected = manual_sums(replicas(3), rows)
     models = replicas(3)
-    gradient_sum = GradientSum([list(m.parameters()) for m in models], dpkit.cpu_devices(3),
-                               bucket_cap_bytes=bucket_cap_bytes, overlap=overlap)
+    gradient_sum = GradientSum(
+        [list(m.parameters()) for m in models], dpkit.cpu_devices(3), bucket_cap_bytes=bucket_cap_bytes, overlap=overlap
+    )
     gradient_sum.backward(roots(models, rows), sync=True)
     for model in models:
         for grad, want in zip((p.grad for p in model.parameters()), expected):
@@ -73,14 +74,16 @@ def test_a_gradient_missing_in_some_replicas_counts_as_zero_and_none_stays_none(
     models2 = replicas(2)
     for m in models2:
         m.register_parameter("unused", nn.Parameter(torch.zeros(3)))
-    GradientSum([list(m.parameters()) for m in models2], dpkit.cpu_devices(2)).backward(roots(models2, [2, 2]), sync=True)
+    GradientSum([list(m.parameters()) for m in models2], dpkit.cpu_devices(2)).backward(
+        roots(models2, [2, 2]), sync=True
+    )
     assert all(m.unused.grad is None for m in models2)
 
 
 def test_sum_now_after_a_backward_elsewhere_equals_the_manual_sum():
     expected = manual_sums(replicas(2), [3, 4])
     models = replicas(2)
-    for i, loss, grad in roots(models, [3, 4]):
+    for _, loss, grad in roots(models, [3, 4]):
         loss.backward(grad)  # on this thread, as the gathered-output path does
     GradientSum([list(m.parameters()) for m in models], dpkit.cpu_devices(2)).sum_now()
     for model in models:

@@ -1,11 +1,9 @@
 import threading
-import warnings
 
 import pytest
 import torch
 from torch import nn
 
-import dpkit
 from dpkit.parallel import replicate
 from dpkit.parallel.replicate import check_replicable, replicate_to
 
@@ -88,7 +86,10 @@ def test_parameters_are_visible_inside_every_replica():
     module = ReadsItsParameters()
     x = torch.randn(4, 3)
     for replica in replicate(module, [CPU0, CPU1]):
-        assert [p.data_ptr() for p in replica.parameters()] == [replica.linear.weight.data_ptr(), replica.linear.bias.data_ptr()]
+        assert [p.data_ptr() for p in replica.parameters()] == [
+            replica.linear.weight.data_ptr(),
+            replica.linear.bias.data_ptr(),
+        ]
         assert torch.allclose(replica(x), module(x))
 
 
@@ -99,8 +100,8 @@ class ZeroesGradAndSetsAttributes(nn.Module):
 
     def forward(self, x):
         self.zero_grad()
-        self.seen = x.shape[0]          # an attribute set in forward
-        self.linear.flag = True         # and on a child
+        self.seen = x.shape[0]  # an attribute set in forward
+        self.linear.flag = True  # and on a child
         return self.linear(x)
 
 

@@ -15,13 +15,16 @@ class Batch:
     label: str
 
 
-@pytest.mark.parametrize("batch, n, expected", [
-    (10, 4, [3, 3, 2, 2]),
-    (36, 7, [6, 5, 5, 5, 5, 5, 5]),
-    (8, 4, [2, 2, 2, 2]),
-    (2, 4, [1, 1, 0, 0]),
-    (1, 1, [1]),
-])
+@pytest.mark.parametrize(
+    "batch, n, expected",
+    [
+        (10, 4, [3, 3, 2, 2]),
+        (36, 7, [6, 5, 5, 5, 5, 5, 5]),
+        (8, 4, [2, 2, 2, 2]),
+        (2, 4, [1, 1, 0, 0]),
+        (1, 1, [1]),
+    ],
+)
 def test_split_sizes_differ_by_at_most_one(batch, n, expected):
     sizes = split_sizes(batch, n)
     assert sizes == expected
@@ -83,10 +86,10 @@ def test_scatter_slices_nested_inputs_and_keeps_non_tensors():
     rows = [0, 4, 7, 10]
     for i, (_, a, k) in enumerate(chunks):
         assert isinstance(a[0], Pair) and isinstance(a[1], Batch)
-        assert torch.equal(a[0].left, x[rows[i]:rows[i + 1]])
-        assert torch.equal(a[0].right[0], 2 * x[rows[i]:rows[i + 1]])
+        assert torch.equal(a[0].left, x[rows[i] : rows[i + 1]])
+        assert torch.equal(a[0].right[0], 2 * x[rows[i] : rows[i + 1]])
         assert a[0].right[1] == "tag" and a[1].label == "label"
-        assert torch.equal(a[1].features, x[rows[i]:rows[i + 1]] + 1)
+        assert torch.equal(a[1].features, x[rows[i] : rows[i + 1]] + 1)
         assert torch.equal(k["scale"], scale) and k["flag"] is True and k["nothing"] is None
 
 
@@ -116,7 +119,8 @@ def test_negative_dim_counts_from_each_tensors_end():
 
 
 def test_torch_signature_scatter_splits_like_torch():
-    from dpkit.parallel import scatter as torch_style_scatter, scatter_kwargs
+    from dpkit.parallel import scatter as torch_style_scatter
+    from dpkit.parallel import scatter_kwargs
 
     x = torch.arange(10).reshape(5, 2)
     parts = torch_style_scatter((x, "tag", {"y": x + 1}), [0, 1] if False else ["cpu:0", "cpu:1"])
@@ -162,6 +166,11 @@ def test_unregistered_container_subclasses_are_split_and_rebuilt():
     x = torch.arange(6).reshape(3, 2)
     chunks = scatter((Features(ids=x, name="n", missing=None),), {}, plan_split(3, 2), dpkit_devices(2), 0)
     first = chunks[0][1][0]
-    assert type(first) is Features and torch.equal(first["ids"], x[:2]) and first["name"] == "n" and first["missing"] is None
+    assert (
+        type(first) is Features
+        and torch.equal(first["ids"], x[:2])
+        and first["name"] == "n"
+        and first["missing"] is None
+    )
     with pytest.raises(ValueError, match=r"args\[0\]\['ids'\]=3, args\[1\]=2"):
         batch_size_of((Features(ids=x), torch.zeros(2)), {}, 0)

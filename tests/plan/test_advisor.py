@@ -12,8 +12,16 @@ ALL = ["single", "dp", "dp-balanced", "replicated", "ddp"]
 
 def plan(model, gpu, link, devices, batch, precision="32", **hardware):
     machine = Hardware(CATALOGUE.gpu(gpu), CATALOGUE.link(link), **hardware)
-    return make_plan(builtin_profile(model), machine, ALL, devices, batch, precision, links=CATALOGUE.links,
-                     networks=CATALOGUE.networks)
+    return make_plan(
+        builtin_profile(model),
+        machine,
+        ALL,
+        devices,
+        batch,
+        precision,
+        links=CATALOGUE.links,
+        networks=CATALOGUE.networks,
+    )
 
 
 def test_dp_is_fine_for_a_compute_heavy_model_on_two_nvlinked_gpus():
@@ -30,7 +38,9 @@ def test_ddp_is_preferable_when_dp_pays_for_the_link():
 
 
 def test_neither_helps_across_a_slow_network():
-    result = plan("gpt2-124m", "h100-sxm", "nvlink4", [1, 8], 8, "bf16-mixed", nodes=2, network=CATALOGUE.network("eth-10g"))
+    result = plan(
+        "gpt2-124m", "h100-sxm", "nvlink4", [1, 8], 8, "bf16-mixed", nodes=2, network=CATALOGUE.network("eth-10g")
+    )
     assert result.recommendation.strategy == "single"
     reasons = " ".join(result.recommendation.reasons)
     assert "neither helps" in reasons and "eth-10g" in reasons and "fastest network" in reasons
@@ -54,7 +64,14 @@ def test_the_advisor_finds_dataparallel_by_its_traits(monkeypatch):
     registry["torch-dp"] = f"{__name__}:DataParallelByAnotherName"
     monkeypatch.setattr(strategies, "STRATEGIES", registry)
     machine = Hardware(CATALOGUE.gpu("v100-sxm2"), CATALOGUE.link("nvlink2"))
-    result = make_plan(builtin_profile("resnet101"), machine, ["single", "torch-dp", "ddp"], [1, 2], 128,
-                       links=CATALOGUE.links, networks=CATALOGUE.networks)
+    result = make_plan(
+        builtin_profile("resnet101"),
+        machine,
+        ["single", "torch-dp", "ddp"],
+        [1, 2],
+        128,
+        links=CATALOGUE.links,
+        networks=CATALOGUE.networks,
+    )
     assert result.recommendation.strategy == "torch-dp"
     assert result.recommendation.reasons[0].startswith("DP is fine here")

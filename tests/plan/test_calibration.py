@@ -21,8 +21,9 @@ STRATEGIES = sys.argv[3].split(",")
 
 
 def spec(factory, batch):
-    return BenchSpec(example=None, model=f"widths:{factory}", input_shape=(64,), strategies=STRATEGIES, device_counts=[1, 2, 3],
-                     batch_size_per_device=batch, steps=16, warmup=3, observed_steps=0, progress=False)
+    return BenchSpec(example=None, model=f"widths:{factory}", input_shape=(64,), strategies=STRATEGIES,
+                     device_counts=[1, 2, 3], batch_size_per_device=batch, steps=16, warmup=3, observed_steps=0,
+                     progress=False)
 
 narrow, wide = run_benches([spec("narrow", 256), spec("wide", 96)])
 narrow.save_json(sys.argv[1])
@@ -36,8 +37,9 @@ def test_calibrated_plan_predicts_another_bench_within_15_percent(tmp_path):
     # They run in a fresh process, away from whatever earlier tests left in this one (threads, hooks).
     narrow, wide = tmp_path / "narrow.json", tmp_path / "wide.json"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])}
-    subprocess.run([sys.executable, "-c", BENCHES, str(narrow), str(wide), ",".join(STRATEGIES)], env=env, check=True,
-                   timeout=240)
+    subprocess.run(
+        [sys.executable, "-c", BENCHES, str(narrow), str(wide), ",".join(STRATEGIES)], env=env, check=True, timeout=240
+    )
     # each step relative to the reference work of its round: a burst of load that stretched some rounds
     # cancels out of the medians
     first = BenchRun.load(narrow, "relative")

@@ -2,10 +2,24 @@ import json
 
 import pytest
 
-from dpkit.plan.catalogue import PRECISIONS, GPU, Catalogue, Link
+from dpkit.plan.catalogue import GPU, PRECISIONS, Catalogue, Link
 
-REQUIRED_GPUS = ["v100-sxm2", "v100-pcie", "a100-40gb-sxm", "a100-80gb-sxm", "a100-40gb-pcie", "a100-80gb-pcie",
-                 "h100-sxm", "h100-pcie", "h200-sxm", "titan-rtx", "rtx-3090", "rtx-4090", "l4", "t4"]
+REQUIRED_GPUS = [
+    "v100-sxm2",
+    "v100-pcie",
+    "a100-40gb-sxm",
+    "a100-80gb-sxm",
+    "a100-40gb-pcie",
+    "a100-80gb-pcie",
+    "h100-sxm",
+    "h100-pcie",
+    "h200-sxm",
+    "titan-rtx",
+    "rtx-3090",
+    "rtx-4090",
+    "l4",
+    "t4",
+]
 REQUIRED_LINKS = ["pcie3", "pcie4", "pcie5", "nvlink2", "nvlink3", "nvlink4", "nvlink-bridge"]
 REQUIRED_NETWORKS = ["eth-10g", "eth-25g", "eth-100g", "ib-100g", "ib-200g", "ib-400g"]
 
@@ -65,13 +79,24 @@ def test_unknown_name_is_one_line_with_choices(catalogue, method, name):
     assert all(choice in message for choice in table)
 
 
-@pytest.mark.parametrize("device_name, expected", [
-    ("NVIDIA A100-SXM4-80GB", "a100-80gb-sxm"), ("NVIDIA A100-PCIE-40GB", "a100-40gb-pcie"),
-    ("NVIDIA A100 80GB PCIe", "a100-80gb-pcie"), ("Tesla V100-SXM2-32GB", "v100-sxm2"),
-    ("Tesla V100-PCIE-16GB", "v100-pcie"), ("NVIDIA H100 80GB HBM3", "h100-sxm"), ("NVIDIA H100 PCIe", "h100-pcie"),
-    ("NVIDIA H200", "h200-sxm"), ("NVIDIA GeForce RTX 4090", "rtx-4090"), ("NVIDIA GeForce RTX 3090", "rtx-3090"),
-    ("NVIDIA TITAN RTX", "titan-rtx"), ("NVIDIA L4", "l4"), ("Tesla T4", "t4"),
-])
+@pytest.mark.parametrize(
+    "device_name, expected",
+    [
+        ("NVIDIA A100-SXM4-80GB", "a100-80gb-sxm"),
+        ("NVIDIA A100-PCIE-40GB", "a100-40gb-pcie"),
+        ("NVIDIA A100 80GB PCIe", "a100-80gb-pcie"),
+        ("Tesla V100-SXM2-32GB", "v100-sxm2"),
+        ("Tesla V100-PCIE-16GB", "v100-pcie"),
+        ("NVIDIA H100 80GB HBM3", "h100-sxm"),
+        ("NVIDIA H100 PCIe", "h100-pcie"),
+        ("NVIDIA H200", "h200-sxm"),
+        ("NVIDIA GeForce RTX 4090", "rtx-4090"),
+        ("NVIDIA GeForce RTX 3090", "rtx-3090"),
+        ("NVIDIA TITAN RTX", "titan-rtx"),
+        ("NVIDIA L4", "l4"),
+        ("Tesla T4", "t4"),
+    ],
+)
 def test_match_gpu_from_torch_device_names(catalogue, device_name, expected):
     assert catalogue.match_gpu(device_name).name == expected
 
@@ -84,14 +109,29 @@ def test_match_gpu_unknown_is_none(catalogue):
 
 def test_user_json_adds_and_overrides(tmp_path):
     path = tmp_path / "mine.json"
-    path.write_text(json.dumps({
-        "gpus": {"My-GPU": {"peak_flops": {"32": 1e13, "tf32": 2e13, "bf16-mixed": 4e13, "16-mixed": 4e13},
-                            "memory_bytes": 8 * 2**30, "memory_bytes_per_second": 4e11, "source": "lab notes"},
-                 "h100-sxm": {"peak_flops": {"bf16-mixed": 700e12}}},
-        "links": {"pcie4": {"achieved_bytes_per_second": 20e9, "source": "our rack"}},
-        "networks": {"roce-200g": {"nominal_bytes_per_second": 25e9, "achieved_bytes_per_second": 22e9,
-                                   "latency_seconds": 5e-6}},
-    }))
+    path.write_text(
+        json.dumps(
+            {
+                "gpus": {
+                    "My-GPU": {
+                        "peak_flops": {"32": 1e13, "tf32": 2e13, "bf16-mixed": 4e13, "16-mixed": 4e13},
+                        "memory_bytes": 8 * 2**30,
+                        "memory_bytes_per_second": 4e11,
+                        "source": "lab notes",
+                    },
+                    "h100-sxm": {"peak_flops": {"bf16-mixed": 700e12}},
+                },
+                "links": {"pcie4": {"achieved_bytes_per_second": 20e9, "source": "our rack"}},
+                "networks": {
+                    "roce-200g": {
+                        "nominal_bytes_per_second": 25e9,
+                        "achieved_bytes_per_second": 22e9,
+                        "latency_seconds": 5e-6,
+                    }
+                },
+            }
+        )
+    )
     builtin = Catalogue.load()
     catalogue = Catalogue.load(path)
     mine = catalogue.gpu("my-gpu")
@@ -107,26 +147,43 @@ def test_user_json_adds_and_overrides(tmp_path):
 
 def test_user_toml(tmp_path):
     path = tmp_path / "mine.toml"
-    path.write_text('[links.my-link]\nnominal_bytes_per_second = 10e9\nachieved_bytes_per_second = 8e9\n'
-                    'latency_seconds = 2e-6\nmax_devices = 4\nsource = "vendor sheet"\n')
+    path.write_text(
+        "[links.my-link]\nnominal_bytes_per_second = 10e9\nachieved_bytes_per_second = 8e9\n"
+        'latency_seconds = 2e-6\nmax_devices = 4\nsource = "vendor sheet"\n'
+    )
     link = Catalogue.load(path).link("my-link")
     assert (link.nominal_bytes_per_second, link.achieved_bytes_per_second, link.max_devices) == (10e9, 8e9, 4)
 
 
-@pytest.mark.parametrize("content, expected", [
-    ({"gpus": {"x": {"peak_flops": {"32": 1e13}, "memory_bytes": 1, "memory_bytes_per_second": 1}}},
-     "gpus.x.peak_flops: missing precision 'tf32'"),
-    ({"gpus": {"x": {"peak_flops": {"32": 1, "tf32": 1, "bf16-mixed": 1, "16-mixed": 1, "fp8": 1},
-                     "memory_bytes": 1, "memory_bytes_per_second": 1}}}, "gpus.x.peak_flops.fp8: unknown precision"),
-    ({"gpus": {"h100-sxm": {"memory_bytes": -5}}}, "gpus.h100-sxm.memory_bytes: expected a positive integer"),
-    ({"gpus": {"x": {"memory_bytes": 1}}}, "gpus.x: missing field 'peak_flops'"),
-    ({"links": {"pcie4": {"bandwidth": 3}}}, "links.pcie4.bandwidth: unknown field"),
-    ({"links": {"pcie4": {"achieved_bytes_per_second": 1e12}}}, "exceeds nominal_bytes_per_second"),
-    ({"links": {"pcie4": {"latency_seconds": "fast"}}}, "links.pcie4.latency_seconds: expected a positive number"),
-    ({"networks": {"eth-10g": {"max_devices": 1}}}, "networks.eth-10g.max_devices: expected an integer >= 2"),
-    ({"switches": {}}, "unknown section 'switches'"),
-    ({"gpus": {"x": 3}}, "gpus.x: expected a table of fields"),
-])
+@pytest.mark.parametrize(
+    "content, expected",
+    [
+        (
+            {"gpus": {"x": {"peak_flops": {"32": 1e13}, "memory_bytes": 1, "memory_bytes_per_second": 1}}},
+            "gpus.x.peak_flops: missing precision 'tf32'",
+        ),
+        (
+            {
+                "gpus": {
+                    "x": {
+                        "peak_flops": {"32": 1, "tf32": 1, "bf16-mixed": 1, "16-mixed": 1, "fp8": 1},
+                        "memory_bytes": 1,
+                        "memory_bytes_per_second": 1,
+                    }
+                }
+            },
+            "gpus.x.peak_flops.fp8: unknown precision",
+        ),
+        ({"gpus": {"h100-sxm": {"memory_bytes": -5}}}, "gpus.h100-sxm.memory_bytes: expected a positive integer"),
+        ({"gpus": {"x": {"memory_bytes": 1}}}, "gpus.x: missing field 'peak_flops'"),
+        ({"links": {"pcie4": {"bandwidth": 3}}}, "links.pcie4.bandwidth: unknown field"),
+        ({"links": {"pcie4": {"achieved_bytes_per_second": 1e12}}}, "exceeds nominal_bytes_per_second"),
+        ({"links": {"pcie4": {"latency_seconds": "fast"}}}, "links.pcie4.latency_seconds: expected a positive number"),
+        ({"networks": {"eth-10g": {"max_devices": 1}}}, "networks.eth-10g.max_devices: expected an integer >= 2"),
+        ({"switches": {}}, "unknown section 'switches'"),
+        ({"gpus": {"x": 3}}, "gpus.x: expected a table of fields"),
+    ],
+)
 def test_bad_user_entry_is_one_clear_line(tmp_path, content, expected):
     path = tmp_path / "bad.json"
     path.write_text(json.dumps(content))

@@ -6,8 +6,17 @@ from dataclasses import replace
 import pytest
 
 from dpkit.plan.catalogue import Catalogue, Link
-from dpkit.plan.cost_model import (CostConstants, Hardware, exposed_all_reduce_seconds, memory_per_device, predict,
-                                   predict_all, ring_all_reduce_seconds, root_fan_seconds, transfer_seconds)
+from dpkit.plan.cost_model import (
+    CostConstants,
+    Hardware,
+    exposed_all_reduce_seconds,
+    memory_per_device,
+    predict,
+    predict_all,
+    ring_all_reduce_seconds,
+    root_fan_seconds,
+    transfer_seconds,
+)
 from dpkit.plan.profiles import builtin_profile
 from dpkit.strategies import ONE_PROCESS, Strategy, strategy_class
 
@@ -28,6 +37,7 @@ class LikeDP(Strategy):
 
 class DDPInOneProcess(Strategy):
     """ddp's traits but one process driving every device: one trait changed."""
+
     name = "ddp-in-one-process"
     traits = dataclasses.replace(strategy_class("ddp").traits, processes=ONE_PROCESS)
 
@@ -66,8 +76,12 @@ def test_ddp_hides_the_all_reduce_behind_backward_except_the_last_bucket():
     buckets = -(-profile.parameter_bytes // CostConstants().bucket_bytes)
     assert buckets == 4
     whole = ring_all_reduce_seconds(hardware.link, profile.parameter_bytes, 8, messages=buckets)
-    long_backward = exposed_all_reduce_seconds(profile, hardware, "ddp", 8, backward_seconds=10.0, constants=CostConstants())
-    no_backward = exposed_all_reduce_seconds(profile, hardware, "ddp", 8, backward_seconds=0.0, constants=CostConstants())
+    long_backward = exposed_all_reduce_seconds(
+        profile, hardware, "ddp", 8, backward_seconds=10.0, constants=CostConstants()
+    )
+    no_backward = exposed_all_reduce_seconds(
+        profile, hardware, "ddp", 8, backward_seconds=0.0, constants=CostConstants()
+    )
     assert long_backward == pytest.approx(whole / buckets)
     assert no_backward == pytest.approx(whole)
 
@@ -177,17 +191,31 @@ def test_bad_arguments_name_themselves():
 
 
 def comparable(prediction):
-    return (prediction.step_seconds, prediction.breakdown, prediction.peak_bytes_per_device,
-            prediction.max_batch_per_device, prediction.notes)
+    return (
+        prediction.step_seconds,
+        prediction.breakdown,
+        prediction.peak_bytes_per_device,
+        prediction.max_batch_per_device,
+        prediction.notes,
+    )
 
 
 HARDWARE = {
     "gpus on pcie": Hardware(CATALOGUE.gpu("a100-80gb-sxm"), CATALOGUE.link("pcie4")),
-    "two nodes, gloo between processes": Hardware(CATALOGUE.gpu("h100-sxm"), CATALOGUE.link("nvlink4"),
-                                                  CATALOGUE.network("ib-200g"), nodes=2,
-                                                  interprocess=CATALOGUE.link("pcie3")),
-    "virtual cpu devices": Hardware(replace(CATALOGUE.gpu("a100-80gb-sxm"), memory_bytes_per_second=20e9), LINK,
-                                    shared_compute=True, compute_slots=2.0, interprocess=CATALOGUE.link("pcie3")),
+    "two nodes, gloo between processes": Hardware(
+        CATALOGUE.gpu("h100-sxm"),
+        CATALOGUE.link("nvlink4"),
+        CATALOGUE.network("ib-200g"),
+        nodes=2,
+        interprocess=CATALOGUE.link("pcie3"),
+    ),
+    "virtual cpu devices": Hardware(
+        replace(CATALOGUE.gpu("a100-80gb-sxm"), memory_bytes_per_second=20e9),
+        LINK,
+        shared_compute=True,
+        compute_slots=2.0,
+        interprocess=CATALOGUE.link("pcie3"),
+    ),
 }
 
 
@@ -202,8 +230,9 @@ def test_a_strategy_is_predicted_from_its_traits_not_its_name(unknown_names, har
             assert comparable(ours) == comparable(theirs)
             assert ours.strategy == like
         for shared_weights in (False, True):
-            assert (memory_per_device(profile, like, 4, 8, shared_weights=shared_weights)
-                    == memory_per_device(profile, known, 4, 8, shared_weights=shared_weights))
+            assert memory_per_device(profile, like, 4, 8, shared_weights=shared_weights) == memory_per_device(
+                profile, known, 4, 8, shared_weights=shared_weights
+            )
     planned = predict_all(profile, hardware, ["single", known, like], [1, 2, 4], 8)
     ours = [(p.devices, p.nodes, p.speedup, p.breakdown) for p in planned if p.strategy == like]
     theirs = [(p.devices, p.nodes, p.speedup, p.breakdown) for p in planned if p.strategy == known]

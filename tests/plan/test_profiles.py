@@ -31,7 +31,9 @@ def test_measure_does_not_touch_a_given_models_weights():
 
 
 def test_builtin_profiles_scale_with_input_size():
-    assert {"resnet50", "resnet101", "bert-base", "bert-large", "gpt2-124m", "gpt2-1.5b", "llama-7b"} <= set(BUILTIN_PROFILES)
+    assert {"resnet50", "resnet101", "bert-base", "bert-large", "gpt2-124m", "gpt2-1.5b", "llama-7b"} <= set(
+        BUILTIN_PROFILES
+    )
     base, big = builtin_profile("resnet50"), builtin_profile("resnet50", input_shape=(3, 448, 448))
     assert big.flops_per_sample == pytest.approx(4 * base.flops_per_sample)
     short, long = builtin_profile("gpt2-124m", seq_len=512), builtin_profile("gpt2-124m", seq_len=1024)

@@ -1,7 +1,6 @@
 """The session-wide cache of `dpkit train` runs (see strategy_runs.py)."""
 
 import pytest
-
 from strategy_runs import Runs
 
 

@@ -15,9 +15,29 @@ SEED = 3
 
 
 def train_args(strategy: str, devices: int, batch_size: int, out: Path, *extra: str) -> list[str]:
-    return ["train", "--example", "digits", "--strategy", strategy, "--accelerator", "cpu", "--devices", str(devices),
-            "--steps", str(STEPS), "--batch-size", str(batch_size), "--seed", str(SEED), "--lr", str(LR),
-            "--out", str(out), "--no-progress", *extra]
+    return [
+        "train",
+        "--example",
+        "digits",
+        "--strategy",
+        strategy,
+        "--accelerator",
+        "cpu",
+        "--devices",
+        str(devices),
+        "--steps",
+        str(STEPS),
+        "--batch-size",
+        str(batch_size),
+        "--seed",
+        str(SEED),
+        "--lr",
+        str(LR),
+        "--out",
+        str(out),
+        "--no-progress",
+        *extra,
+    ]
 
 
 class Runs:

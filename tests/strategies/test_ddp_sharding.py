@@ -59,7 +59,9 @@ def test_a_seeded_sampler_is_kept_and_matches_the_single_process_order():
     dataset = TensorDataset(torch.arange(40))
 
     def loader():
-        return DataLoader(dataset, batch_size=8, sampler=RandomSampler(dataset, generator=torch.Generator().manual_seed(9)))
+        return DataLoader(
+            dataset, batch_size=8, sampler=RandomSampler(dataset, generator=torch.Generator().manual_seed(9))
+        )
 
     single = [ids.tolist() for (ids,) in loader()]
     views = rank_views(loader, 2)

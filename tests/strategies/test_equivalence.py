@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from strategy_runs import STEPS, load_metrics, load_state, max_abs_diff
+
 from dpkit.examples.digits import DigitsMLP
 
 TOLERANCE = 1e-5

@@ -33,8 +33,12 @@ def test_a_dead_process_stops_the_others_with_a_clear_error(tmp_path):
     script = tmp_path / "dies.py"
     script.write_text(WORKER)
     began = time.monotonic()
-    result = subprocess.run([sys.executable, "-m", "dpkit.cli.main", "launch", "--nproc-per-node", "2", str(script)],
-                            capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [sys.executable, "-m", "dpkit.cli.main", "launch", "--nproc-per-node", "2", str(script)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     elapsed = time.monotonic() - began
     assert result.returncode != 0
     assert "finished without noticing" not in result.stdout
@@ -69,11 +73,49 @@ def test_a_worker_killed_mid_run_restarts_resumes_and_ends_with_the_uninterrupte
     (tmp_path / "dies_once.py").write_text(KILLED_ONCE)
     monkeypatch.syspath_prepend(str(tmp_path))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
-    flags = ["--model", "dies_once:build", "--accelerator", "cpu", "--steps", "9", "--batch-size", "50", "--momentum", "0.9",
-             "--seed", "2", "--no-progress"]
-    result = subprocess.run([sys.executable, "-m", "dpkit.cli.main", "launch", "--nproc-per-node", "2", "--max-restarts", "1",
-                             "-m", "dpkit.cli.main", "train", "--strategy", "ddp", "--devices", "2", "--checkpoint-every", "2",
-                             "--out", str(tmp_path / "restarted"), *flags], env=env, capture_output=True, text=True, timeout=240)
+    flags = [
+        "--model",
+        "dies_once:build",
+        "--accelerator",
+        "cpu",
+        "--steps",
+        "9",
+        "--batch-size",
+        "50",
+        "--momentum",
+        "0.9",
+        "--seed",
+        "2",
+        "--no-progress",
+    ]
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "dpkit.cli.main",
+            "launch",
+            "--nproc-per-node",
+            "2",
+            "--max-restarts",
+            "1",
+            "-m",
+            "dpkit.cli.main",
+            "train",
+            "--strategy",
+            "ddp",
+            "--devices",
+            "2",
+            "--checkpoint-every",
+            "2",
+            "--out",
+            str(tmp_path / "restarted"),
+            *flags,
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     # the group restarted from the state of step 4 (rank 1 died in step 6) and finished the 9 steps
     assert "resuming at step 4" in result.stdout, result.stdout
@@ -81,6 +123,7 @@ def test_a_worker_killed_mid_run_restarts_resumes_and_ends_with_the_uninterrupte
     assert metrics["resumed"] is True and len(metrics["loss"]) == 9
 
     from dpkit.cli.main import main
+
     assert main(["train", "--strategy", "single", "--out", str(tmp_path / "whole"), *flags]) == 0
     restarted = torch.load(tmp_path / "restarted" / "model.pt", weights_only=True)
     whole = torch.load(tmp_path / "whole" / "model.pt", weights_only=True)

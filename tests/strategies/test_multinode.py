@@ -6,8 +6,8 @@ import subprocess
 import sys
 
 import pytest
-
 from strategy_runs import load_metrics, load_state, max_abs_diff, train_args
+
 from dpkit.launch import free_port
 
 
@@ -16,9 +16,25 @@ def test_two_nodes_over_loopback_equal_ddp_on_two_devices(train_run, tmp_path):
     out = tmp_path / "two-nodes"
 
     def node(rank: int) -> subprocess.Popen:
-        command = [sys.executable, "-m", "dpkit.cli.main", "launch", "--nnodes", "2", "--node-rank", str(rank),
-                   "--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port", str(port),
-                   "-m", "dpkit.cli.main", *train_args("ddp", 1, 64, out)]
+        command = [
+            sys.executable,
+            "-m",
+            "dpkit.cli.main",
+            "launch",
+            "--nnodes",
+            "2",
+            "--node-rank",
+            str(rank),
+            "--nproc-per-node",
+            "1",
+            "--master-addr",
+            "127.0.0.1",
+            "--master-port",
+            str(port),
+            "-m",
+            "dpkit.cli.main",
+            *train_args("ddp", 1, 64, out),
+        ]
         return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
     nodes = [node(0), node(1)]

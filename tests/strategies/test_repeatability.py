@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from strategy_runs import load_metrics, load_state, train_args
+
 from dpkit.cli.main import main
 
 

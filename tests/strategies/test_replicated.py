@@ -10,10 +10,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dpkit.strategies.base import DeferredOutput
 from dpkit.training.checkpoint import clean_state_dict
 from dpkit.training.engine import Engine
-from dpkit.parallel import apply
-from dpkit.strategies.base import DeferredOutput
 
 
 def mlp() -> nn.Module:
@@ -96,7 +95,7 @@ def test_eval_returns_outputs_and_training_returns_a_deferred_output():
     deferred = model(x)
     assert isinstance(deferred, DeferredOutput)
     with pytest.raises(AttributeError, match="setup_criterion"):
-        deferred.shape
+        _ = deferred.shape
     model.eval()
     assert all(not replica.training for replica in engine.strategy.replicas)
     with torch.no_grad():

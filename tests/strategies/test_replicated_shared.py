@@ -13,10 +13,10 @@ import torch.nn.functional as F
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from dpkit.training.engine import Engine
 from dpkit.observe import Observer
 from dpkit.strategies import replica_optimizers
 from dpkit.strategies.replica_optimizers import SharedOptimizer, balanced_shards, even_runs
+from dpkit.training.engine import Engine
 
 
 @pytest.fixture(autouse=True)
@@ -46,7 +46,8 @@ OPTIMIZERS = {
     "sgd-momentum": lambda params: torch.optim.SGD(params, lr=0.3, momentum=0.9, nesterov=True),
     "adam": lambda params: torch.optim.Adam(params, lr=0.05, amsgrad=True),
     "adamw-two-groups": lambda params: torch.optim.AdamW(
-        [{"params": params[:2], "lr": 0.02}, {"params": params[2:], "weight_decay": 0.3}], lr=0.05),
+        [{"params": params[:2], "lr": 0.02}, {"params": params[2:], "weight_decay": 0.3}], lr=0.05
+    ),
     "rmsprop": lambda params: torch.optim.RMSprop(params, lr=0.01, momentum=0.5),
     "adagrad": lambda params: torch.optim.Adagrad(params, lr=0.1),
 }
@@ -63,7 +64,9 @@ class WideNet(Net):
 
 
 def train(share_weights: bool | None, make_optimizer, devices: int = 3, steps: int = 4, net=Net):
-    engine = Engine(strategy="replicated", accelerator="cpu", devices=devices, progress=False, share_weights=share_weights)
+    engine = Engine(
+        strategy="replicated", accelerator="cpu", devices=devices, progress=False, share_weights=share_weights
+    )
     model = net()
     model, optimizer = engine.setup(model, make_optimizer(list(model.parameters())))
     criterion = engine.setup_criterion(F.cross_entropy)

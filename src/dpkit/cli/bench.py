@@ -20,21 +20,39 @@ SPELLED = {"device_counts": "--devices"}
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    parser = subparsers.add_parser("bench", help="measure samples/s, speed-up and lost efficiency by phase per strategy and device count")
+    parser = subparsers.add_parser(
+        "bench", help="measure samples/s, speed-up and lost efficiency by phase per strategy and device count"
+    )
     source = parser.add_argument_group("model and data")
-    source.add_argument("--example", default="wide-output", help="built-in example for the model and data (default: wide-output)")
+    source.add_argument(
+        "--example", default="wide-output", help="built-in example for the model and data (default: wide-output)"
+    )
     source.add_argument("--model", help="your model instead, as 'package.module:factory'")
-    source.add_argument("--data", help="your data, as 'package.module:loader' (loader(seed) returns x_train, y_train, ...)")
-    source.add_argument("--input-shape", help="with --model and no --data: synthetic inputs of this per-sample shape, e.g. 3,32,32")
-    parser.add_argument("--strategies", default=",".join(available_strategies()), help="comma-separated (default: every strategy)")
+    source.add_argument(
+        "--data", help="your data, as 'package.module:loader' (loader(seed) returns x_train, y_train, ...)"
+    )
+    source.add_argument(
+        "--input-shape", help="with --model and no --data: synthetic inputs of this per-sample shape, e.g. 3,32,32"
+    )
+    parser.add_argument(
+        "--strategies", default=",".join(available_strategies()), help="comma-separated (default: every strategy)"
+    )
     parser.add_argument("--devices", default="1,2,3", help="device counts to run, comma-separated (default: 1,2,3)")
-    parser.add_argument("--accelerator", default="cpu", choices=["cpu", "cuda"], help="cpu: virtual CPU devices (default)")
-    parser.add_argument("--batch-size-per-device", type=int, default=64, help="samples per device per step (default: 64)")
+    parser.add_argument(
+        "--accelerator", default="cpu", choices=["cpu", "cuda"], help="cpu: virtual CPU devices (default)"
+    )
+    parser.add_argument(
+        "--batch-size-per-device", type=int, default=64, help="samples per device per step (default: 64)"
+    )
     parser.add_argument("--steps", type=int, default=10, help="measured steps per configuration (default: 10)")
     parser.add_argument("--warmup", type=int, default=3, help="unmeasured steps first (default: 3)")
     parser.add_argument("--observed-steps", type=int, default=3, help="extra steps timed by phase (default: 3)")
-    parser.add_argument("--threads-per-device", type=int, default=1,
-                        help="intra-op threads per virtual CPU device (default: 1; 0: dpkit's fair share of the cores)")
+    parser.add_argument(
+        "--threads-per-device",
+        type=int,
+        default=1,
+        help="intra-op threads per virtual CPU device (default: 1; 0: dpkit's fair share of the cores)",
+    )
     parser.add_argument("--optimizer", default="adam", choices=["adam", "sgd"])
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", help="write the results as JSON here (input for dpkit plan --calibration)")
@@ -45,20 +63,32 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 
 def spec_from_args(args: argparse.Namespace) -> BenchSpec:
     return BenchSpec(
-        example=None if args.model and (args.data or args.input_shape) else args.example, model=args.model, data=args.data,
+        example=None if args.model and (args.data or args.input_shape) else args.example,
+        model=args.model,
+        data=args.data,
         input_shape=tuple(comma_ints("--input-shape", args.input_shape)) if args.input_shape else None,
-        strategies=[s.strip() for s in args.strategies.split(",") if s.strip()], device_counts=comma_ints("--devices", args.devices),
-        batch_size_per_device=args.batch_size_per_device, steps=args.steps, warmup=args.warmup, observed_steps=args.observed_steps,
-        accelerator=args.accelerator, optimizer=args.optimizer, seed=args.seed, threads_per_device=args.threads_per_device,
-        progress=not args.no_progress)
+        strategies=[s.strip() for s in args.strategies.split(",") if s.strip()],
+        device_counts=comma_ints("--devices", args.devices),
+        batch_size_per_device=args.batch_size_per_device,
+        steps=args.steps,
+        warmup=args.warmup,
+        observed_steps=args.observed_steps,
+        accelerator=args.accelerator,
+        optimizer=args.optimizer,
+        seed=args.seed,
+        threads_per_device=args.threads_per_device,
+        progress=not args.no_progress,
+    )
 
 
 def run(args: argparse.Namespace) -> int:
     result = run_bench(spec_from_args(args))
     machine = result.machine
-    print(f"dpkit bench: {result.profile['name']}, batch {result.spec.batch_size_per_device} per device, median of "
-          f"{result.spec.steps} steps after {result.spec.warmup} warm-up, on {machine['accelerator']} "
-          f"({machine['cores']} cores, load average {machine.get('load_average') or 0:.1f})")
+    print(
+        f"dpkit bench: {result.profile['name']}, batch {result.spec.batch_size_per_device} per device, median of "
+        f"{result.spec.steps} steps after {result.spec.warmup} warm-up, on {machine['accelerator']} "
+        f"({machine['cores']} cores, load average {machine.get('load_average') or 0:.1f})"
+    )
     print(result.format_table())
     if args.json:
         print(f"wrote {result.save_json(args.json)}")

@@ -1,29 +1,30 @@
 """`dpkit ckpt`: look inside a checkpoint or training state, or convert a torch checkpoint.
 
-    dpkit ckpt inspect runs/train/model.pt       # keys, shapes, dtypes, sizes; checksum verified
-    dpkit ckpt inspect runs/train/state          # a training state: step, strategy, data position, …
-    dpkit ckpt convert ddp_checkpoint.pth model.pt [--safetensors]
+dpkit ckpt inspect runs/train/model.pt       # keys, shapes, dtypes, sizes; checksum verified
+dpkit ckpt inspect runs/train/state          # a training state: step, strategy, data position, …
+dpkit ckpt convert ddp_checkpoint.pth model.pt [--safetensors]
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 import torch
 
 from dpkit.training.checkpoint import (
     CheckpointMismatchError,
+    _is_safetensors,
     atomic_save,
     read_checked,
+    safetensors_has_checksum,
     strip_prefixes,
     unpack_state_dict,
     verify_file,
     write_safetensors,
-    _is_safetensors,
-    safetensors_has_checksum,
 )
 from dpkit.training.state import STATE_FILE, STATE_FORMAT, find_state
 
@@ -32,10 +33,16 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     parser = subparsers.add_parser("ckpt", help="inspect a checkpoint or training state; convert a torch checkpoint")
     actions = parser.add_subparsers(dest="action", metavar="ACTION")
     actions.required = True
-    inspect = actions.add_parser("inspect", help="print keys, shapes, dtypes, sizes, step and strategy; verify checksums")
+    inspect = actions.add_parser(
+        "inspect", help="print keys, shapes, dtypes, sizes, step and strategy; verify checksums"
+    )
     inspect.add_argument("path", help="a checkpoint file (.pt, .pth, .safetensors) or a training-state folder")
-    convert = actions.add_parser("convert", help="strip DataParallel/DDP/compile prefixes; write a checked .pt or safetensors")
-    convert.add_argument("source", help="a torch checkpoint: a state dict, or a {'state_dict': ...} / {'model': ...} container")
+    convert = actions.add_parser(
+        "convert", help="strip DataParallel/DDP/compile prefixes; write a checked .pt or safetensors"
+    )
+    convert.add_argument(
+        "source", help="a torch checkpoint: a state dict, or a {'state_dict': ...} / {'model': ...} container"
+    )
     convert.add_argument("out", help="the file to write")
     convert.add_argument("--safetensors", action="store_true", help="write safetensors instead of a torch file")
     return parser
@@ -50,38 +57,67 @@ def _bytes(n: float) -> str:
 
 
 def _tensor_table(state: Mapping[str, Any]) -> list[str]:
-    rows = [(key, "x".join(map(str, value.shape)) or "scalar", str(value.dtype).replace("torch.", ""),
-             _bytes(value.numel() * value.element_size())) if isinstance(value, torch.Tensor) else (key, "-", type(value).__name__, "-")
-            for key, value in state.items()]
+    rows = [
+        (
+            key,
+            "x".join(map(str, value.shape)) or "scalar",
+            str(value.dtype).replace("torch.", ""),
+            _bytes(value.numel() * value.element_size()),
+        )
+        if isinstance(value, torch.Tensor)
+        else (key, "-", type(value).__name__, "-")
+        for key, value in state.items()
+    ]
     widths = [max(len(row[i]) for row in rows + [("key", "shape", "dtype", "size")]) for i in range(4)]
-    lines = [("  " + "  ".join(c.ljust(w) for c, w in zip(row, widths))).rstrip() for row in [("key", "shape", "dtype", "size")] + rows]
+    lines = [
+        ("  " + "  ".join(c.ljust(w) for c, w in zip(row, widths))).rstrip()
+        for row in [("key", "shape", "dtype", "size")] + rows
+    ]
     tensors = [v for v in state.values() if isinstance(v, torch.Tensor)]
-    lines.append(f"  {len(tensors)} tensors, {sum(t.numel() for t in tensors):,} values, "
-                 f"{_bytes(sum(t.numel() * t.element_size() for t in tensors))}")
+    lines.append(
+        f"  {len(tensors)} tensors, {sum(t.numel() for t in tensors):,} values, "
+        f"{_bytes(sum(t.numel() * t.element_size() for t in tensors))}"
+    )
     return lines
 
 
 def _integrity(path: Path) -> str:
     if _is_safetensors(path):
-        return "safetensors, dpkit SHA-256 verified" if safetensors_has_checksum(path) else "safetensors without a dpkit checksum"
-    return "dpkit SHA-256 verified" if verify_file(path) else "no dpkit checksum (a torch file from elsewhere); zip CRC-32s verified"
+        return (
+            "safetensors, dpkit SHA-256 verified"
+            if safetensors_has_checksum(path)
+            else "safetensors without a dpkit checksum"
+        )
+    return (
+        "dpkit SHA-256 verified"
+        if verify_file(path)
+        else "no dpkit checksum (a torch file from elsewhere); zip CRC-32s verified"
+    )
 
 
 def _describe_state(shared: dict, folder: Path | None) -> list[str]:
-    lines = [f"training state: step {shared.get('step')}, strategy {shared.get('strategy')} on {shared.get('world_size')} "
-             f"process(es) ({', '.join(shared.get('devices', []))}), precision {shared.get('precision')}, "
-             f"accumulate {shared.get('accumulate')}"]
+    lines = [
+        f"training state: step {shared.get('step')}, strategy {shared.get('strategy')} on {shared.get('world_size')} "
+        f"process(es) ({', '.join(shared.get('devices', []))}), precision {shared.get('precision')}, "
+        f"accumulate {shared.get('accumulate')}"
+    ]
     if folder is not None:
         files = sorted(p for p in folder.iterdir() if p.is_file())
         lines.append("files: " + ", ".join(f"{p.name} {_bytes(p.stat().st_size)} ({_integrity(p)})" for p in files))
     for index, optimizer in enumerate(shared.get("optimizers", [])):
         groups = optimizer.get("param_groups", [])
         lrs = ", ".join(f"{g.get('lr')}" for g in groups)
-        lines.append(f"optimizer {index}: {len(groups)} param group(s), lr {lrs}, state for {len(optimizer.get('state', {}))} parameter(s)")
+        lines.append(
+            f"optimizer {index}: {len(groups)} param group(s), lr {lrs}, "
+            f"state for {len(optimizer.get('state', {}))} parameter(s)"
+        )
     if shared.get("scaler"):
         lines.append(f"grad scaler: scale {shared['scaler'].get('scale')}")
     for index, position in enumerate(shared.get("loaders", [])):
-        lines.append(f"loader {index}: epoch {position['epoch']}, next batch {position['next_batch']} of {position['batches_per_epoch']}")
+        lines.append(
+            f"loader {index}: epoch {position['epoch']}, "
+            f"next batch {position['next_batch']} of {position['batches_per_epoch']}"
+        )
     extras = shared.get("extra", {})
     if extras:
         lines.append("extras: " + ", ".join(f"{k} ({v['kind'].replace('_', ' ')})" for k, v in extras.items()))
@@ -113,7 +149,10 @@ def inspect(path: Path) -> int:
 
 def convert(source: Path, out: Path, to_safetensors: bool) -> int:
     if out.is_dir():
-        raise ValueError(f"OUT: {out} is a directory; give a file name such as {out / ('model.safetensors' if to_safetensors else 'model.pt')}")
+        raise ValueError(
+            f"OUT: {out} is a directory; give a file name such as "
+            f"{out / ('model.safetensors' if to_safetensors else 'model.pt')}"
+        )
     if out.resolve() == source.resolve():
         raise ValueError(f"OUT: {out} is the source file; write the converted checkpoint to another file")
     loaded = read_checked(source)
@@ -125,11 +164,20 @@ def convert(source: Path, out: Path, to_safetensors: bool) -> int:
     if to_safetensors:
         skipped = [k for k, v in clean.items() if not isinstance(v, torch.Tensor)]
         if skipped:
-            print(f"dpkit ckpt convert: left out {len(skipped)} non-tensor entries safetensors cannot hold: {', '.join(skipped)}", file=sys.stderr)
-        written = write_safetensors({k: v for k, v in clean.items() if isinstance(v, torch.Tensor)}, out, {"converted_by": "dpkit"})
+            print(
+                f"dpkit ckpt convert: left out {len(skipped)} non-tensor entries "
+                f"safetensors cannot hold: {', '.join(skipped)}",
+                file=sys.stderr,
+            )
+        written = write_safetensors(
+            {k: v for k, v in clean.items() if isinstance(v, torch.Tensor)}, out, {"converted_by": "dpkit"}
+        )
     else:
         written = atomic_save(dict(clean), out)
-    print(f"wrote {written} ({_bytes(written.stat().st_size)}): {len(clean)} entries, wrapper prefixes removed from {removed}")
+    print(
+        f"wrote {written} ({_bytes(written.stat().st_size)}): {len(clean)} entries, "
+        f"wrapper prefixes removed from {removed}"
+    )
     return 0
 
 

@@ -9,8 +9,15 @@ from dpkit.tools.demo import demo
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     parser = subparsers.add_parser("demo", help="train on the bundled digits with DataParallel and show the report")
-    parser.add_argument("--accelerator", default="auto", choices=["auto", "cpu", "cuda"], help="default: every GPU if any, else 2 virtual CPU devices")
-    parser.add_argument("--devices", default="auto", help="device count or list; default: all GPUs, else 2 virtual CPU devices")
+    parser.add_argument(
+        "--accelerator",
+        default="auto",
+        choices=["auto", "cpu", "cuda"],
+        help="default: every GPU if any, else 2 virtual CPU devices",
+    )
+    parser.add_argument(
+        "--devices", default="auto", help="device count or list; default: all GPUs, else 2 virtual CPU devices"
+    )
     parser.add_argument("--epochs", type=int, default=20)
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--lr", type=float, default=3e-3)
@@ -21,6 +28,14 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 
 
 def run(args: argparse.Namespace) -> int:
-    learned = demo(accelerator=args.accelerator, devices=args.devices, epochs=args.epochs, batch_size=args.batch_size,
-                   lr=args.lr, seed=args.seed, out=args.out, progress=not args.no_progress)
+    learned = demo(
+        accelerator=args.accelerator,
+        devices=args.devices,
+        epochs=args.epochs,
+        batch_size=args.batch_size,
+        lr=args.lr,
+        seed=args.seed,
+        out=args.out,
+        progress=not args.no_progress,
+    )
     return 0 if learned else 1

@@ -18,12 +18,24 @@ from typing import Any
 
 from dpkit.tools.doctor import COLLECTIVES, DoctorOptions, run_doctor
 
-SIZE_UNITS = {"": 1, "b": 1, "k": 2**10, "kb": 2**10, "kib": 2**10, "m": 2**20, "mb": 2**20, "mib": 2**20,
-              "g": 2**30, "gb": 2**30, "gib": 2**30}
+SIZE_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 2**10,
+    "kb": 2**10,
+    "kib": 2**10,
+    "m": 2**20,
+    "mb": 2**20,
+    "mib": 2**20,
+    "g": 2**30,
+    "gb": 2**30,
+    "gib": 2**30,
+}
 
 
 # library arguments this command spells differently
 SPELLED = {"iterations": "--iters", "catalogue_file": "--catalogue"}
+
 
 def parse_bytes(text: str) -> int:
     """'4096', '4K', '64MiB', '1G' -> bytes (binary multiples, as nccl-tests' -b/-e)."""
@@ -34,19 +46,38 @@ def parse_bytes(text: str) -> int:
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    parser = subparsers.add_parser("doctor", help="devices, copy and collective bandwidth measured against the catalogue")
+    parser = subparsers.add_parser(
+        "doctor", help="devices, copy and collective bandwidth measured against the catalogue"
+    )
     parser.add_argument("--accelerator", default="auto", choices=["auto", "cpu", "cuda"])
-    parser.add_argument("--processes", type=int, help="ranks for the collectives (default: 2 on CPU, every GPU on CUDA)")
+    parser.add_argument(
+        "--processes", type=int, help="ranks for the collectives (default: 2 on CPU, every GPU on CUDA)"
+    )
     parser.add_argument("--min-bytes", type=parse_bytes, help="smallest collective message (default: 4K)")
-    parser.add_argument("--max-bytes", type=parse_bytes, help="largest collective message (default: 1M on CPU, 64M on CUDA)")
-    parser.add_argument("--factor", type=int, default=4, help="message size multiplier from one size to the next (default: 4)")
-    parser.add_argument("--iters", type=int, help="timed calls per collective and size (default: 10 on CPU, 20 on CUDA)")
+    parser.add_argument(
+        "--max-bytes", type=parse_bytes, help="largest collective message (default: 1M on CPU, 64M on CUDA)"
+    )
+    parser.add_argument(
+        "--factor", type=int, default=4, help="message size multiplier from one size to the next (default: 4)"
+    )
+    parser.add_argument(
+        "--iters", type=int, help="timed calls per collective and size (default: 10 on CPU, 20 on CUDA)"
+    )
     parser.add_argument("--warmup", type=int, default=5, help="untimed calls first (default: 5, as nccl-tests)")
-    parser.add_argument("--copy-bytes", type=parse_bytes, help="buffer for the copy measurements (default: 16M on CPU, 256M on CUDA)")
-    parser.add_argument("--collectives", default=",".join(COLLECTIVES), help=f"comma-separated, from {', '.join(COLLECTIVES)}")
-    parser.add_argument("--link", help="catalogue link between the devices to compare with (e.g. nvlink4, pcie4); "
-                                       "default: guessed from the GPU model, none on CPU")
-    parser.add_argument("--host-link", help="catalogue link between host and GPUs (default: the GPU model's PCIe generation)")
+    parser.add_argument(
+        "--copy-bytes", type=parse_bytes, help="buffer for the copy measurements (default: 16M on CPU, 256M on CUDA)"
+    )
+    parser.add_argument(
+        "--collectives", default=",".join(COLLECTIVES), help=f"comma-separated, from {', '.join(COLLECTIVES)}"
+    )
+    parser.add_argument(
+        "--link",
+        help="catalogue link between the devices to compare with (e.g. nvlink4, pcie4); "
+        "default: guessed from the GPU model, none on CPU",
+    )
+    parser.add_argument(
+        "--host-link", help="catalogue link between host and GPUs (default: the GPU model's PCIe generation)"
+    )
     parser.add_argument("--catalogue", help="a JSON or TOML file of extra or corrected hardware entries")
     parser.add_argument("--json", help="write the full report as JSON here")
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bars")
@@ -57,11 +88,24 @@ def options_from_args(args: argparse.Namespace) -> DoctorOptions:
     collectives = [name.strip() for name in args.collectives.split(",") if name.strip()]
     unknown = [name for name in collectives if name not in COLLECTIVES]
     if unknown or not collectives:
-        raise ValueError(f"--collectives: expected a comma-separated list from {', '.join(COLLECTIVES)}, got {args.collectives!r}")
-    return DoctorOptions(accelerator=args.accelerator, processes=args.processes, min_bytes=args.min_bytes,
-                         max_bytes=args.max_bytes, factor=args.factor, iterations=args.iters, warmup=args.warmup,
-                         copy_bytes=args.copy_bytes, collectives=collectives, link=args.link, host_link=args.host_link,
-                         catalogue_file=args.catalogue, progress=not args.no_progress)
+        raise ValueError(
+            f"--collectives: expected a comma-separated list from {', '.join(COLLECTIVES)}, got {args.collectives!r}"
+        )
+    return DoctorOptions(
+        accelerator=args.accelerator,
+        processes=args.processes,
+        min_bytes=args.min_bytes,
+        max_bytes=args.max_bytes,
+        factor=args.factor,
+        iterations=args.iters,
+        warmup=args.warmup,
+        copy_bytes=args.copy_bytes,
+        collectives=collectives,
+        link=args.link,
+        host_link=args.host_link,
+        catalogue_file=args.catalogue,
+        progress=not args.no_progress,
+    )
 
 
 def _size(size_bytes: int) -> str:
@@ -86,46 +130,105 @@ def _ratio(row: dict[str, Any]) -> str:
 
 def _table(headers: list[str], rows: list[list[str]]) -> str:
     widths = [max(len(str(cell)) for cell in column) for column in zip(headers, *rows)]
-    lines = ["  ".join(str(cell).rjust(width) if i else str(cell).ljust(width) for i, (cell, width) in enumerate(zip(line, widths)))
-             for line in [headers, *rows]]
+    lines = [
+        "  ".join(
+            str(cell).rjust(width) if i else str(cell).ljust(width) for i, (cell, width) in enumerate(zip(line, widths))
+        )
+        for line in [headers, *rows]
+    ]
     lines.insert(1, "  ".join("-" * width for width in widths))
     return "\n".join(lines)
 
 
 def format_report(report: dict[str, Any]) -> str:
     cpu = report["devices"]["cpu"]
-    parts = [f"dpkit doctor: {report['accelerator']}, backend {report['backend']}, {report['world_size']} process(es), "
-             f"torch {report['torch_version']}",
-             f"CPU: {cpu['cores']} core(s) available ({cpu['logical_cpus']} logical), torch threads {cpu['torch_threads']} "
-             f"(inter-op {cpu['torch_interop_threads']})"]
+    parts = [
+        f"dpkit doctor: {report['accelerator']}, backend {report['backend']}, {report['world_size']} process(es), "
+        f"torch {report['torch_version']}",
+        f"CPU: {cpu['cores']} core(s) available ({cpu['logical_cpus']} logical), torch threads {cpu['torch_threads']} "
+        f"(inter-op {cpu['torch_interop_threads']})",
+    ]
     if report["devices"]["cuda"]:
-        parts.append(_table(["GPU", "name", "memory", "SMs", "capability", "catalogue"],
-                            [[f"cuda:{gpu['index']}", gpu["name"], _size(gpu["memory_bytes"]), str(gpu["multiprocessors"]),
-                              gpu["compute_capability"], gpu["catalogue_gpu"] or "-"] for gpu in report["devices"]["cuda"]]))
+        parts.append(
+            _table(
+                ["GPU", "name", "memory", "SMs", "capability", "catalogue"],
+                [
+                    [
+                        f"cuda:{gpu['index']}",
+                        gpu["name"],
+                        _size(gpu["memory_bytes"]),
+                        str(gpu["multiprocessors"]),
+                        gpu["compute_capability"],
+                        gpu["catalogue_gpu"] or "-",
+                    ]
+                    for gpu in report["devices"]["cuda"]
+                ],
+            )
+        )
     if report["peer_access"]:
         count = len(report["peer_access"])
-        parts.append("peer access (row can read column):\n" + _table(
-            ["", *[f"cuda:{j}" for j in range(count)]],
-            [[f"cuda:{i}", *["-" if cell is None else ("yes" if cell else "NO") for cell in row]]
-             for i, row in enumerate(report["peer_access"])]))
+        parts.append(
+            "peer access (row can read column):\n"
+            + _table(
+                ["", *[f"cuda:{j}" for j in range(count)]],
+                [
+                    [f"cuda:{i}", *["-" if cell is None else ("yes" if cell else "NO") for cell in row]]
+                    for i, row in enumerate(report["peer_access"])
+                ],
+            )
+        )
     if report["copies"]:
-        parts.append("copies (GB/s = 1e9 bytes/s; ratio = measured / nominal)\n" + _table(
-            ["copy", "memory", "size", "GB/s", "nominal", "typical", "ratio", "compared with"],
-            [[f"{row['source']} -> {row['destination']}", row["memory"] or "-", _size(row["size_bytes"]),
-              _rate(row["bytes_per_second"]), _rate(row["nominal_bytes_per_second"]), _rate(row["typical_bytes_per_second"]),
-              _ratio(row), row["compared_with"] or "nothing"] for row in report["copies"]]))
+        parts.append(
+            "copies (GB/s = 1e9 bytes/s; ratio = measured / nominal)\n"
+            + _table(
+                ["copy", "memory", "size", "GB/s", "nominal", "typical", "ratio", "compared with"],
+                [
+                    [
+                        f"{row['source']} -> {row['destination']}",
+                        row["memory"] or "-",
+                        _size(row["size_bytes"]),
+                        _rate(row["bytes_per_second"]),
+                        _rate(row["nominal_bytes_per_second"]),
+                        _rate(row["typical_bytes_per_second"]),
+                        _ratio(row),
+                        row["compared_with"] or "nothing",
+                    ]
+                    for row in report["copies"]
+                ],
+            )
+        )
     if report["collectives"]:
-        parts.append(f"collectives over {report['backend']}, {report['world_size']} ranks (busbw as nccl-tests: "
-                     f"all_reduce algbw*2(n-1)/n, broadcast algbw; ratio = busbw / nominal)\n" + _table(
-                         ["collective", "size", "time us", "algbw GB/s", "busbw GB/s", "nominal", "typical", "ratio"],
-                         [[row["collective"], _size(row["size_bytes"]), f"{row['seconds'] * 1e6:.1f}",
-                           _rate(row["algbw_bytes_per_second"]), _rate(row["busbw_bytes_per_second"]),
-                           _rate(row["nominal_bytes_per_second"]), _rate(row["typical_bytes_per_second"]), _ratio(row)]
-                          for row in report["collectives"]]))
+        parts.append(
+            f"collectives over {report['backend']}, {report['world_size']} ranks (busbw as nccl-tests: "
+            f"all_reduce algbw*2(n-1)/n, broadcast algbw; ratio = busbw / nominal)\n"
+            + _table(
+                ["collective", "size", "time us", "algbw GB/s", "busbw GB/s", "nominal", "typical", "ratio"],
+                [
+                    [
+                        row["collective"],
+                        _size(row["size_bytes"]),
+                        f"{row['seconds'] * 1e6:.1f}",
+                        _rate(row["algbw_bytes_per_second"]),
+                        _rate(row["busbw_bytes_per_second"]),
+                        _rate(row["nominal_bytes_per_second"]),
+                        _rate(row["typical_bytes_per_second"]),
+                        _ratio(row),
+                    ]
+                    for row in report["collectives"]
+                ],
+            )
+        )
     best_lines = []
     for collective, best in report.get("summary", {}).items():
-        against = "" if best["ratio"] is None else f", {_ratio(best)} of nominal {_rate(best['nominal_bytes_per_second'])} GB/s"
-        best_lines.append(f"best {collective} bus bandwidth: {_rate(best['busbw_bytes_per_second'])} GB/s at {_size(best['size_bytes'])}{against}")
+        against = (
+            ""
+            if best["ratio"] is None
+            else f", {_ratio(best)} of nominal {_rate(best['nominal_bytes_per_second'])} GB/s"
+        )
+        best_lines.append(
+            f"best {collective} bus bandwidth: {_rate(best['busbw_bytes_per_second'])} GB/s "
+            f"at {_size(best['size_bytes'])}{against}"
+        )
     if best_lines:
         parts.append("\n".join(best_lines))
     if report["notes"]:

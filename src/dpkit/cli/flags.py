@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import argparse
 import re
-from typing import Mapping
+from collections.abc import Mapping
 
 _LEADING_NAMES = re.compile(r"^((?:[a-z_][a-z0-9_]*(?:\[\d+\])?)(?:/[a-z_][a-z0-9_]*(?:\[\d+\])?)*):")
 _NAME_IS_VALUE = re.compile(r"(?<![\w.\-])([a-z_][a-z0-9_]*)=([^\s,;:)]+)")
@@ -25,7 +25,7 @@ class Flags:
         self.switches = switches
 
     @classmethod
-    def of(cls, parser: argparse.ArgumentParser, spelled: Mapping[str, str] | None = None) -> "Flags":
+    def of(cls, parser: argparse.ArgumentParser, spelled: Mapping[str, str] | None = None) -> Flags:
         flags, switches = {}, set()
         for action in parser._actions:
             longs = [option for option in action.option_strings if option.startswith("--")]
@@ -52,7 +52,7 @@ class Flags:
             names = leading.group(1).split("/")
             flags = [self._flag(name) for name in names]
             if all(flags):
-                text = "/".join(flags) + text[leading.end(1):]
+                text = "/".join(flags) + text[leading.end(1) :]
 
         def mention(match: re.Match) -> str:
             name, value = match.group(1), match.group(2)

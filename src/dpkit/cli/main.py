@@ -27,11 +27,13 @@ COMMANDS = {
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="dpkit", description="Data-parallel training for PyTorch on GPUs and virtual CPU devices.")
+    parser = argparse.ArgumentParser(
+        prog="dpkit", description="Data-parallel training for PyTorch on GPUs and virtual CPU devices."
+    )
     parser.add_argument("-v", "--verbose", action="store_true", help="log at DEBUG level")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     subparsers.required = True
-    for name, module_name in COMMANDS.items():
+    for module_name in COMMANDS.values():
         module = importlib.import_module(module_name)
         sub = module.add_parser(subparsers)
         sub.set_defaults(_run=module.run, _flags=Flags.of(sub, getattr(module, "SPELLED", None)))
@@ -41,8 +43,12 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    args.argv = list(sys.argv[1:] if argv is None else argv)  # a command that relaunches itself reuses its own command line
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    args.argv = list(
+        sys.argv[1:] if argv is None else argv
+    )  # a command that relaunches itself reuses its own command line
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO, format="%(levelname)s %(name)s: %(message)s"
+    )
     try:
         return int(args._run(args) or 0)
     except KeyboardInterrupt:

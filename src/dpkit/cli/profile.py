@@ -12,21 +12,34 @@ import argparse
 
 from dpkit.launch import Command
 from dpkit.strategies import available_strategies
-from dpkit.tools.profile import DTYPES, ProfileSpec, run as run_profile
+from dpkit.tools.profile import DTYPES, ProfileSpec
+from dpkit.tools.profile import run as run_profile
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     parser = subparsers.add_parser("profile", help="per-device memory by category, time by phase, imbalance")
     source = parser.add_argument_group("model and data")
-    source.add_argument("--example", default="wide-output", help="built-in example for the model and data (default: wide-output)")
-    source.add_argument("--model", help="your model instead, as 'package.module:factory' (factory() returns an nn.Module)")
-    source.add_argument("--data", help="your data instead, as 'package.module:loader' (loader(seed) returns x_train, y_train, ...)")
+    source.add_argument(
+        "--example", default="wide-output", help="built-in example for the model and data (default: wide-output)"
+    )
+    source.add_argument(
+        "--model", help="your model instead, as 'package.module:factory' (factory() returns an nn.Module)"
+    )
+    source.add_argument(
+        "--data", help="your data instead, as 'package.module:loader' (loader(seed) returns x_train, y_train, ...)"
+    )
     parser.add_argument("--strategy", default="dp", help=f"{', '.join(available_strategies())} (default: dp)")
     parser.add_argument("--accelerator", default="auto", choices=["auto", "cpu", "cuda"])
-    parser.add_argument("--devices", default="auto", help="device count or list; default: all GPUs, else 2 virtual CPU devices")
+    parser.add_argument(
+        "--devices", default="auto", help="device count or list; default: all GPUs, else 2 virtual CPU devices"
+    )
     parser.add_argument("--steps", type=int, default=3, help="observed steps (default: 3)")
-    parser.add_argument("--warmup", type=int, default=3,
-                        help="unobserved steps first: optimizer state is created, dp-balanced calibrates (default: 3)")
+    parser.add_argument(
+        "--warmup",
+        type=int,
+        default=3,
+        help="unobserved steps first: optimizer state is created, dp-balanced calibrates (default: 3)",
+    )
     parser.add_argument("--batch-size", type=int, default=256)
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--optimizer", default="adam", choices=["adam", "sgd"])
@@ -40,10 +53,26 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 
 
 def run(args: argparse.Namespace) -> int:
-    run_profile(ProfileSpec(
-        example=args.example, model=args.model, data=args.data, strategy=args.strategy, accelerator=args.accelerator,
-        devices=args.devices, steps=args.steps, warmup=args.warmup, batch_size=args.batch_size, lr=args.lr,
-        optimizer=args.optimizer, dtype=args.dtype, seed=args.seed, json=args.json, png=args.png, trace=args.trace,
-        progress=not args.no_progress, relaunch=Command("dpkit.cli.main", tuple(args.argv)),
-    ))
+    run_profile(
+        ProfileSpec(
+            example=args.example,
+            model=args.model,
+            data=args.data,
+            strategy=args.strategy,
+            accelerator=args.accelerator,
+            devices=args.devices,
+            steps=args.steps,
+            warmup=args.warmup,
+            batch_size=args.batch_size,
+            lr=args.lr,
+            optimizer=args.optimizer,
+            dtype=args.dtype,
+            seed=args.seed,
+            json=args.json,
+            png=args.png,
+            trace=args.trace,
+            progress=not args.no_progress,
+            relaunch=Command("dpkit.cli.main", tuple(args.argv)),
+        )
+    )
     return 0

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 from torch import nn
@@ -26,8 +26,15 @@ class Example:
 
 
 EXAMPLES: dict[str, Example] = {
-    "digits": Example("digits", DigitsMLP, load_digits, "MLP on scikit-learn's bundled 8x8 digits (1797 images, 10 classes)"),
-    "wide-output": Example("wide-output", WideOutputNet, make_wide_output_data, "small trunk, 20,000-class head, synthetic data from a seed"),
+    "digits": Example(
+        "digits", DigitsMLP, load_digits, "MLP on scikit-learn's bundled 8x8 digits (1797 images, 10 classes)"
+    ),
+    "wide-output": Example(
+        "wide-output",
+        WideOutputNet,
+        make_wide_output_data,
+        "small trunk, 20,000-class head, synthetic data from a seed",
+    ),
 }
 
 
@@ -45,7 +52,9 @@ def load_factory(spec: str) -> Callable[[], nn.Module]:
     try:
         module = importlib.import_module(module_name)
     except ImportError as error:
-        raise ValueError(f"model factory {spec!r}: cannot import {module_name!r} ({error}); is it on PYTHONPATH?") from error
+        raise ValueError(
+            f"model factory {spec!r}: cannot import {module_name!r} ({error}); is it on PYTHONPATH?"
+        ) from error
     factory = getattr(module, attribute, None)
     if not callable(factory):
         raise ValueError(f"model factory {spec!r}: {module_name} has no callable {attribute!r}")

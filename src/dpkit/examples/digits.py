@@ -6,7 +6,9 @@ import torch
 from torch import nn
 
 
-def load_digits(seed: int = 0, test_fraction: float = 0.2) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def load_digits(
+    seed: int = 0, test_fraction: float = 0.2
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(x_train, y_train, x_test, y_test): 8x8 images flattened to 64 features in [0, 1], stratified split."""
     from sklearn.datasets import load_digits as sklearn_digits
     from sklearn.model_selection import train_test_split
@@ -27,8 +29,10 @@ class DigitsMLP(nn.Module):
     def __init__(self, hidden: int = 128):
         super().__init__()
         self.net = nn.Sequential(
-            nn.Linear(64, hidden), nn.ReLU(),
-            nn.Linear(hidden, hidden), nn.ReLU(),
+            nn.Linear(64, hidden),
+            nn.ReLU(),
+            nn.Linear(hidden, hidden),
+            nn.ReLU(),
             nn.Linear(hidden, 10),
         )
 

@@ -27,15 +27,16 @@ class WideOutputNet(nn.Module):
         return self.head(self.trunk(x))
 
 
-def make_wide_output_data(seed: int = 0, n_train: int = 4096, n_test: int = 512, features: int = FEATURES,
-                          classes: int = CLASSES) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def make_wide_output_data(
+    seed: int = 0, n_train: int = 4096, n_test: int = 512, features: int = FEATURES, classes: int = CLASSES
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(x_train, y_train, x_test, y_test): Gaussian features; the label is the cell of a rows x cols grid
     (rows * cols <= classes) that two random projections fall into, cut at the normal's quantiles."""
     generator = torch.Generator().manual_seed(seed)
     x = torch.randn(n_train + n_test, features, generator=generator)
     directions = torch.randn(features, 2, generator=generator)
     projected = (x @ directions) / directions.norm(dim=0)  # each column ~ N(0, 1)
-    rows = max(1, int(classes ** 0.5))
+    rows = max(1, int(classes**0.5))
     cols = classes // rows
     normal = torch.distributions.Normal(0.0, 1.0)
     cells = normal.cdf(projected)  # uniform in [0, 1): equal-probability cells

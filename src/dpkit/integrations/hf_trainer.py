@@ -25,8 +25,8 @@ and most transformers models) whenever the batch has `labels`.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -123,8 +123,9 @@ class TrainerDataParallel(nn.Module):
 
     wraps_module = True  # dpkit.unwrap_model / save_model / load_model look inside
 
-    def __init__(self, module: nn.Module, device_ids: Sequence[DeviceLike] | None = None, *,
-                 shifts_labels: bool | None = None):
+    def __init__(
+        self, module: nn.Module, device_ids: Sequence[DeviceLike] | None = None, *, shifts_labels: bool | None = None
+    ):
         super().__init__()
         self.module = module
         self.shifts_labels = loss_shifts_labels(module) if shifts_labels is None else bool(shifts_labels)

@@ -26,5 +26,17 @@ from dpkit.launch.failures import LaunchError, StoppedBySignal
 from dpkit.launch.network import free_port, loopback_interface, port_in_use
 from dpkit.launch.relaunch import Command, relaunch, relaunched
 
-__all__ = ["LAUNCH_VARIABLES", "Command", "LaunchError", "StoppedBySignal", "free_port", "launch", "launched", "loopback_interface",
-           "port_in_use", "relaunch", "relaunched", "restart_count"]
+__all__ = [
+    "LAUNCH_VARIABLES",
+    "Command",
+    "LaunchError",
+    "StoppedBySignal",
+    "free_port",
+    "launch",
+    "launched",
+    "loopback_interface",
+    "port_in_use",
+    "relaunch",
+    "relaunched",
+    "restart_count",
+]

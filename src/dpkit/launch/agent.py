@@ -8,7 +8,7 @@ import os
 import signal
 import sys
 import threading
-from typing import Iterator, Sequence
+from collections.abc import Iterator, Sequence
 
 from dpkit.checks import check_int, check_number
 from dpkit.devices import check_process_count, cpu_threads_per_device
@@ -21,7 +21,9 @@ log = logging.getLogger("dpkit")
 
 
 @contextlib.contextmanager
-def _launcher_state(threads_per_process: int, master_addr: str, worker_env: "dict[str, str] | None" = None) -> Iterator[None]:
+def _launcher_state(
+    threads_per_process: int, master_addr: str, worker_env: dict[str, str] | None = None
+) -> Iterator[None]:
     """Environment for the workers, and this process restored afterwards: torchrun's agent sets
     OMP_NUM_THREADS and signal handlers here."""
     worker_env = worker_env or {}
@@ -35,7 +37,9 @@ def _launcher_state(threads_per_process: int, master_addr: str, worker_env: "dic
         os.environ.setdefault("GLOO_SOCKET_IFNAME", loopback_interface())
     in_main = threading.current_thread() is threading.main_thread()
     names = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
-    saved_handlers = {name: signal.getsignal(getattr(signal, name)) for name in names if in_main and hasattr(signal, name)}
+    saved_handlers = {
+        name: signal.getsignal(getattr(signal, name)) for name in names if in_main and hasattr(signal, name)
+    }
     try:
         yield
     finally:
@@ -48,10 +52,22 @@ def _launcher_state(threads_per_process: int, master_addr: str, worker_env: "dic
             signal.signal(getattr(signal, name), handler)
 
 
-def launch(script: str, script_args: Sequence[str] = (), *, nproc_per_node: int = 1, nnodes: int = 1, node_rank: int = 0,
-           master_addr: str | None = None, master_port: int | None = None, max_restarts: int = 0,
-           module: bool = False, monitor_interval_seconds: float = 0.1, hang_timeout_seconds: float | None = None,
-           force: bool = False, worker_environment: "dict[str, str] | None" = None) -> None:
+def launch(
+    script: str,
+    script_args: Sequence[str] = (),
+    *,
+    nproc_per_node: int = 1,
+    nnodes: int = 1,
+    node_rank: int = 0,
+    master_addr: str | None = None,
+    master_port: int | None = None,
+    max_restarts: int = 0,
+    module: bool = False,
+    monitor_interval_seconds: float = 0.1,
+    hang_timeout_seconds: float | None = None,
+    force: bool = False,
+    worker_environment: dict[str, str] | None = None,
+) -> None:
     """Run `python script args…` (or `python -m script args…` with module=True) once per process.
 
     Returns when every worker has exited with 0; raises LaunchError naming the first failed worker (or
@@ -92,14 +108,26 @@ def launch(script: str, script_args: Sequence[str] = (), *, nproc_per_node: int 
     from torch.distributed.run import config_from_args, parse_args
 
     argv = [
-        f"--nnodes={nnodes}", f"--node-rank={node_rank}", f"--nproc-per-node={nproc_per_node}",
-        f"--master-addr={master_addr}", f"--master-port={master_port}", f"--max-restarts={max_restarts}",
-        "--rdzv-backend=static", f"--monitor-interval={monitor_interval_seconds}",
+        f"--nnodes={nnodes}",
+        f"--node-rank={node_rank}",
+        f"--nproc-per-node={nproc_per_node}",
+        f"--master-addr={master_addr}",
+        f"--master-port={master_port}",
+        f"--max-restarts={max_restarts}",
+        "--rdzv-backend=static",
+        f"--monitor-interval={monitor_interval_seconds}",
     ]
     if module:
         argv.append("--module")
     argv += [script, *script_args]
-    log.info("launch: %d process(es) on node %d of %d, rendezvous at %s:%d", nproc_per_node, node_rank, nnodes, master_addr, master_port)
+    log.info(
+        "launch: %d process(es) on node %d of %d, rendezvous at %s:%d",
+        nproc_per_node,
+        node_rank,
+        nnodes,
+        master_addr,
+        master_port,
+    )
     worker_env = {**(worker_environment or {}), LAUNCHER_PID_VARIABLE: str(os.getpid())}
     if hang_timeout_seconds is not None:
         worker_env[HANG_TIMEOUT_VARIABLE] = repr(float(hang_timeout_seconds))
@@ -107,8 +135,14 @@ def launch(script: str, script_args: Sequence[str] = (), *, nproc_per_node: int 
     with _launcher_state(cpu_threads_per_device(nproc_per_node), master_addr, worker_env), _quiet_torch_elastic():
         config, _, _ = config_from_args(parse_args(argv))
         # every worker starts in run_worker (parent-death signal first), which then runs the script
-        entry_args = ["-u", "-c", "from dpkit.launch.worker import run_worker; run_worker()", "module" if module else "script",
-                      script, *script_args]
+        entry_args = [
+            "-u",
+            "-c",
+            "from dpkit.launch.worker import run_worker; run_worker()",
+            "module" if module else "script",
+            script,
+            *script_args,
+        ]
         if hang_timeout_seconds is not None:
             watch = HangWatch(master_addr, master_port, nnodes * nproc_per_node, node_rank, float(hang_timeout_seconds))
             watch.start()
@@ -119,11 +153,15 @@ def launch(script: str, script_args: Sequence[str] = (), *, nproc_per_node: int 
         except ChildFailedError as error:
             exit_codes = {rank: failure.exitcode for rank, failure in (getattr(error, "failures", {}) or {}).items()}
             exits.stop()
-            raise LaunchError(failure_summary(error, watch.hung if watch else None, exits.exit_times), exit_codes) from None
+            raise LaunchError(
+                failure_summary(error, watch.hung if watch else None, exits.exit_times), exit_codes
+            ) from None
         except SignalException as error:
             if error.sigval == signal.SIGINT:
                 raise KeyboardInterrupt from None
-            raise StoppedBySignal(f"stopped by {signal.Signals(error.sigval).name}; the workers were stopped", int(error.sigval)) from None
+            raise StoppedBySignal(
+                f"stopped by {signal.Signals(error.sigval).name}; the workers were stopped", int(error.sigval)
+            ) from None
         finally:
             exits.stop()
             if watch is not None:
@@ -137,8 +175,11 @@ def _quiet_torch_elastic() -> Iterator[None]:
     if log.isEnabledFor(logging.DEBUG):
         yield
         return
-    loggers = [logging.getLogger(name) for name in list(logging.root.manager.loggerDict)
-               if name.startswith("torch.distributed.elastic") or name.startswith("torch.distributed.launcher")]
+    loggers = [
+        logging.getLogger(name)
+        for name in list(logging.root.manager.loggerDict)
+        if name.startswith("torch.distributed.elastic") or name.startswith("torch.distributed.launcher")
+    ]
     saved = [(logger, logger.level) for logger in loggers]
     for logger in loggers:
         logger.setLevel(logging.CRITICAL)

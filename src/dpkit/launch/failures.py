@@ -26,7 +26,7 @@ class LaunchError(DpkitError):
     """A worker process failed; the message names its rank, exit code and error. `exit_codes` maps each
     failed worker's rank to its exit code (negative: killed by that signal)."""
 
-    def __init__(self, message: str, exit_codes: "dict[int, int] | None" = None):
+    def __init__(self, message: str, exit_codes: dict[int, int] | None = None):
         super().__init__(message)
         self.exit_codes = dict(exit_codes or {})
 
@@ -40,7 +40,7 @@ class StoppedBySignal(DpkitError):
         self.exit_code = 128 + signum
 
 
-def failure_order(failures: "dict[int, Any]", exit_times: "dict[int, float] | None" = None) -> list[int]:
+def failure_order(failures: dict[int, Any], exit_times: dict[int, float] | None = None) -> list[int]:
     """The failed ranks, the first to fail first.
 
     By `exit_times` (pid -> when the launcher saw that worker exit, `ExitWatch`) where every failure has
@@ -60,8 +60,9 @@ def failure_order(failures: "dict[int, Any]", exit_times: "dict[int, float] | No
     return sorted(failures, key=key)
 
 
-def failure_summary(error: BaseException, hung: "dict[int, str] | None" = None,
-                     exit_times: "dict[int, float] | None" = None) -> str:
+def failure_summary(
+    error: BaseException, hung: dict[int, str] | None = None, exit_times: dict[int, float] | None = None
+) -> str:
     """The failed workers first, the first to fail first (a rank the hang watch stopped, named with why),
     then the ones the agent stopped (SIGTERM) because of them. `exit_times`: pid -> monotonic exit time."""
     failures = getattr(error, "failures", {}) or {}
@@ -74,11 +75,17 @@ def failure_summary(error: BaseException, hung: "dict[int, str] | None" = None,
         if (failure.exitcode is not None and failure.exitcode == -signal.SIGTERM) or hung:
             stopped.append(str(rank))  # with a hung rank found, the others failed because of it
             continue
-        how = (f"was killed by signal {failure.signal_name()}" if failure.exitcode is not None and failure.exitcode < 0
-               else f"exited with code {failure.exitcode}")
+        how = (
+            f"was killed by signal {failure.signal_name()}"
+            if failure.exitcode is not None and failure.exitcode < 0
+            else f"exited with code {failure.exitcode}"
+        )
         message = failure.message if isinstance(failure.message, str) else (failure.message or {}).get("message", "")
         detail = "" if not message or "elastic/errors.html" in str(message) else str(message).strip().splitlines()[-1]
-        failed.append(f"worker rank {rank} (local rank {failure.local_rank}, pid {failure.pid}) {how}" + (f": {detail}" if detail else ""))
+        failed.append(
+            f"worker rank {rank} (local rank {failure.local_rank}, pid {failure.pid}) {how}"
+            + (f": {detail}" if detail else "")
+        )
     if not failed and not stopped:
         return str(error)
     summary = "; ".join(failed) if failed else "workers were stopped"
@@ -113,10 +120,14 @@ class ExitWatch:
 
     @staticmethod
     def available() -> bool:
-        return sys.platform.startswith("linux") and hasattr(os, "pidfd_open") and hasattr(select, "poll") \
+        return (
+            sys.platform.startswith("linux")
+            and hasattr(os, "pidfd_open")
+            and hasattr(select, "poll")
             and os.path.isdir("/proc/self")
+        )
 
-    def start(self) -> "ExitWatch":
+    def start(self) -> ExitWatch:
         if self.available():
             self._poller = select.poll()
             self._earlier = set(self._children())
@@ -173,7 +184,7 @@ class ExitWatch:
             self._watched[fd] = pid
             self._poller.register(fd, select.POLLIN)
 
-    def _note_exits(self, timeout_ms: "int | None") -> bool:
+    def _note_exits(self, timeout_ms: int | None) -> bool:
         """Wait up to timeout_ms (None: for ever) for an exit or stop; returns False once stopped."""
         events = self._poller.poll(timeout_ms)
         now = time.monotonic()

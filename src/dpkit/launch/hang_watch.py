@@ -51,7 +51,9 @@ class HangWatch:
 
         while not self._stop.is_set():  # the agent creates the store when it starts; wait for it
             try:
-                return dist.TCPStore(self.host, self.port, is_master=False, wait_for_workers=False, timeout=timedelta(seconds=2))
+                return dist.TCPStore(
+                    self.host, self.port, is_master=False, wait_for_workers=False, timeout=timedelta(seconds=2)
+                )
             except (RuntimeError, TimeoutError):
                 self._stop.wait(0.2)
         return None
@@ -97,9 +99,11 @@ class HangWatch:
             if stalled < self.hang_timeout_seconds or rank in self.hung:
                 continue
             waiting = sorted(r for r, q in live.items() if q.count > p.count)
-            message = (f"worker rank {rank} (pid {p.pid}, node {p.node}) made no progress for {stalled:.0f} s "
-                       f"(hang_timeout_seconds={self.hang_timeout_seconds:g}): it is at collective {p.count} while rank(s) "
-                       f"{', '.join(map(str, waiting))} waited at collective {ahead}")
+            message = (
+                f"worker rank {rank} (pid {p.pid}, node {p.node}) made no progress for {stalled:.0f} s "
+                f"(hang_timeout_seconds={self.hang_timeout_seconds:g}): it is at collective {p.count} while rank(s) "
+                f"{', '.join(map(str, waiting))} waited at collective {ahead}"
+            )
             self.hung[rank] = message + ("; it was stopped" if p.node == self.node_rank else "")
             log.warning("launch: %s", message)
             if p.node == self.node_rank:

@@ -25,12 +25,17 @@ class ProgressHeartbeat:
         self.attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
         self.node = os.environ.get("GROUP_RANK", "0")
         self.group = dist.distributed_c10d._get_default_group()
-        self.store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-                                   wait_for_workers=False, timeout=timedelta(seconds=10))
+        self.store = dist.TCPStore(
+            os.environ["MASTER_ADDR"],
+            int(os.environ["MASTER_PORT"]),
+            is_master=False,
+            wait_for_workers=False,
+            timeout=timedelta(seconds=10),
+        )
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="dpkit-heartbeat", daemon=True)
 
-    def start(self) -> "ProgressHeartbeat":
+    def start(self) -> ProgressHeartbeat:
         self._publish()
         self._thread.start()
         return self

@@ -23,7 +23,9 @@ def port_in_use(host: str, port: int) -> bool:
         except OSError as error:
             if error.errno == errno.EADDRINUSE:
                 return True
-            raise ValueError(f"master_addr: cannot bind {host}:{port} ({error}); give an address of this machine, e.g. 127.0.0.1") from error
+            raise ValueError(
+                f"master_addr: cannot bind {host}:{port} ({error}); give an address of this machine, e.g. 127.0.0.1"
+            ) from error
     return False
 
 

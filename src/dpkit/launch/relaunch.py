@@ -26,8 +26,14 @@ class Command:
 def relaunch(command: Command, processes: int, **launch_options: Any) -> None:
     """Run `command` once per process through `launch` (launch_options: max_restarts=, hang_timeout_seconds=,
     force=, …); returns when every worker exited with 0, raises as `launch` does."""
-    launch(command.module, list(command.argv), nproc_per_node=processes, module=True,
-           worker_environment={RELAUNCHED_VARIABLE: "1"}, **launch_options)
+    launch(
+        command.module,
+        list(command.argv),
+        nproc_per_node=processes,
+        module=True,
+        worker_environment={RELAUNCHED_VARIABLE: "1"},
+        **launch_options,
+    )
 
 
 def relaunched() -> bool:

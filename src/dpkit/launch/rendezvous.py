@@ -26,15 +26,23 @@ def rendezvous_store(rank: int, world_size: int, *, wait_seconds: float, timeout
     store = None
     while store is None:
         try:
-            store = dist.TCPStore(host, port, is_master=(rank == 0 and not agent_store), wait_for_workers=False,
-                                  timeout=timedelta(seconds=1))
+            store = dist.TCPStore(
+                host,
+                port,
+                is_master=(rank == 0 and not agent_store),
+                wait_for_workers=False,
+                timeout=timedelta(seconds=1),
+            )
         except (RuntimeError, TimeoutError) as error:  # DistStoreError / DistNetworkError: nobody listens yet
             if rank == 0 and not agent_store:
-                raise RuntimeError(f"ddp: rank 0 cannot host the rendezvous at {host}:{port} ({error}); "
-                                   "pick another MASTER_PORT") from None
+                raise RuntimeError(
+                    f"ddp: rank 0 cannot host the rendezvous at {host}:{port} ({error}); pick another MASTER_PORT"
+                ) from None
             if time.monotonic() > deadline:
-                raise RuntimeError(f"ddp: rank {rank} found no rendezvous at {host}:{port} after {wait_seconds:g} s; "
-                                   "start rank 0 (or launch with `dpkit launch`)") from None
+                raise RuntimeError(
+                    f"ddp: rank {rank} found no rendezvous at {host}:{port} after {wait_seconds:g} s; "
+                    "start rank 0 (or launch with `dpkit launch`)"
+                ) from None
             time.sleep(0.1)
     store.set_timeout(timedelta(seconds=timeout_seconds))
     # keys of an earlier attempt (torchrun restarts the group on the same store) must not be read as this one's
@@ -46,7 +54,8 @@ def rendezvous_store(rank: int, world_size: int, *, wait_seconds: float, timeout
             return store
         if time.monotonic() > deadline:
             raise RuntimeError(
-                f"ddp: rank(s) {', '.join(map(str, missing))} of {world_size} did not join the rendezvous at {host}:{port} "
+                f"ddp: rank(s) {', '.join(map(str, missing))} of {world_size} did not join the rendezvous "
+                f"at {host}:{port} "
                 f"within {wait_seconds:g} s; start every rank (dpkit launch --nproc-per-node N does), or unset "
                 f"{', '.join(LAUNCH_VARIABLES)} to run without a launcher"
             )

@@ -8,7 +8,7 @@ import os
 import runpy
 import signal
 import sys
-from typing import Sequence
+from collections.abc import Sequence
 
 from dpkit.launch.environment import LAUNCHER_PID_VARIABLE
 
@@ -26,7 +26,10 @@ def die_with_parent(parent_pid: int | None = None) -> bool:
         return False
     libc = ctypes.CDLL(None, use_errno=True)
     if libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
-        log.warning("launch: prctl(PR_SET_PDEATHSIG) failed (errno %d); this worker may outlive its launcher", ctypes.get_errno())
+        log.warning(
+            "launch: prctl(PR_SET_PDEATHSIG) failed (errno %d); this worker may outlive its launcher",
+            ctypes.get_errno(),
+        )
         return False
     if parent_pid is not None and os.getppid() != parent_pid:
         os._exit(1)  # the launcher died before the request took effect: nobody will ever wait for us

@@ -15,5 +15,15 @@ from dpkit.observe.report import DeviceReport, Report
 from dpkit.observe.timing import PHASES
 from dpkit.parallel.hooks import replica_phase  # inside a replica's job: switch its phase for every listener
 
-__all__ = ["CATEGORIES", "PHASES", "AllocationTracker", "DeviceReport", "MemoryLedger", "Observer", "Report",
-           "active", "measured_balance", "replica_phase"]
+__all__ = [
+    "CATEGORIES",
+    "PHASES",
+    "AllocationTracker",
+    "DeviceReport",
+    "MemoryLedger",
+    "Observer",
+    "Report",
+    "active",
+    "measured_balance",
+    "replica_phase",
+]

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import logging
 import weakref
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -19,8 +20,15 @@ from dpkit.observe.memory import device_key
 from dpkit.observe.observer import Observer
 from dpkit.observe.report import Report
 from dpkit.parallel import hooks
-from dpkit.parallel.balance import (BALANCE_MODES, MEASURED_STEPS, LinearCost, calibration_split, fit_cost, solve,
-                                    split_sizes)
+from dpkit.parallel.balance import (
+    BALANCE_MODES,
+    MEASURED_STEPS,
+    LinearCost,
+    calibration_split,
+    fit_cost,
+    solve,
+    split_sizes,
+)
 
 log = logging.getLogger("dpkit")
 
@@ -32,7 +40,9 @@ class Balancer:
     """The calibration sequence and the fitted cost: `plan(batch_size)` returns (sizes, measure); when
     `measure` is True the caller measures that step and passes one number per device to `record`."""
 
-    def __init__(self, mode: str, device_keys: Sequence[str], max_bytes_per_device: Sequence[float | None] | None = None):
+    def __init__(
+        self, mode: str, device_keys: Sequence[str], max_bytes_per_device: Sequence[float | None] | None = None
+    ):
         if mode not in BALANCE_MODES:
             raise ValueError(f"balance: expected one of {', '.join(map(repr, BALANCE_MODES))} or None, got {mode!r}")
         self.mode = mode
@@ -56,10 +66,17 @@ class Balancer:
         if self.cost is not None:
             if batch_size not in self._sizes:
                 self._sizes[batch_size] = solve(self.mode, batch_size, self.cost, self.limits)
-                predicted = ", ".join(f"{p / 2**20:.1f} MiB" if self.mode == "memory" else f"{p * 1e3:.1f} ms"
-                                      for p in self.cost.predict(self._sizes[batch_size]))
-                log.info("balance=%r: batch %d split %s (predicted per device: %s)", self.mode, batch_size,
-                         self._sizes[batch_size], predicted)
+                predicted = ", ".join(
+                    f"{p / 2**20:.1f} MiB" if self.mode == "memory" else f"{p * 1e3:.1f} ms"
+                    for p in self.cost.predict(self._sizes[batch_size])
+                )
+                log.info(
+                    "balance=%r: batch %d split %s (predicted per device: %s)",
+                    self.mode,
+                    batch_size,
+                    self._sizes[batch_size],
+                    predicted,
+                )
             return list(self._sizes[batch_size]), False
         if batch_size < 2 * n or not can_measure:  # too few rows to learn from, or no backward to see
             return split_sizes(batch_size, n), False
@@ -86,7 +103,9 @@ class Balancer:
 
     def state_dict(self) -> dict[str, Any]:
         state = {name: getattr(self, name) for name in self._STATE_FIELDS}
-        state["cost"] = None if self.cost is None else {"fixed": list(self.cost.fixed), "per_row": list(self.cost.per_row)}
+        state["cost"] = (
+            None if self.cost is None else {"fixed": list(self.cost.fixed), "per_row": list(self.cost.per_row)}
+        )
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -116,7 +135,9 @@ class Balancer:
 class MeasuredBalance(Balancer):
     """DataParallel's ChunkPlanner for balance=: observes the steps the calibration asks for."""
 
-    def __init__(self, mode: str, devices: Sequence[torch.device], max_bytes_per_device: Sequence[float | None] | None = None):
+    def __init__(
+        self, mode: str, devices: Sequence[torch.device], max_bytes_per_device: Sequence[float | None] | None = None
+    ):
         super().__init__(mode, [device_key(d) for d in devices], max_bytes_per_device)
         self.primary_device = devices[0]
         self._measuring: tuple[Observer, list[int], weakref.finalize] | None = None

@@ -12,8 +12,9 @@ from __future__ import annotations
 import functools
 import threading
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -122,7 +123,7 @@ class MemoryLedger:
                 account.reset_peak()
 
 
-@functools.lru_cache(maxsize=None)  # one entry per operator overload seen
+@functools.cache  # one entry per operator overload seen
 def _fresh_returns(func: Any) -> tuple[bool, ...]:
     """Per return value: True when the operator allocates it (it does not alias an input)."""
     return tuple(ret.alias_info is None for ret in func._schema.returns)
@@ -136,7 +137,7 @@ def fresh_tensors(func: Any, out: Any):
     for is_fresh, value in zip(fresh, out if len(fresh) > 1 else (out,)):
         if not is_fresh:
             continue
-        for tensor in (value if isinstance(value, (tuple, list)) else (value,)):  # Tensor[] returns too
+        for tensor in value if isinstance(value, (tuple, list)) else (value,):  # Tensor[] returns too
             if isinstance(tensor, torch.Tensor) and tensor.device.type != "meta":
                 yield tensor
 
@@ -146,7 +147,7 @@ def device_key(device: torch.device | str) -> str:
     return str(parse_device(device))
 
 
-@functools.lru_cache(maxsize=None)  # called for every allocation while observing: parse each key once
+@functools.cache  # called for every allocation while observing: parse each key once
 def _parsed(key: str) -> torch.device:
     return parse_device(key)
 

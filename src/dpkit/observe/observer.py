@@ -25,7 +25,8 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from typing import Any, Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -41,7 +42,7 @@ from dpkit.observe.timing import PHASES, PhaseClock
 from dpkit.parallel import hooks
 
 
-def active() -> tuple["Observer", ...]:
+def active() -> tuple[Observer, ...]:
     """The started observers; empty (and cheap to ask) when nothing is being measured."""
     return tuple(listener for listener in hooks.listeners() if isinstance(listener, Observer))
 
@@ -59,9 +60,16 @@ class Observer:
             given as (module, device) is charged to that device (a replica's copy).
     """
 
-    def __init__(self, device: torch.device | str | None = None, *, memory: bool = True, timing: bool = True,
-                 trace: bool = True, models: Iterable[nn.Module | tuple[nn.Module, Any]] = (),
-                 optimizers: Iterable[torch.optim.Optimizer] = ()):
+    def __init__(
+        self,
+        device: torch.device | str | None = None,
+        *,
+        memory: bool = True,
+        timing: bool = True,
+        trace: bool = True,
+        models: Iterable[nn.Module | tuple[nn.Module, Any]] = (),
+        optimizers: Iterable[torch.optim.Optimizer] = (),
+    ):
         self.home = None if device is None else device_key(device)
         self.memory = memory
         self.timing = timing
@@ -85,7 +93,7 @@ class Observer:
         self._devices_lock = threading.Lock()  # replica threads announce devices too
 
     # ---- lifecycle -------------------------------------------------------------------------------
-    def start(self) -> "Observer":
+    def start(self) -> Observer:
         if self._started:
             raise RuntimeError("Observer.start: already started; use a new Observer per measurement")
         self._started = True
@@ -119,7 +127,7 @@ class Observer:
         """The optimizers that stepped while observed (a WeakSet)."""
         return self.optimizer_watch.seen
 
-    def __enter__(self) -> "Observer":
+    def __enter__(self) -> Observer:
         return self.start()
 
     def __exit__(self, *exc: Any) -> None:
@@ -204,7 +212,9 @@ class Observer:
         if name == "backward" and token.start_event is None and off_home_before is not None:
             # other devices' backward nodes were timed on their own: the rest is this device's
             wall = time.perf_counter() - token.host_start
-            self.clock.add(key, name, token.host_start, max(0.0, wall - (self.backward.seconds_off_home - off_home_before)))
+            self.clock.add(
+                key, name, token.host_start, max(0.0, wall - (self.backward.seconds_off_home - off_home_before))
+            )
         else:
             self.clock.end(token)
 
@@ -243,8 +253,9 @@ class Observer:
             if tracker is not None:
                 tracker.__exit__(None, None, None)
 
-    def span(self, name: str, device: torch.device | str, start_seconds: float, seconds: float,
-             hidden_seconds: float = 0.0) -> None:
+    def span(
+        self, name: str, device: torch.device | str, start_seconds: float, seconds: float, hidden_seconds: float = 0.0
+    ) -> None:
         """A phase that ran outside the calling thread's flow (e.g. DDP's bucket all-reduce)."""
         key = device_key(device)
         self._note_device(key)
@@ -255,8 +266,9 @@ class Observer:
             per_device[name] = per_device.get(name, 0.0) + hidden_seconds
 
     # ---- what a step is made of ------------------------------------------------------------------
-    def split(self, module: nn.Module, devices: Sequence[torch.device], output_device: torch.device,
-              rows: Sequence[int]) -> None:
+    def split(
+        self, module: nn.Module, devices: Sequence[torch.device], output_device: torch.device, rows: Sequence[int]
+    ) -> None:
         """A step's plan (one per forward): its devices, rows per device; the module lives on devices[0]."""
         if self.home is None:
             self.home = device_key(output_device)
@@ -293,8 +305,13 @@ class Observer:
         if self.memory:
             for param in module.parameters():
                 if param.requires_grad:
-                    self._handles.append(param.register_post_accumulate_grad_hook(
-                        lambda p, key=key: p.grad is not None and self.ledger.move(p.grad, account_key(p, key), "gradients")))
+                    self._handles.append(
+                        param.register_post_accumulate_grad_hook(
+                            lambda p, key=key: (
+                                p.grad is not None and self.ledger.move(p.grad, account_key(p, key), "gradients")
+                            )
+                        )
+                    )
 
     def watch_optimizer(self, optimizer: torch.optim.Optimizer, device: torch.device | str | None = None) -> None:
         """Charge an optimizer's existing state tensors as optimizer_state."""
@@ -318,8 +335,20 @@ class Observer:
             by_category = dict(account.at_peak) if account else dict.fromkeys(CATEGORIES, 0)
             category_peaks = dict(account.category_peaks) if account else dict.fromkeys(CATEGORIES, 0)
             peak = self.allocator_peaks.fold_in(key, account.peak_bytes if account else 0, by_category)
-            devices.append(DeviceReport(key, self.rows.get(key), int(peak), {c: int(by_category[c]) for c in CATEGORIES},
-                                        self.clock.seconds_by_phase(key), {c: int(category_peaks[c]) for c in CATEGORIES},
-                                        dict(self.hidden_seconds.get(key, {}))))
-        return Report(devices=devices, steps=self.steps, spans=self.clock.spans() if self.trace else [],
-                      clock_origin_unix_seconds=self.clock.origin_unix_seconds)
+            devices.append(
+                DeviceReport(
+                    key,
+                    self.rows.get(key),
+                    int(peak),
+                    {c: int(by_category[c]) for c in CATEGORIES},
+                    self.clock.seconds_by_phase(key),
+                    {c: int(category_peaks[c]) for c in CATEGORIES},
+                    dict(self.hidden_seconds.get(key, {})),
+                )
+            )
+        return Report(
+            devices=devices,
+            steps=self.steps,
+            spans=self.clock.spans() if self.trace else [],
+            clock_origin_unix_seconds=self.clock.origin_unix_seconds,
+        )

@@ -27,14 +27,16 @@ def shard_aware(hook: Any) -> Any:
 class OptimizerWatch:
     """While started, every optimizer.step() in the process is a phase of the observer."""
 
-    def __init__(self, observer: "Observer"):
+    def __init__(self, observer: Observer):
         self.observer = observer
         self.seen: weakref.WeakSet = weakref.WeakSet()  # optimizers that stepped while observed
         self._handles: list[Any] = []
 
     def start(self) -> None:
-        self._handles = [register_optimizer_step_pre_hook(shard_aware(self._before_step)),
-                         register_optimizer_step_post_hook(shard_aware(self._after_step))]
+        self._handles = [
+            register_optimizer_step_pre_hook(shard_aware(self._before_step)),
+            register_optimizer_step_post_hook(shard_aware(self._after_step)),
+        ]
 
     def stop(self) -> None:
         for handle in self._handles:

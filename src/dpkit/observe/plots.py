@@ -7,14 +7,22 @@ its step broken into phases (milliseconds).
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Mapping, Sequence
 
 
-def save_scaling_figure(path: str | os.PathLike, throughput: Mapping[str, Sequence[tuple[int, float]]],
-                        bars: Sequence[tuple[str, Mapping[str, float]]], phases: Sequence[str], *,
-                        title: str, throughput_label: str, phase_label: str,
-                        linear_from: float | None = None, reference: str | None = None) -> Path:
+def save_scaling_figure(
+    path: str | os.PathLike,
+    throughput: Mapping[str, Sequence[tuple[int, float]]],
+    bars: Sequence[tuple[str, Mapping[str, float]]],
+    phases: Sequence[str],
+    *,
+    title: str,
+    throughput_label: str,
+    phase_label: str,
+    linear_from: float | None = None,
+    reference: str | None = None,
+) -> Path:
     """throughput: strategy -> [(devices, samples/s)]; bars: (label, {phase: seconds}) per configuration,
     stacked in the order of `phases`; linear_from: one device's samples/s, drawn as perfect scaling;
     reference: the strategy drawn with squares, the one-device reference the others are measured against."""
@@ -30,8 +38,9 @@ def save_scaling_figure(path: str | os.PathLike, throughput: Mapping[str, Sequen
     for strategy, points in throughput.items():
         points = sorted(points)
         counts.update(d for d, _ in points)
-        left.plot([d for d, _ in points], [s for _, s in points], marker="s" if strategy == reference else "o",
-                  label=strategy)
+        left.plot(
+            [d for d, _ in points], [s for _, s in points], marker="s" if strategy == reference else "o", label=strategy
+        )
     if linear_from is not None and counts:
         ticks = sorted(counts)
         left.plot(ticks, [linear_from * n for n in ticks], linestyle=":", color="grey", label="linear from one device")

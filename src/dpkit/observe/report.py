@@ -29,7 +29,9 @@ class DeviceReport:
     bytes_by_category: dict[str, int]  # live bytes at the moment of the peak; sums to peak_bytes
     seconds_by_phase: dict[str, float]
     peak_bytes_by_category: dict[str, int] = field(default_factory=dict)  # each category's own peak
-    hidden_seconds_by_phase: dict[str, float] = field(default_factory=dict)  # overlapped with other work (ddp's all-reduce behind backward)
+    hidden_seconds_by_phase: dict[str, float] = field(
+        default_factory=dict
+    )  # overlapped with other work (ddp's all-reduce behind backward)
 
 
 @dataclass
@@ -41,17 +43,28 @@ class Report:
     clock_origin_unix_seconds: float = 0.0  # wall-clock time of the spans' zero, to line up processes
 
     @classmethod
-    def merged(cls, reports: list["Report"]) -> "Report":
+    def merged(cls, reports: list[Report]) -> Report:
         """One report from several processes' (ddp: one per rank, in rank order): every device, spans on
         one time axis, the steps of the first."""
         if not reports:
             return cls(devices=[])
         origin = min(r.clock_origin_unix_seconds for r in reports)
         devices = [device for r in reports for device in r.devices]
-        spans = sorted((Span(s.device, s.phase, s.start_seconds + r.clock_origin_unix_seconds - origin, s.seconds)
-                        for r in reports for s in r.spans), key=lambda s: s.start_seconds)
-        return cls(devices=devices, steps=reports[0].steps, spans=spans, meta=dict(reports[0].meta),
-                   clock_origin_unix_seconds=origin)
+        spans = sorted(
+            (
+                Span(s.device, s.phase, s.start_seconds + r.clock_origin_unix_seconds - origin, s.seconds)
+                for r in reports
+                for s in r.spans
+            ),
+            key=lambda s: s.start_seconds,
+        )
+        return cls(
+            devices=devices,
+            steps=reports[0].steps,
+            spans=spans,
+            meta=dict(reports[0].meta),
+            clock_origin_unix_seconds=origin,
+        )
 
     @property
     def imbalance(self) -> float:
@@ -73,9 +86,15 @@ class Report:
             "steps": self.steps,
             "imbalance": self.imbalance,
             "devices": [
-                {"device": d.device, "rows": d.rows, "peak_bytes": d.peak_bytes,
-                 "bytes_by_category": dict(d.bytes_by_category), "peak_bytes_by_category": dict(d.peak_bytes_by_category),
-                 "seconds_by_phase": dict(d.seconds_by_phase), "hidden_seconds_by_phase": dict(d.hidden_seconds_by_phase)}
+                {
+                    "device": d.device,
+                    "rows": d.rows,
+                    "peak_bytes": d.peak_bytes,
+                    "bytes_by_category": dict(d.bytes_by_category),
+                    "peak_bytes_by_category": dict(d.peak_bytes_by_category),
+                    "seconds_by_phase": dict(d.seconds_by_phase),
+                    "hidden_seconds_by_phase": dict(d.hidden_seconds_by_phase),
+                }
                 for d in self.devices
             ],
         }
@@ -88,9 +107,21 @@ class Report:
         mib = 1024 * 1024
         used_phases = [p for p in PHASES if any(p in d.seconds_by_phase for d in self.devices)]
         hidden_phases = [p for p in PHASES if any(d.hidden_seconds_by_phase.get(p) for d in self.devices)]
-        short = {"parameters": "params", "gradients": "grads", "optimizer_state": "optim", "activations": "activ",
-                 "gathered_outputs": "gathered", "loss": "loss", "other": "other"}
-        header = ["device", "rows", "peak MiB"] + [short[c] for c in CATEGORIES] + [f"{p} ms" for p in used_phases] + [f"{p} hidden ms" for p in hidden_phases]
+        short = {
+            "parameters": "params",
+            "gradients": "grads",
+            "optimizer_state": "optim",
+            "activations": "activ",
+            "gathered_outputs": "gathered",
+            "loss": "loss",
+            "other": "other",
+        }
+        header = (
+            ["device", "rows", "peak MiB"]
+            + [short[c] for c in CATEGORIES]
+            + [f"{p} ms" for p in used_phases]
+            + [f"{p} hidden ms" for p in hidden_phases]
+        )
         lines = []
         for d in self.devices:
             row = [d.device, "-" if d.rows is None else str(d.rows), f"{d.peak_bytes / mib:.2f}"]
@@ -134,12 +165,23 @@ class Report:
         track = {name: i + 1 for i, name in enumerate(d.device for d in self.devices)}
         for span in self.spans:
             track.setdefault(span.device, len(track) + 1)
-        events: list[dict[str, Any]] = [{"name": "process_name", "ph": "M", "pid": 1, "tid": 0, "args": {"name": "dpkit"}}]
+        events: list[dict[str, Any]] = [
+            {"name": "process_name", "ph": "M", "pid": 1, "tid": 0, "args": {"name": "dpkit"}}
+        ]
         for name, tid in track.items():
             events.append({"name": "thread_name", "ph": "M", "pid": 1, "tid": tid, "args": {"name": name}})
         for span in self.spans:
-            events.append({"name": span.phase, "cat": "phase", "ph": "X", "pid": 1, "tid": track[span.device],
-                           "ts": round(span.start_seconds * 1e6, 3), "dur": round(span.seconds * 1e6, 3)})
+            events.append(
+                {
+                    "name": span.phase,
+                    "cat": "phase",
+                    "ph": "X",
+                    "pid": 1,
+                    "tid": track[span.device],
+                    "ts": round(span.start_seconds * 1e6, 3),
+                    "dur": round(span.seconds * 1e6, 3),
+                }
+            )
         return events
 
     def save_trace(self, path: str | Path) -> Path:

@@ -44,7 +44,7 @@ class CallingThreadTracker(TorchDispatchMode):
 
     def __init__(self) -> None:
         super().__init__()
-        self.observers: list["Observer"] = []
+        self.observers: list[Observer] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -65,14 +65,14 @@ class SharedTracking:
         self._lock = threading.Lock()
         self._mode: CallingThreadTracker | None = None
 
-    def join(self, observer: "Observer") -> None:
+    def join(self, observer: Observer) -> None:
         with self._lock:
             if self._mode is None:
                 self._mode = CallingThreadTracker()
                 self._mode.__enter__()
             self._mode.observers.append(observer)
 
-    def leave(self, observer: "Observer") -> None:
+    def leave(self, observer: Observer) -> None:
         with self._lock:
             mode = self._mode
             if mode is None or observer not in mode.observers:
@@ -82,8 +82,10 @@ class SharedTracking:
                 return
             self._mode = None
             if _get_current_dispatch_mode() is not mode:
-                raise RuntimeError("Observer.stop: another dispatch mode was entered after the observer started and is "
-                                   "still active; exit it before stopping the observer")
+                raise RuntimeError(
+                    "Observer.stop: another dispatch mode was entered after the observer started and is "
+                    "still active; exit it before stopping the observer"
+                )
             mode.__exit__(None, None, None)
 
 

@@ -75,8 +75,12 @@ class PhaseClock:
         with self._lock:
             start = host_start - self.origin
             last = self._spans[-1] if self._spans else None
-            if (last is not None and last.device == device and last.phase == phase
-                    and last.start_seconds <= start < last.start_seconds + last.seconds + _MERGE_GAP_SECONDS):
+            if (
+                last is not None
+                and last.device == device
+                and last.phase == phase
+                and last.start_seconds <= start < last.start_seconds + last.seconds + _MERGE_GAP_SECONDS
+            ):
                 last.seconds = max(last.start_seconds + last.seconds, start + seconds) - last.start_seconds
             elif self.keep_spans:
                 self._spans.append(Span(device, phase, start, seconds))

@@ -8,5 +8,14 @@ from dpkit.parallel.data_parallel import DataParallel
 from dpkit.parallel.functional import data_parallel, gather, parallel_apply, replicate, scatter, scatter_kwargs
 from dpkit.parallel.scatter import Broadcast, split_sizes
 
-__all__ = ["Broadcast", "DataParallel", "data_parallel", "gather", "parallel_apply", "replicate", "scatter",
-           "scatter_kwargs", "split_sizes"]
+__all__ = [
+    "Broadcast",
+    "DataParallel",
+    "data_parallel",
+    "gather",
+    "parallel_apply",
+    "replicate",
+    "scatter",
+    "scatter_kwargs",
+    "split_sizes",
+]

@@ -30,8 +30,9 @@ import os
 import queue
 import threading
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import torch
 import torch.utils._pytree
@@ -200,10 +201,15 @@ class CallerContext:
     autocast_cache: bool
 
     @classmethod
-    def capture(cls) -> "CallerContext":
-        autocast = tuple((device_type, torch.get_autocast_dtype(device_type))
-                         for device_type in ("cpu", "cuda") if torch.is_autocast_enabled(device_type))
-        return cls(torch.is_grad_enabled(), torch.is_inference_mode_enabled(), autocast, torch.is_autocast_cache_enabled())
+    def capture(cls) -> CallerContext:
+        autocast = tuple(
+            (device_type, torch.get_autocast_dtype(device_type))
+            for device_type in ("cpu", "cuda")
+            if torch.is_autocast_enabled(device_type)
+        )
+        return cls(
+            torch.is_grad_enabled(), torch.is_inference_mode_enabled(), autocast, torch.is_autocast_cache_enabled()
+        )
 
     def enter(self) -> contextlib.ExitStack:
         stack = contextlib.ExitStack()
@@ -230,8 +236,15 @@ def _passes_through(error: BaseException | None) -> bool:
     return isinstance(error, (KeyboardInterrupt, SystemExit))
 
 
-def _run_job(job: Callable[[int], Any], index: int, device: torch.device, context: CallerContext, stream: Any,
-             mode: ReplicaGenerator | None, threads: int | None) -> Any:
+def _run_job(
+    job: Callable[[int], Any],
+    index: int,
+    device: torch.device,
+    context: CallerContext,
+    stream: Any,
+    mode: ReplicaGenerator | None,
+    threads: int | None,
+) -> Any:
     if threads is not None and torch.get_num_threads() != threads:
         torch.set_num_threads(threads)
     with contextlib.ExitStack() as stack:
@@ -255,7 +268,8 @@ def _wait_for_abandoned(devices: Sequence[torch.device]) -> None:
                 raise RuntimeError(
                     f"device {key}: its worker thread is still running a replica job of an earlier call that was "
                     f"interrupted (waited {ABANDONED_WAIT_SECONDS:g} s); Python cannot stop it, so wait for it to "
-                    "finish and call again, or restart the process")
+                    "finish and call again, or restart the process"
+                )
             time.sleep(min(0.01, left))
         with _workers_lock:
             if _abandoned.get(key) is job:
@@ -270,8 +284,14 @@ def _abandon(devices: Sequence[torch.device], jobs: Sequence[Job]) -> None:
                 _abandoned[str(device)] = job
 
 
-def run_replicas(devices: Sequence[torch.device], job: Callable[[int], Any], *, generators: bool | RandomnessWatch = True,
-                 threads: int | None = None, on_interrupt: Callable[[], None] | None = None) -> list[Any]:
+def run_replicas(
+    devices: Sequence[torch.device],
+    job: Callable[[int], Any],
+    *,
+    generators: bool | RandomnessWatch = True,
+    threads: int | None = None,
+    on_interrupt: Callable[[], None] | None = None,
+) -> list[Any]:
     """[job(0), …, job(n-1)], job(i) run in the worker thread of devices[i], all side by side.
 
     Args:
@@ -297,7 +317,9 @@ def run_replicas(devices: Sequence[torch.device], job: Callable[[int], Any], *, 
         except Exception as error:
             _rethrow(0, devices[0], error)
     if len({str(d) for d in devices}) != n:
-        raise ValueError(f"devices: {[str(d) for d in devices]} names a device twice; each replica needs its own device")
+        raise ValueError(
+            f"devices: {[str(d) for d in devices]} names a device twice; each replica needs its own device"
+        )
     on_cpu = all(device.type == "cpu" for device in devices)
     watch = generators if on_cpu and isinstance(generators, RandomnessWatch) else None
     if watch is not None:
@@ -311,8 +333,10 @@ def run_replicas(devices: Sequence[torch.device], job: Callable[[int], Any], *, 
     if _abandoned:
         _wait_for_abandoned(devices)
     call = _Call(n)
-    jobs = [Job(_run_job, (job, i, device, context, stream, mode, threads), call)
-            for i, (device, stream, mode) in enumerate(zip(devices, streams, modes))]
+    jobs = [
+        Job(_run_job, (job, i, device, context, stream, mode, threads), call)
+        for i, (device, stream, mode) in enumerate(zip(devices, streams, modes))
+    ]
     try:
         for device, queued in zip(devices, jobs):
             worker_for(device).jobs.put(queued)
@@ -337,7 +361,9 @@ def run_replicas(devices: Sequence[torch.device], job: Callable[[int], Any], *, 
 def _as_device_list(devices: Sequence[DeviceLike] | None, inputs: Sequence[Any], n: int) -> list[torch.device]:
     if devices is not None:
         if isinstance(devices, (str, bytes)) or not hasattr(devices, "__len__"):
-            raise TypeError(f"devices: expected a list of devices (ints, 'cuda:1', 'cpu:3', torch.device), got {devices!r}")
+            raise TypeError(
+                f"devices: expected a list of devices (ints, 'cuda:1', 'cpu:3', torch.device), got {devices!r}"
+            )
         if len(devices) != n:
             raise ValueError(f"devices: has {len(devices)} entries for {n} modules; give one device per module")
         return [parse_device(d, argument=f"devices[{i}]") for i, d in enumerate(devices)]
@@ -349,8 +375,14 @@ def _as_device_list(devices: Sequence[DeviceLike] | None, inputs: Sequence[Any],
     return found
 
 
-def parallel_apply(modules: Sequence[Callable], inputs: Sequence[Any], kwargs_tup: Sequence[dict] | None = None,
-                   devices: Sequence[DeviceLike] | None = None, *, generators: bool | RandomnessWatch = True) -> list[Any]:
+def parallel_apply(
+    modules: Sequence[Callable],
+    inputs: Sequence[Any],
+    kwargs_tup: Sequence[dict] | None = None,
+    devices: Sequence[DeviceLike] | None = None,
+    *,
+    generators: bool | RandomnessWatch = True,
+) -> list[Any]:
     """torch.nn.parallel.parallel_apply on dpkit's runner: modules[i](*inputs[i], **kwargs_tup[i]) on devices[i].
 
     As in torch, an input that is a tuple or a list is the argument list and anything else (a bare tensor)

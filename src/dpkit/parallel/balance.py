@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 from dpkit.parallel.scatter import split_sizes
 
@@ -110,13 +110,16 @@ def fill_rows(batch_size: int, cost: LinearCost, max_rows: Sequence[int] | None 
             high = mid
     rows = rows_at(low)
     for _ in range(batch_size - sum(rows)):  # at most n rows left: each where it raises the peak least
-        best = min((i for i in range(n) if rows[i] < caps[i]),
-                   key=lambda i: (cost.fixed[i] + rate[i] * (rows[i] + 1), -i))
+        best = min(
+            (i for i in range(n) if rows[i] < caps[i]), key=lambda i: (cost.fixed[i] + rate[i] * (rows[i] + 1), -i)
+        )
         rows[best] += 1
     return rows
 
 
-def spread_within_slack(rows: Sequence[int], cost: LinearCost, caps: Sequence[int], slack: float = MEMORY_SLACK) -> list[int]:
+def spread_within_slack(
+    rows: Sequence[int], cost: LinearCost, caps: Sequence[int], slack: float = MEMORY_SLACK
+) -> list[int]:
     """The most even split whose predicted peaks stay within `slack` of the largest peak of `rows`."""
     ceiling = max(cost.predict(rows)) * (1.0 + slack)
     room = [

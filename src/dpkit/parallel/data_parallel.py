@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import itertools
-from typing import Any, Callable, Protocol, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
 
 import torch
 from torch import nn
 
+from dpkit.checks import check_dim
 from dpkit.devices import DeviceLike, parse_device, parse_device_list, tensor_on
 from dpkit.parallel import hooks, sync_batchnorm
 from dpkit.parallel.apply import parallel_apply
@@ -16,7 +18,6 @@ from dpkit.parallel.gather import gather
 from dpkit.parallel.nested import leaves
 from dpkit.parallel.replica_rng import TrainingModeWatches
 from dpkit.parallel.replicate import check_replicable, replicate
-from dpkit.checks import check_dim
 from dpkit.parallel.scatter import batch_size_of, check_chunk_sizes, other_sizes, plan_split, scatter, unwrap_broadcasts
 
 LOSS_REDUCTIONS = ("mean", "sum")
@@ -47,11 +48,15 @@ class ReplicaWithLoss:
             loss = self.loss_fn(output, target)
         if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
             shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
-            raise ValueError(f"loss_fn: must return a 0-dim tensor (reduce the replica's rows with 'mean' or 'sum'), got {shape}")
+            raise ValueError(
+                f"loss_fn: must return a 0-dim tensor (reduce the replica's rows with 'mean' or 'sum'), got {shape}"
+            )
         return loss
 
 
-def combine_losses(losses: Sequence[torch.Tensor], rows: Sequence[int], reduction: str, device: torch.device) -> torch.Tensor:
+def combine_losses(
+    losses: Sequence[torch.Tensor], rows: Sequence[int], reduction: str, device: torch.device
+) -> torch.Tensor:
     """The whole batch's loss from per-replica losses: 'mean' weights each by its share of the rows
     (an unweighted mean of means is wrong for uneven splits), 'sum' adds them."""
     batch_size = sum(rows)
@@ -65,10 +70,19 @@ def check_max_bytes(max_bytes_per_device: Any, devices: Sequence[torch.device]) 
     """One limit per device: given (an int for all, or a list), else 90% of a CUDA device's memory
     (headroom for the CUDA context and allocator fragmentation); no limit on CPU."""
     if max_bytes_per_device is None:
-        return [int(0.9 * torch.cuda.get_device_properties(d).total_memory) if d.type == "cuda" else None for d in devices]
-    values = list(max_bytes_per_device) if isinstance(max_bytes_per_device, (list, tuple)) else [max_bytes_per_device] * len(devices)
+        return [
+            int(0.9 * torch.cuda.get_device_properties(d).total_memory) if d.type == "cuda" else None for d in devices
+        ]
+    values = (
+        list(max_bytes_per_device)
+        if isinstance(max_bytes_per_device, (list, tuple))
+        else [max_bytes_per_device] * len(devices)
+    )
     if len(values) != len(devices):
-        raise ValueError(f"max_bytes_per_device: has {len(values)} entries for {len(devices)} devices; give one limit per device or a single int")
+        raise ValueError(
+            f"max_bytes_per_device: has {len(values)} entries for {len(devices)} devices; "
+            "give one limit per device or a single int"
+        )
     for i, value in enumerate(values):
         if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0):
             raise ValueError(f"max_bytes_per_device[{i}]: expected a positive number of bytes or None, got {value!r}")
@@ -93,7 +107,8 @@ class DataParallel(nn.Module):
             other than rows (class weights, ignore_index) must use reduction="sum" and divide outside.
         balance: "memory" measures two training steps after a warm-up step, then picks chunk sizes
             that equalise predicted peak memory (device 0 gets fewer rows); "speed" gives rows in
-            proportion to measured throughput (one measured step). Re-solved whenever the batch size changes. Exclusive with chunk_sizes.
+            proportion to measured throughput (one measured step). Re-solved whenever the batch size changes.
+            Exclusive with chunk_sizes.
             The steps are measured by dpkit.observe (plugged in through dpkit.parallel.hooks).
         max_bytes_per_device: per-device memory limit for balance="memory" (an int for all or a list);
             default: 90% of a CUDA device's memory, no limit on CPU. No device is given rows past it.
@@ -103,20 +118,34 @@ class DataParallel(nn.Module):
     `module.` prefix as in torch; `dpkit.save_model` writes them without it.
     """
 
-    def __init__(self, module: nn.Module, device_ids: Sequence[DeviceLike] | None = None,
-                 output_device: DeviceLike | None = None, dim: int = 0, *,
-                 chunk_sizes: Sequence[int] | None = None, loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
-                 loss_reduction: str = "mean", balance: str | None = None,
-                 max_bytes_per_device: int | Sequence[int | None] | None = None, planner: ChunkPlanner | None = None):
+    def __init__(
+        self,
+        module: nn.Module,
+        device_ids: Sequence[DeviceLike] | None = None,
+        output_device: DeviceLike | None = None,
+        dim: int = 0,
+        *,
+        chunk_sizes: Sequence[int] | None = None,
+        loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
+        loss_reduction: str = "mean",
+        balance: str | None = None,
+        max_bytes_per_device: int | Sequence[int | None] | None = None,
+        planner: ChunkPlanner | None = None,
+    ):
         super().__init__()
         if not isinstance(module, nn.Module):
             raise TypeError(f"module: expected a torch.nn.Module, got {type(module).__name__}")
         check_dim(dim)  # negative dims count from the end of each input, as in torch
         check_replicable(module)
         if loss_fn is not None and not callable(loss_fn):
-            raise TypeError(f"loss_fn: expected a callable loss_fn(output, target) -> 0-dim tensor, got {type(loss_fn).__name__}")
+            raise TypeError(
+                f"loss_fn: expected a callable loss_fn(output, target) -> 0-dim tensor, got {type(loss_fn).__name__}"
+            )
         if loss_reduction not in LOSS_REDUCTIONS:
-            raise ValueError(f"loss_reduction: expected 'mean' or 'sum' (how loss_fn reduces a replica's rows), got {loss_reduction!r}")
+            raise ValueError(
+                "loss_reduction: expected 'mean' or 'sum' (how loss_fn reduces a replica's rows), "
+                f"got {loss_reduction!r}"
+            )
         if balance is not None and balance not in BALANCE_MODES:
             raise ValueError(f"balance: expected 'memory', 'speed' or None, got {balance!r}")
         if balance is not None and chunk_sizes is not None:
@@ -145,8 +174,10 @@ class DataParallel(nn.Module):
         """The planner for balance=mode: the one plugged into the observation seam (dpkit.observe's)."""
         planner = hooks.balance_planner(mode, self.device_ids, max_bytes_per_device)
         if planner is None:
-            raise ValueError(f"balance: {mode!r} needs a planner that measures steps and none is plugged in "
-                             "(dpkit.observe plugs one in when dpkit is imported); or pass planner=")
+            raise ValueError(
+                f"balance: {mode!r} needs a planner that measures steps and none is plugged in "
+                "(dpkit.observe plugs one in when dpkit is imported); or pass planner="
+            )
         return planner
 
     @property
@@ -183,8 +214,13 @@ class DataParallel(nn.Module):
         devices = self.last_devices = [device for device, _, _ in chunks]
         replicas = self.replicate_to(devices, with_loss)
         replicas = sync_batchnorm.synced_replicas(self.module, replicas)  # SyncBatchNorm layers meet across replicas
-        outputs = parallel_apply(replicas, [a for _, a, _ in chunks], [k for _, _, k in chunks], devices,
-                                 generators=self.randomness(self.module))
+        outputs = parallel_apply(
+            replicas,
+            [a for _, a, _ in chunks],
+            [k for _, _, k in chunks],
+            devices,
+            generators=self.randomness(self.module),
+        )
         if hooks.listening():
             self.announce_outputs(outputs, chunks)
         return self.combine(outputs, plan.sizes, with_loss, inputs, kwargs)
@@ -194,14 +230,21 @@ class DataParallel(nn.Module):
         args, kw = unwrap_broadcasts(inputs, kwargs, self.primary_device)
         return ReplicaWithLoss(self.module, self.loss_fn)(*args, **kw) if with_loss else self.module(*args, **kw)
 
-    def combine(self, outputs: list[Any], sizes: Sequence[int], with_loss: bool, inputs: tuple = (), kwargs: dict | None = None) -> Any:
+    def combine(
+        self, outputs: list[Any], sizes: Sequence[int], with_loss: bool, inputs: tuple = (), kwargs: dict | None = None
+    ) -> Any:
         """The batch's loss from the replicas' losses, or their outputs gathered on the output device."""
         if with_loss:
             with hooks.phase("loss", self.output_device):
                 return combine_losses(outputs, [s for s in sizes if s > 0], self.loss_reduction, self.output_device)
         with hooks.phase("gather", self.output_device):
-            return gather(outputs, self.output_device, self.dim, rows=[s for s in sizes if s > 0],
-                          input_sizes=sorted(other_sizes((inputs, kwargs or {}), self.dim)))
+            return gather(
+                outputs,
+                self.output_device,
+                self.dim,
+                rows=[s for s in sizes if s > 0],
+                input_sizes=sorted(other_sizes((inputs, kwargs or {}), self.dim)),
+            )
 
     def split_for(self, batch_size: int) -> list[int] | None:
         """chunk_sizes, the balance planner's choice, or None for even."""

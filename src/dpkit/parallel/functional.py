@@ -10,7 +10,8 @@ argument path, the replica and its device, and gather warns about a batch flatte
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -21,8 +22,16 @@ from dpkit.parallel import apply
 from dpkit.parallel.gather import gather
 from dpkit.parallel.nested import map_leaves
 from dpkit.parallel.replicate import replicate
-from dpkit.parallel.scatter import (Broadcast, _is_broadcast, _move, common_batch_size, other_sizes, plan_split,
-                                    scatter_for_device, unwrap_broadcasts)
+from dpkit.parallel.scatter import (
+    Broadcast,
+    _is_broadcast,
+    _move,
+    common_batch_size,
+    other_sizes,
+    plan_split,
+    scatter_for_device,
+    unwrap_broadcasts,
+)
 
 __all__ = ["data_parallel", "gather", "parallel_apply", "replicate", "scatter", "scatter_kwargs"]
 
@@ -33,20 +42,32 @@ def _devices(target_gpus: Any, argument: str) -> list[torch.device]:
     return parse_device_list(target_gpus, argument=argument)
 
 
-def _split(trees: Sequence[tuple[str, Any]], devices: list[torch.device], dim: int
-           ) -> tuple[list[int] | None, list[list[Any]]]:
+def _split(
+    trees: Sequence[tuple[str, Any]], devices: list[torch.device], dim: int
+) -> tuple[list[int] | None, list[list[Any]]]:
     """Rows per device that gets any (None when nothing is split) and, per device, each tree's part."""
     batch_size = common_batch_size(trees, dim)
     if batch_size is None:  # nothing to split: every device gets everything, Broadcast markers unwrapped
-        parts = [[map_leaves(lambda _p, leaf, d=d: _move(leaf.tensor, d) if isinstance(leaf, Broadcast) else leaf,
-                             tree, root, _is_broadcast) for root, tree in trees] for d in devices]
+        parts = [
+            [
+                map_leaves(
+                    lambda _p, leaf, d=d: _move(leaf.tensor, d) if isinstance(leaf, Broadcast) else leaf,
+                    tree,
+                    root,
+                    _is_broadcast,
+                )
+                for root, tree in trees
+            ]
+            for d in devices
+        ]
         return None, parts
     plan = plan_split(batch_size, len(devices))
     rows, parts = [], []
     for device, offset, size in zip(devices, plan.offsets, plan.sizes):
         if size > 0:  # fewer rows than devices: the surplus devices get nothing, as in torch
-            per_tree, _ = scatter_for_device(tuple(tree for _, tree in trees), {}, offset=offset, size=size,
-                                             device=device, dim=dim)
+            per_tree, _ = scatter_for_device(
+                tuple(tree for _, tree in trees), {}, offset=offset, size=size, device=device, dim=dim
+            )
             rows.append(size)
             parts.append(list(per_tree))
     return rows, parts
@@ -60,8 +81,9 @@ def scatter(inputs: Any, target_gpus: Sequence[DeviceLike], dim: int = 0) -> lis
     return [part[0] for part in parts]
 
 
-def scatter_kwargs(inputs: tuple[Any, ...], kwargs: dict[str, Any] | None, target_gpus: Sequence[DeviceLike],
-                   dim: int = 0) -> tuple[tuple[tuple[Any, ...], ...], tuple[dict[str, Any], ...]]:
+def scatter_kwargs(
+    inputs: tuple[Any, ...], kwargs: dict[str, Any] | None, target_gpus: Sequence[DeviceLike], dim: int = 0
+) -> tuple[tuple[tuple[Any, ...], ...], tuple[dict[str, Any], ...]]:
     """torch.nn.parallel.scatter_gather.scatter_kwargs: per-device positional and keyword arguments, split
     together (their split tensors must agree on the batch size)."""
     devices = _devices(target_gpus, "target_gpus")
@@ -74,9 +96,14 @@ def scatter_kwargs(inputs: tuple[Any, ...], kwargs: dict[str, Any] | None, targe
     return tuple(tuple(p[0]) for p in parts), tuple(p[1] for p in parts)
 
 
-def data_parallel(module: nn.Module, inputs: Any, device_ids: Sequence[DeviceLike] | None = None,
-                  output_device: DeviceLike | None = None, dim: int = 0,
-                  module_kwargs: dict[str, Any] | None = None) -> Any:
+def data_parallel(
+    module: nn.Module,
+    inputs: Any,
+    device_ids: Sequence[DeviceLike] | None = None,
+    output_device: DeviceLike | None = None,
+    dim: int = 0,
+    module_kwargs: dict[str, Any] | None = None,
+) -> Any:
     """torch.nn.parallel.data_parallel: one call of `module` split across `device_ids` (scatter,
     replicate, parallel_apply, gather). A non-tuple `inputs` is the module's one positional argument."""
     if not isinstance(module, nn.Module):
@@ -90,8 +117,10 @@ def data_parallel(module: nn.Module, inputs: Any, device_ids: Sequence[DeviceLik
     for kind, named in (("parameter", module.named_parameters()), ("buffer", module.named_buffers())):
         for name, tensor in named:
             if not tensor_on(tensor, source):
-                raise RuntimeError(f"{kind} '{name}' is on {tensor.device} but device_ids[0] is {source}; "
-                                   f"move the module there first (module.to('{source}'))")
+                raise RuntimeError(
+                    f"{kind} '{name}' is on {tensor.device} but device_ids[0] is {source}; "
+                    f"move the module there first (module.to('{source}'))"
+                )
     kwargs = dict(module_kwargs) if module_kwargs else {}
     batch_size = common_batch_size((("inputs", inputs), ("module_kwargs", kwargs)), dim)
     if batch_size is None or len(devices) == 1:
@@ -100,7 +129,7 @@ def data_parallel(module: nn.Module, inputs: Any, device_ids: Sequence[DeviceLik
             (args, kw) = _split((("inputs", args), ("module_kwargs", kw)), devices, dim)[1][0]
         return module(*args, **kw)
     rows, parts = _split((("inputs", inputs), ("module_kwargs", kwargs)), devices, dim)
-    used = devices[:len(parts)]
+    used = devices[: len(parts)]
     replicas = replicate(module, used, source)
     outputs = apply.parallel_apply(replicas, [tuple(p[0]) for p in parts], [p[1] for p in parts], used)
     return gather(outputs, target, dim, rows=rows, input_sizes=sorted(other_sizes((inputs, kwargs), dim)))

@@ -14,7 +14,8 @@ flattened into another dimension, so concatenating along `dim` interleaves repli
 from __future__ import annotations
 
 import warnings
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -49,7 +50,9 @@ def _common_multiple(sizes: Sequence[int], rows: Sequence[int]) -> int | None:
     return m if m >= 2 and all(s == r * m for s, r in zip(sizes, rows)) else None
 
 
-def _looks_flattened(values: list[torch.Tensor], dim: int, rows: Sequence[int], input_sizes: Sequence[int]) -> int | None:
+def _looks_flattened(
+    values: list[torch.Tensor], dim: int, rows: Sequence[int], input_sizes: Sequence[int]
+) -> int | None:
     """The dimension the batch seems to have been flattened into, or None.
 
     The heuristic, built to stay quiet on ordinary outputs: it fires only when
@@ -78,29 +81,47 @@ def _looks_flattened(values: list[torch.Tensor], dim: int, rows: Sequence[int], 
     return None
 
 
-def _gather_tensors(values: list[torch.Tensor], path: str, device: torch.device, dim: int,
-                    rows: Sequence[int] | None = None, input_sizes: Sequence[int] = ()) -> torch.Tensor:
+def _gather_tensors(
+    values: list[torch.Tensor],
+    path: str,
+    device: torch.device,
+    dim: int,
+    rows: Sequence[int] | None = None,
+    input_sizes: Sequence[int] = (),
+) -> torch.Tensor:
     first = values[0]
     if first.dim() == 0:
         for i, value in enumerate(values):
             if value.dim() != 0:
-                raise ValueError(f"{path}: replica {i} returned shape {tuple(value.shape)} where replica 0 returned a 0-dim tensor")
+                raise ValueError(
+                    f"{path}: replica {i} returned shape {tuple(value.shape)} where replica 0 returned a 0-dim tensor"
+                )
         warnings.warn(
             f"{path}: replicas returned 0-dim tensors; gathering them as a vector with one value per replica "
             "(compute the loss inside the replicas with loss_fn=, or return per-sample values)",
-            UserWarning, stacklevel=4,
+            UserWarning,
+            stacklevel=4,
         )
         return torch.stack([_to(v, device) for v in values])
     if not -first.dim() <= dim < first.dim():
-        raise ValueError(f"{path}: replica 0 returned a {first.dim()}-dim tensor with no dimension {dim} to concatenate along")
+        raise ValueError(
+            f"{path}: replica 0 returned a {first.dim()}-dim tensor with no dimension {dim} to concatenate along"
+        )
     dim = dim % first.dim()
     flattened = None
     if rows is not None and len(rows) == len(values) and all(v.dim() == first.dim() for v in values):
         flattened = _looks_flattened(values, dim, rows, input_sizes)
-    hint = "" if flattened is None else (
-        f"; dim {flattened} {[v.size(flattened) for v in values]} follows the rows the replicas received {list(rows)}: "
-        f"the batch seems flattened into dim {flattened}, so concatenating along dim {dim} mixes replicas; keep the "
-        f"batch in its own dimension in the output (e.g. view(seq, batch, -1)) or gather along dim {flattened}")
+    hint = (
+        ""
+        if flattened is None
+        else (
+            f"; dim {flattened} {[v.size(flattened) for v in values]} follows the rows "
+            f"the replicas received {list(rows)}: "
+            f"the batch seems flattened into dim {flattened}, "
+            f"so concatenating along dim {dim} mixes replicas; keep the "
+            f"batch in its own dimension in the output (e.g. view(seq, batch, -1)) or gather along dim {flattened}"
+        )
+    )
     expected = list(first.shape)
     for i, value in enumerate(values[1:], start=1):
         shape = list(value.shape)
@@ -110,20 +131,32 @@ def _gather_tensors(values: list[torch.Tensor], path: str, device: torch.device,
                 f"{tuple(expected)} outside dim {dim}{hint}"
             )
     if flattened is not None:
-        warnings.warn(f"{path}: gathering along dim {dim}, where the replicas' sizes are "
-                      f"{[v.size(dim) for v in values]}{hint}", UserWarning, stacklevel=4)
+        warnings.warn(
+            f"{path}: gathering along dim {dim}, where the replicas' sizes are {[v.size(dim) for v in values]}{hint}",
+            UserWarning,
+            stacklevel=4,
+        )
     return torch.cat([_to(v, device) for v in values], dim=dim)
 
 
-def _gather(values: list[Any], path: str, device: torch.device, dim: int,
-            rows: Sequence[int] | None = None, input_sizes: Sequence[int] = ()) -> Any:
+def _gather(
+    values: list[Any],
+    path: str,
+    device: torch.device,
+    dim: int,
+    rows: Sequence[int] | None = None,
+    input_sizes: Sequence[int] = (),
+) -> Any:
     first = values[0]
     kind = _kind(first)
     for i, value in enumerate(values[1:], start=1):
         other = _kind(value)
         same_structure = other == kind and type(value) is type(first)
         if not same_structure and not (kind in ("value", "None") and other in ("value", "None")):
-            raise ValueError(f"{path}: replica {i} returned {other} ({type(value).__name__}) where replica 0 returned {kind} ({type(first).__name__})")
+            raise ValueError(
+                f"{path}: replica {i} returned {other} ({type(value).__name__}) "
+                f"where replica 0 returned {kind} ({type(first).__name__})"
+            )
     if kind == "None" and all(v is None for v in values):
         return None
     if kind == "tensor":
@@ -135,7 +168,10 @@ def _gather(values: list[Any], path: str, device: torch.device, dim: int,
         keys = list(first.keys())
         for i, value in enumerate(values[1:], start=1):
             if set(value.keys()) != set(keys):
-                raise ValueError(f"{path}: replica {i} returned keys {sorted(map(repr, value.keys()))}, replica 0 returned {sorted(map(repr, keys))}")
+                raise ValueError(
+                    f"{path}: replica {i} returned keys {sorted(map(repr, value.keys()))}, "
+                    f"replica 0 returned {sorted(map(repr, keys))}"
+                )
         merged = [_gather([v[key] for v in values], f"{path}[{key!r}]", device, dim, rows, input_sizes) for key in keys]
         return rebuild(first, merged)
     per_replica = [children(v) for v in values]
@@ -149,8 +185,14 @@ def _gather(values: list[Any], path: str, device: torch.device, dim: int,
     return rebuild(first, merged)
 
 
-def gather(outputs: Sequence[Any], target_device: DeviceLike, dim: int = 0, *,
-           rows: Sequence[int] | None = None, input_sizes: Sequence[int] = ()) -> Any:
+def gather(
+    outputs: Sequence[Any],
+    target_device: DeviceLike,
+    dim: int = 0,
+    *,
+    rows: Sequence[int] | None = None,
+    input_sizes: Sequence[int] = (),
+) -> Any:
     """torch.nn.parallel.gather's verb: one output on `target_device` from the replicas' outputs, in
     replica order. `target_device`: a dpkit device spec; -1 or "cpu" mean the CPU, as in torch.
 

@@ -34,7 +34,9 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from typing import Any, ContextManager, Iterator, Protocol, Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import AbstractContextManager
+from typing import Any, Protocol
 
 import torch
 
@@ -43,12 +45,16 @@ _lock = threading.Lock()
 
 
 class Listener(Protocol):  # documentation of the calls; a listener implements any subset
-    def phase(self, name: str, device: torch.device | None) -> ContextManager: ...
-    def replica(self, index: int, device: torch.device) -> ContextManager: ...
-    def replica_phase(self, name: str) -> ContextManager: ...
-    def split(self, module: Any, devices: Sequence[torch.device], output_device: torch.device, rows: Sequence[int]) -> None: ...
+    def phase(self, name: str, device: torch.device | None) -> AbstractContextManager: ...
+    def replica(self, index: int, device: torch.device) -> AbstractContextManager: ...
+    def replica_phase(self, name: str) -> AbstractContextManager: ...
+    def split(
+        self, module: Any, devices: Sequence[torch.device], output_device: torch.device, rows: Sequence[int]
+    ) -> None: ...
     def outputs(self, outputs: Sequence[Any], devices: Sequence[torch.device], stop: Sequence[Any]) -> None: ...
-    def span(self, name: str, device: torch.device, start_seconds: float, seconds: float, hidden_seconds: float) -> None: ...
+    def span(
+        self, name: str, device: torch.device, start_seconds: float, seconds: float, hidden_seconds: float
+    ) -> None: ...
 
 
 class Handle:
@@ -81,7 +87,7 @@ def listening() -> bool:
     return bool(_listeners)
 
 
-def _enter_all(method: str, *args: Any) -> ContextManager:
+def _enter_all(method: str, *args: Any) -> AbstractContextManager:
     listeners = _listeners
     if not listeners:
         return contextlib.nullcontext()
@@ -93,15 +99,15 @@ def _enter_all(method: str, *args: Any) -> ContextManager:
     return stack
 
 
-def phase(name: str, device: torch.device | None = None) -> ContextManager:
+def phase(name: str, device: torch.device | None = None) -> AbstractContextManager:
     return _enter_all("phase", name, device)
 
 
-def replica(index: int, device: torch.device) -> ContextManager:
+def replica(index: int, device: torch.device) -> AbstractContextManager:
     return _enter_all("replica", index, device)
 
 
-def replica_phase(name: str) -> ContextManager:
+def replica_phase(name: str) -> AbstractContextManager:
     return _enter_all("replica_phase", name)
 
 

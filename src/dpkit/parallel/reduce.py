@@ -36,7 +36,8 @@ from __future__ import annotations
 
 import collections
 import threading
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -108,11 +109,13 @@ def sum_slice(group: Sequence[torch.Tensor], k: int, slices: int, everywhere: bo
 class _Round:
     """One overlapped backward-and-sum on CPU: which buckets are final, and the slices left to sum."""
 
-    def __init__(self, gradient_sum: "GradientSum", active: Sequence[int]):
+    def __init__(self, gradient_sum: GradientSum, active: Sequence[int]):
         self.gradient_sum = gradient_sum
         self.condition = threading.Condition()
         trainable = [p.requires_grad for p in gradient_sum.params[0]]  # frozen ones never fire a hook
-        self.pending_hooks = [sum(trainable[position] for position in bucket) * len(active) for bucket in gradient_sum.buckets]
+        self.pending_hooks = [
+            sum(trainable[position] for position in bucket) * len(active) for bucket in gradient_sum.buckets
+        ]
         self.queued = [False] * len(gradient_sum.buckets)
         self.work: collections.deque = collections.deque()
         self.backwards_left = len(active)
@@ -176,21 +179,36 @@ class GradientSum:
             others' gradients are released after each sum (a reduce; virtual CPU devices only).
     """
 
-    def __init__(self, params: Sequence[Sequence[torch.Tensor]], devices: Sequence[torch.device], *,
-                 bucket_cap_bytes: int = DEFAULT_BUCKET_CAP_BYTES, overlap: bool = True, threads: int | None = None,
-                 everywhere: bool = True):
+    def __init__(
+        self,
+        params: Sequence[Sequence[torch.Tensor]],
+        devices: Sequence[torch.device],
+        *,
+        bucket_cap_bytes: int = DEFAULT_BUCKET_CAP_BYTES,
+        overlap: bool = True,
+        threads: int | None = None,
+        everywhere: bool = True,
+    ):
         if len(params) != len(devices):
-            raise ValueError(f"params: has {len(params)} replicas' lists for {len(devices)} devices; give one list per device")
+            raise ValueError(
+                f"params: has {len(params)} replicas' lists for {len(devices)} devices; give one list per device"
+            )
         counts = {len(p) for p in params}
         if len(counts) > 1:
-            raise ValueError(f"params: replicas have different parameter counts {sorted(counts)}; replicas must have the same parameters")
+            raise ValueError(
+                f"params: replicas have different parameter counts {sorted(counts)}; "
+                "replicas must have the same parameters"
+            )
         check_int(bucket_cap_bytes, "bucket_cap_bytes", meaning="bytes per bucket")
         self.devices = list(devices)
         self.params = [list(p) for p in params]
         self.groups = list(zip(*self.params))  # groups[position]: that parameter in every replica
         self.on_cpu = all(d.type == "cpu" for d in self.devices)
         if not everywhere and not self.on_cpu:
-            raise ValueError("everywhere: False (a reduce into replica 0) is only for virtual CPU devices, whose replicas share memory")
+            raise ValueError(
+                "everywhere: False (a reduce into replica 0) is only for virtual CPU devices, "
+                "whose replicas share memory"
+            )
         self.everywhere = everywhere
         self.overlap = overlap
         self.threads = threads
@@ -213,6 +231,7 @@ class GradientSum:
             round_ = getattr(self._thread, "round", None)
             if round_ is not None:
                 round_.grad_ready(bucket)
+
         return grad_ready
 
     def remove_hooks(self) -> None:
@@ -309,7 +328,12 @@ class GradientSum:
                 del loss, grad  # the graph goes here, in this replica's thread
 
         if not (sync and self.overlap and len(self.devices) > 1 and self.groups):
-            run_replicas([self.devices[i] for i in active], lambda k: run_backward(active[k]), generators=False, threads=self.threads)
+            run_replicas(
+                [self.devices[i] for i in active],
+                lambda k: run_backward(active[k]),
+                generators=False,
+                threads=self.threads,
+            )
             if sync:
                 self.sum_now()
             return

@@ -71,13 +71,13 @@ class RandomnessWatch:
     def protects(self) -> bool:
         return self.draws is not False
 
-    def begin(self, n: int) -> tuple[list["ReplicaGenerator | None"], torch.Tensor | None]:
+    def begin(self, n: int) -> tuple[list[ReplicaGenerator | None], torch.Tensor | None]:
         """For a run of n jobs: a generator per job (None while unprotected), and the default generator's
         state before the run (to give seeds back, or to see whether it moved) unless the jobs are known to draw."""
         state_before = torch.default_generator.get_state() if self.draws is not True else None
         return (replica_generators(n) if self.protects() else [None] * n), state_before
 
-    def end(self, modes: list["ReplicaGenerator | None"], state_before: torch.Tensor | None) -> None:
+    def end(self, modes: list[ReplicaGenerator | None], state_before: torch.Tensor | None) -> None:
         """Learn from the finished run that `begin` prepared."""
         if modes and modes[0] is not None:
             if any(mode.generator is not None for mode in modes):
@@ -86,9 +86,12 @@ class RandomnessWatch:
                 self.draws = False
                 torch.default_generator.set_state(state_before)
         elif state_before is not None and not torch.equal(state_before, torch.default_generator.get_state()):
-            log.warning("%s drew random numbers from torch's shared CPU generator in a step after steps that drew "
-                        "none, so that step's draws (dropout masks, ...) are not repeatable from the seed; from now "
-                        "on every replica gets its own seeded generator again", self.name)
+            log.warning(
+                "%s drew random numbers from torch's shared CPU generator in a step after steps that drew "
+                "none, so that step's draws (dropout masks, ...) are not repeatable from the seed; from now "
+                "on every replica gets its own seeded generator again",
+                self.name,
+            )
             self.draws = True
 
 

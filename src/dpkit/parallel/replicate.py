@@ -22,7 +22,8 @@ import copy
 import sys
 import weakref
 from collections import OrderedDict
-from typing import Any, Sequence, TypeVar
+from collections.abc import Sequence
+from typing import TypeVar
 
 import torch
 from torch import nn
@@ -35,7 +36,9 @@ ModuleT = TypeVar("ModuleT", bound=nn.Module)
 # The containers nn.Module keeps per instance (hook dicts, the non-persistent buffer set, ...): a replica gets
 # its own copy of each, so hooks registered inside a replica stay there. The user's own lists and dicts stay
 # shared, as in torch (a forward that appends to self.records reaches the original, as it does there).
-_MODULE_CONTAINERS = frozenset(name for name, value in nn.Module().__dict__.items() if isinstance(value, (dict, list, set)))
+_MODULE_CONTAINERS = frozenset(
+    name for name, value in nn.Module().__dict__.items() if isinstance(value, (dict, list, set))
+)
 _RNN_CONTAINERS = frozenset({"_flat_weights", "_flat_weights_names", "_flat_weight_refs", "_all_weights"})
 # _parameters, _buffers and _modules are rebuilt for every replica, not copied
 _COPIED = (_MODULE_CONTAINERS | _RNN_CONTAINERS) - {"_parameters", "_buffers", "_modules"}
@@ -61,14 +64,20 @@ def check_replicable(module: nn.Module, argument: str = "module") -> None:
             )
         if sub.__dict__.get("_compiled_call_impl") is not None:
             raise TypeError(
-                f"{path}: was compiled in place with .compile(), which cannot be replicated (the compiled call is bound "
+                f"{path}: was compiled in place with .compile(), which cannot be replicated "
+                "(the compiled call is bound "
                 f"to your original module); replicate a model that was not compiled: the replicas run it eagerly"
             )
         if isinstance(sub, torch.jit.ScriptModule):
-            raise TypeError(f"{path}: is a TorchScript module, which dpkit cannot replicate; pass the Python module it was scripted from")
+            raise TypeError(
+                f"{path}: is a TorchScript module, which dpkit cannot replicate; "
+                "pass the Python module it was scripted from"
+            )
         if any(isinstance(p, nn.parameter.UninitializedParameter) for p in sub._parameters.values()):
-            raise RuntimeError(f"{path}: Modules with uninitialized parameters (lazy modules) cannot be replicated; "
-                               "run one forward pass on a sample batch first")
+            raise RuntimeError(
+                f"{path}: Modules with uninitialized parameters (lazy modules) cannot be replicated; "
+                "run one forward pass on a sample batch first"
+            )
 
 
 def _is_compiled_wrapper(module: nn.Module) -> bool:
@@ -142,8 +151,9 @@ class _TensorCopier:
         return self.copies[key]
 
     def _make(self, tensor: torch.Tensor, differentiable: bool) -> torch.Tensor:
-        on_source = self.is_source and (self.device.type == "cpu" and tensor.device.type == "cpu"
-                                        or tensor.device == self.device)
+        on_source = self.is_source and (
+            self.device.type == "cpu" and tensor.device.type == "cpu" or tensor.device == self.device
+        )
         if on_source:
             if not differentiable:
                 # a buffer: the tensor itself, so in-place updates (running statistics) persist
@@ -172,8 +182,9 @@ def _needs_check(originals: Sequence[nn.Module]) -> bool:
     return False
 
 
-def _replicate_one(module: nn.Module, device: torch.device, is_source: bool, detach: bool,
-                   originals: Sequence[nn.Module] | None = None) -> nn.Module:
+def _replicate_one(
+    module: nn.Module, device: torch.device, is_source: bool, detach: bool, originals: Sequence[nn.Module] | None = None
+) -> nn.Module:
     copier = _TensorCopier(device, is_source, detach)
     if originals is None:
         originals = list(module.modules())  # each shared submodule once, so sharing is kept
@@ -201,7 +212,9 @@ def _point_rnn_at_replica_weights(replica: nn.RNNBase) -> None:
     replica.__dict__["_flat_weight_refs"] = [weakref.ref(w) if w is not None else None for w in weights]
 
 
-def replicate_to(module: nn.Module, device: torch.device, *, is_source: bool = False, detach: bool = False) -> nn.Module:
+def replicate_to(
+    module: nn.Module, device: torch.device, *, is_source: bool = False, detach: bool = False
+) -> nn.Module:
     """One replica of `module` on `device` (see the module docstring). `is_source`: `device` is where the
     module lives and the replica aliases its tensors there."""
     originals = list(module.modules())
@@ -233,8 +246,10 @@ def replicate(network: ModuleT, devices: Sequence[DeviceLike], detach: bool = Fa
         check_replicable(network, "network")
     if not devices:
         return []
-    parsed = [d if isinstance(d, torch.device) and d.index is not None else parse_device(d, argument=f"devices[{i}]")
-              for i, d in enumerate(devices)]
+    parsed = [
+        d if isinstance(d, torch.device) and d.index is not None else parse_device(d, argument=f"devices[{i}]")
+        for i, d in enumerate(devices)
+    ]
     if source is None:
         source = parsed[0]
     return [_replicate_one(network, device, device == source, detach, originals) for device in parsed]

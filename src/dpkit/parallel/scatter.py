@@ -10,8 +10,9 @@ Rules (where torch's DataParallel is lenient, dpkit is strict):
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 
@@ -26,7 +27,10 @@ class Broadcast:
 
     def __init__(self, tensor: torch.Tensor):
         if not isinstance(tensor, torch.Tensor):
-            raise TypeError(f"Broadcast: expected a tensor, got {type(tensor).__name__}; non-tensor values already reach every replica unchanged")
+            raise TypeError(
+                f"Broadcast: expected a tensor, got {type(tensor).__name__}; "
+                "non-tensor values already reach every replica unchanged"
+            )
         self.tensor = tensor
 
     def __repr__(self) -> str:
@@ -133,8 +137,9 @@ def _move(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     return tensor.to(device, non_blocking=True)
 
 
-def scatter_for_device(inputs: Sequence[Any], kwargs: dict[str, Any], *, offset: int, size: int,
-                       device: torch.device, dim: int) -> tuple[tuple[Any, ...], dict[str, Any]]:
+def scatter_for_device(
+    inputs: Sequence[Any], kwargs: dict[str, Any], *, offset: int, size: int, device: torch.device, dim: int
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """The arguments one replica receives: its slice of every split tensor, the rest unchanged."""
 
     def take(_path: str, leaf: Any) -> Any:
@@ -144,20 +149,27 @@ def scatter_for_device(inputs: Sequence[Any], kwargs: dict[str, Any], *, offset:
             return _move(leaf.narrow(dim, offset, size), device)
         return leaf
 
-    return tuple(map_leaves(take, tuple(inputs), "args", _is_broadcast)), map_leaves(take, kwargs, "kwargs", _is_broadcast)
+    return tuple(map_leaves(take, tuple(inputs), "args", _is_broadcast)), map_leaves(
+        take, kwargs, "kwargs", _is_broadcast
+    )
 
 
-def unwrap_broadcasts(inputs: Sequence[Any], kwargs: dict[str, Any], device: torch.device) -> tuple[tuple[Any, ...], dict[str, Any]]:
+def unwrap_broadcasts(
+    inputs: Sequence[Any], kwargs: dict[str, Any], device: torch.device
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """Arguments for a run-once call: Broadcast markers become their tensors on `device`."""
 
     def take(_path: str, leaf: Any) -> Any:
         return _move(leaf.tensor, device) if isinstance(leaf, Broadcast) else leaf
 
-    return tuple(map_leaves(take, tuple(inputs), "args", _is_broadcast)), map_leaves(take, kwargs, "kwargs", _is_broadcast)
+    return tuple(map_leaves(take, tuple(inputs), "args", _is_broadcast)), map_leaves(
+        take, kwargs, "kwargs", _is_broadcast
+    )
 
 
-def scatter(inputs: Sequence[Any], kwargs: dict[str, Any], plan: SplitPlan, devices: Sequence[torch.device],
-            dim: int) -> list[tuple[torch.device, tuple[Any, ...], dict[str, Any]]]:
+def scatter(
+    inputs: Sequence[Any], kwargs: dict[str, Any], plan: SplitPlan, devices: Sequence[torch.device], dim: int
+) -> list[tuple[torch.device, tuple[Any, ...], dict[str, Any]]]:
     """(device, args, kwargs) for every device that receives rows, in device order."""
     chunks = []
     for device, offset, size in zip(devices, plan.offsets, plan.sizes):

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import contextlib
-from typing import Any, ContextManager
+from contextlib import AbstractContextManager
+from typing import Any
 
 import torch
 
@@ -15,7 +16,7 @@ def current_stream(device: torch.device) -> Any:
     return None
 
 
-def device_context(device: torch.device, stream: Any = None) -> ContextManager:
+def device_context(device: torch.device, stream: Any = None) -> AbstractContextManager:
     """Make `device` (and the caller's stream on it) current in a replica's thread."""
     if device.type != "cuda":
         return contextlib.nullcontext()

@@ -30,7 +30,8 @@ from __future__ import annotations
 
 import threading
 import types
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -59,10 +60,10 @@ class StepGroup:
         self.size = size
         self.condition = threading.Condition()
         self.slots: list[dict[int, _Stats]] = []
-        self.calls = [0] * size            # SyncBatchNorm calls made so far, per replica
-        self.finished = [False] * size     # the replica's job has returned
+        self.calls = [0] * size  # SyncBatchNorm calls made so far, per replica
+        self.finished = [False] * size  # the replica's job has returned
         self.failure: tuple[int, BaseException] | None = None
-        self.joined = False                # some layer combined statistics of two or more replicas
+        self.joined = False  # some layer combined statistics of two or more replicas
 
     # --- membership ---------------------------------------------------------------------------------
     def wrap(self, job: Callable[..., Any], index: int) -> Callable[..., Any]:
@@ -78,6 +79,7 @@ class StepGroup:
                 _current.member = previous
             self._finish(index)
             return result
+
         return as_member
 
     def _fail(self, index: int, error: BaseException) -> None:
@@ -111,16 +113,18 @@ class StepGroup:
                 if gone:
                     raise RuntimeError(
                         f"SyncBatchNorm '{stats.name}': replica {index} waits in its SyncBatchNorm call {call + 1} for "
-                        f"replica {gone[0]}, whose forward ended after {self.calls[gone[0]]} SyncBatchNorm calls; every "
-                        "replica must call the same SyncBatchNorm layers in the same order")
+                        f"replica {gone[0]}, whose forward ended after {self.calls[gone[0]]} SyncBatchNorm calls; "
+                        "every replica must call the same SyncBatchNorm layers in the same order"
+                    )
                 self.condition.wait()
             if len(slot) > 1:
                 self.joined = True
             return [slot[i] for i in range(self.size)]
 
 
-def synced_job(module: Any, job: Callable[..., Any], size: int, *,
-               has_sync: bool | None = None) -> tuple[Callable[..., Any], StepGroup | None]:
+def synced_job(
+    module: Any, job: Callable[..., Any], size: int, *, has_sync: bool | None = None
+) -> tuple[Callable[..., Any], StepGroup | None]:
     """`job` (called with the replica index first) as a member of a new step's rendezvous, or unchanged
     when `module` has no SyncBatchNorm in training mode. Returns the job and the group. `has_sync`: what
     has_sync_batchnorm(module) returns, when the caller knows (it walks every submodule)."""
@@ -195,12 +199,15 @@ def _synced_batch_norm(layer: nn.SyncBatchNorm, x: torch.Tensor, group: StepGrou
     everyone = group.exchange(index, _Stats(count, mean, m2, name))
     for i, stats in enumerate(everyone):
         if stats.mean.shape != mean.shape:
-            raise RuntimeError(f"SyncBatchNorm: replica {index} has {channels} channels where replica {i} has "
-                               f"{stats.mean.shape[0]} in the same call; replicas must run the same layers")
+            raise RuntimeError(
+                f"SyncBatchNorm: replica {index} has {channels} channels where replica {i} has "
+                f"{stats.mean.shape[0]} in the same call; replicas must run the same layers"
+            )
     total = sum(s.count for s in everyone)
     if total <= 1:
-        raise ValueError(f"Expected more than 1 value per channel when training, got input size {list(x.shape)} "
-                         "over the whole batch")
+        raise ValueError(
+            f"Expected more than 1 value per channel when training, got input size {list(x.shape)} over the whole batch"
+        )
     present = [s for s in everyone if s.count > 0]
     # replica order everywhere, so every replica computes bitwise the same statistics
     batch_mean = sum(s.mean.to(work.device) * (s.count / total) for s in present)

@@ -44,21 +44,28 @@ class BenchRun:
     reference_seconds: float | None = None  # the bench's fixed reference work: how fast the machine was
 
     @classmethod
-    def load(cls, path: str | os.PathLike, statistic: str = "median", reference_seconds: float | None = None) -> "BenchRun":
+    def load(
+        cls, path: str | os.PathLike, statistic: str = "median", reference_seconds: float | None = None
+    ) -> BenchRun:
         path = Path(path)
         if not path.is_file():
-            raise FileNotFoundError(f"calibration: no bench JSON at {str(path)!r}; write one with `dpkit bench --json {path}`")
+            raise FileNotFoundError(
+                f"calibration: no bench JSON at {str(path)!r}; write one with `dpkit bench --json {path}`"
+            )
         try:
             data = json.loads(path.read_text())
         except json.JSONDecodeError as error:
             raise ValueError(f"calibration: {str(path)!r} is not JSON ({error})") from None
         if data.get("kind") != "dpkit-bench" or "results" not in data:
-            raise ValueError(f"calibration: {str(path)!r} is not a dpkit bench JSON (no kind 'dpkit-bench' with results)")
+            raise ValueError(
+                f"calibration: {str(path)!r} is not a dpkit bench JSON (no kind 'dpkit-bench' with results)"
+            )
         return cls.from_dict(data, str(path), statistic, reference_seconds)
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any], path: str = "", statistic: str = "median",
-                  reference_seconds: float | None = None) -> "BenchRun":
+    def from_dict(
+        cls, data: dict[str, Any], path: str = "", statistic: str = "median", reference_seconds: float | None = None
+    ) -> BenchRun:
         """statistic "median": the bench's median step; "fastest": each configuration's least disturbed
         step; "relative": the median of each step over the reference work timed in the same round,
         times `reference_seconds` (default: this run's median reference), which takes out the load
@@ -78,12 +85,20 @@ class BenchRun:
                     scale = reference_seconds or float(machine["reference_seconds"])
                     seconds = scale * statistics.median(t / ref for t, ref in zip(r["step_seconds_samples"], own))
             measured.append((r["strategy"], int(r["devices"]), seconds))
-        return cls(ModelProfile.from_dict(data["model"]), int(data["batch_size_per_device"]), data.get("optimizer", "adam"),
-                   machine.get("accelerator", "cpu"), int(machine.get("cores", 1)), measured, path,
-                   machine.get("reference_seconds"))
+        return cls(
+            ModelProfile.from_dict(data["model"]),
+            int(data["batch_size_per_device"]),
+            data.get("optimizer", "adam"),
+            machine.get("accelerator", "cpu"),
+            int(machine.get("cores", 1)),
+            measured,
+            path,
+            machine.get("reference_seconds"),
+        )
 
 
 # ---- the parameters the fit moves ------------------------------------------------------------------
+
 
 @dataclass(frozen=True)
 class Knob:
@@ -114,20 +129,40 @@ GPU_KNOBS = (
 def cpu_machine(values: dict[str, float], cores: int, source: str) -> tuple[Hardware, CostConstants]:
     """The machine a CPU bench ran on, as the cost model sees it, from fitted values."""
     copy = Link("in-process copy", values["copy_bytes_per_second"], values["copy_bytes_per_second"], 2e-6, source)
-    interprocess = Link("gloo (loopback)", values["interprocess_bytes_per_second"], values["interprocess_bytes_per_second"],
-                        values["interprocess_latency_seconds"], source)
-    cpu = GPU("virtual CPU device", {"32": values["flops_per_second"]}, HOST_MEMORY_BYTES, values["copy_bytes_per_second"], source)
-    hardware = Hardware(cpu, copy, shared_compute=True, compute_slots=min(values["compute_slots"], max(1, cores)),
-                        interprocess=interprocess)
-    constants = CostConstants(compute_efficiency=1.0, launch_seconds=values["launch_seconds"],
-                              step_overhead_seconds=values["step_overhead_seconds"], thread_seconds=values["thread_seconds"],
-                              source=f"fitted to {source}")
+    interprocess = Link(
+        "gloo (loopback)",
+        values["interprocess_bytes_per_second"],
+        values["interprocess_bytes_per_second"],
+        values["interprocess_latency_seconds"],
+        source,
+    )
+    cpu = GPU(
+        "virtual CPU device",
+        {"32": values["flops_per_second"]},
+        HOST_MEMORY_BYTES,
+        values["copy_bytes_per_second"],
+        source,
+    )
+    hardware = Hardware(
+        cpu,
+        copy,
+        shared_compute=True,
+        compute_slots=min(values["compute_slots"], max(1, cores)),
+        interprocess=interprocess,
+    )
+    constants = CostConstants(
+        compute_efficiency=1.0,
+        launch_seconds=values["launch_seconds"],
+        step_overhead_seconds=values["step_overhead_seconds"],
+        thread_seconds=values["thread_seconds"],
+        source=f"fitted to {source}",
+    )
     return hardware, constants
 
 
 @dataclass
 class Calibration:
-    hardware: Hardware | None        # the bench's own machine (CPU benches); None for GPU benches
+    hardware: Hardware | None  # the bench's own machine (CPU benches); None for GPU benches
     constants: CostConstants
     values: dict[str, float]
     fit_errors: list[tuple[str, int, float]] = field(default_factory=list)  # (strategy, devices, relative error)
@@ -146,9 +181,13 @@ class Calibration:
                 raise ValueError("gpu/link: a calibration from a GPU bench needs the GPU and the link named")
             return self.hardware, self.constants
         if self.hardware is not None:
-            return hardware, replace(CostConstants(), launch_seconds=self.constants.launch_seconds,
-                                     step_overhead_seconds=self.constants.step_overhead_seconds,
-                                     thread_seconds=self.constants.thread_seconds, source=self.constants.source)
+            return hardware, replace(
+                CostConstants(),
+                launch_seconds=self.constants.launch_seconds,
+                step_overhead_seconds=self.constants.step_overhead_seconds,
+                thread_seconds=self.constants.thread_seconds,
+                source=self.constants.source,
+            )
         return hardware, self.constants
 
 
@@ -170,14 +209,22 @@ def calibrate(bench: BenchRun | str | os.PathLike, hardware: Hardware | None = N
         values = {k.name: float(math.exp(v)) for k, v in zip(knobs, vector)}
         if on_cpu:
             return cpu_machine(values, run.cores, source)
-        return hardware, CostConstants(compute_efficiency=values["compute_efficiency"], launch_seconds=values["launch_seconds"],
-                                       step_overhead_seconds=values["step_overhead_seconds"],
-                                       thread_seconds=values["thread_seconds"], source=f"fitted to {source}")
+        return hardware, CostConstants(
+            compute_efficiency=values["compute_efficiency"],
+            launch_seconds=values["launch_seconds"],
+            step_overhead_seconds=values["step_overhead_seconds"],
+            thread_seconds=values["thread_seconds"],
+            source=f"fitted to {source}",
+        )
 
     def predicted(vector: Any) -> list[float]:
         used_hardware, constants = machine(vector)
-        return [predict(run.profile, used_hardware, strategy, devices, run.batch_per_device, "32", constants, run.optimizer).step_seconds
-                for strategy, devices, _ in run.measured]
+        return [
+            predict(
+                run.profile, used_hardware, strategy, devices, run.batch_per_device, "32", constants, run.optimizer
+            ).step_seconds
+            for strategy, devices, _ in run.measured
+        ]
 
     start = np.log([k.start for k in knobs])
     measured = np.array([seconds for _, _, seconds in run.measured])
@@ -203,11 +250,22 @@ def load_ratio(calibration: Calibration, run: BenchRun) -> float:
     return run.reference_seconds / calibration.reference_seconds
 
 
-def prediction_errors(calibration: Calibration, run: BenchRun, *, correct_load: bool = True) -> list[tuple[str, int, float, float]]:
+def prediction_errors(
+    calibration: Calibration, run: BenchRun, *, correct_load: bool = True
+) -> list[tuple[str, int, float, float]]:
     """(strategy, devices, predicted seconds, measured seconds) for every configuration of another run;
     with correct_load the predictions are scaled by the runs' reference-work ratio."""
     hardware, constants = calibration.for_hardware(None)
     scale = load_ratio(calibration, run) if correct_load else 1.0
-    return [(strategy, devices,
-             scale * predict(run.profile, hardware, strategy, devices, run.batch_per_device, "32", constants, run.optimizer).step_seconds,
-             seconds) for strategy, devices, seconds in run.measured]
+    return [
+        (
+            strategy,
+            devices,
+            scale
+            * predict(
+                run.profile, hardware, strategy, devices, run.batch_per_device, "32", constants, run.optimizer
+            ).step_seconds,
+            seconds,
+        )
+        for strategy, devices, seconds in run.measured
+    ]

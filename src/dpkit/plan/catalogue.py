@@ -20,9 +20,10 @@ import json
 import math
 import os
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from importlib import resources
-from typing import Any, Mapping
+from typing import Any
 
 PRECISIONS = ("32", "tf32", "bf16-mixed", "16-mixed")
 SECTIONS = ("gpus", "links", "networks")
@@ -62,12 +63,14 @@ class Catalogue:
         self.networks: dict[str, Link] = dict(networks)
 
     @classmethod
-    def load(cls, user_file: str | os.PathLike | None = None) -> "Catalogue":
+    def load(cls, user_file: str | os.PathLike | None = None) -> Catalogue:
         raw = _read_builtin()
         entries = {section: dict(raw.get(section, {})) for section in SECTIONS}
         label = f"dpkit/plan/{BUILTIN_FILE}"
-        merged = {section: {normalize_name(name): (label, dict(body)) for name, body in entries[section].items()}
-                  for section in SECTIONS}
+        merged = {
+            section: {normalize_name(name): (label, dict(body)) for name, body in entries[section].items()}
+            for section in SECTIONS
+        }
         if user_file is not None:
             path = os.fspath(user_file)
             user = read_user_file(path)
@@ -75,10 +78,16 @@ class Catalogue:
                 for name, body in user.get(section, {}).items():
                     key = normalize_name(name)
                     if not isinstance(body, Mapping):
-                        raise ValueError(f"{path}: {section}.{name}: expected a table of fields, got {type(body).__name__}")
+                        raise ValueError(
+                            f"{path}: {section}.{name}: expected a table of fields, got {type(body).__name__}"
+                        )
                     base = merged[section].get(key, (path, {}))[1]
                     combined = dict(base)
-                    if section == "gpus" and isinstance(body.get("peak_flops"), Mapping) and isinstance(base.get("peak_flops"), Mapping):
+                    if (
+                        section == "gpus"
+                        and isinstance(body.get("peak_flops"), Mapping)
+                        and isinstance(base.get("peak_flops"), Mapping)
+                    ):
                         combined["peak_flops"] = {**base["peak_flops"], **body["peak_flops"]}
                         combined.update({field: value for field, value in body.items() if field != "peak_flops"})
                     else:
@@ -86,7 +95,9 @@ class Catalogue:
                     merged[section][key] = (path, combined)
         gpus = {name: _build_gpu(origin, name, body) for name, (origin, body) in merged["gpus"].items()}
         links = {name: _build_link(origin, "links", name, body) for name, (origin, body) in merged["links"].items()}
-        networks = {name: _build_link(origin, "networks", name, body) for name, (origin, body) in merged["networks"].items()}
+        networks = {
+            name: _build_link(origin, "networks", name, body) for name, (origin, body) in merged["networks"].items()
+        }
         return cls(gpus, links, networks)
 
     def gpu(self, name: str) -> GPU:
@@ -119,7 +130,12 @@ class Catalogue:
         elif "titan rtx" in text:
             key = "titan-rtx"
         else:
-            for pattern, candidate in ((r"rtx 4090", "rtx-4090"), (r"rtx 3090", "rtx-3090"), (r"\bl4\b", "l4"), (r"\bt4\b", "t4")):
+            for pattern, candidate in (
+                (r"rtx 4090", "rtx-4090"),
+                (r"rtx 3090", "rtx-3090"),
+                (r"\bl4\b", "l4"),
+                (r"\bt4\b", "t4"),
+            ):
                 if re.search(pattern, text):
                     key = candidate
                     break
@@ -129,8 +145,10 @@ class Catalogue:
 def _lookup(table: Mapping[str, Any], name: str, argument: str) -> Any:
     key = normalize_name(name) if isinstance(name, str) else None
     if key is None or key not in table:
-        raise ValueError(f"{argument}: unknown {argument} {name!r}; choose one of {', '.join(sorted(table))} "
-                         f"(or add it with a user catalogue file)")
+        raise ValueError(
+            f"{argument}: unknown {argument} {name!r}; choose one of {', '.join(sorted(table))} "
+            f"(or add it with a user catalogue file)"
+        )
     return table[key]
 
 
@@ -148,7 +166,9 @@ def read_user_file(path: str) -> dict[str, Any]:
         try:
             import tomllib
         except ImportError as error:  # Python 3.10
-            raise ValueError(f"{path}: TOML catalogue files need Python 3.11+ (tomllib); write it as JSON instead") from error
+            raise ValueError(
+                f"{path}: TOML catalogue files need Python 3.11+ (tomllib); write it as JSON instead"
+            ) from error
         try:
             with open(path, "rb") as handle:
                 data = tomllib.load(handle)
@@ -189,7 +209,9 @@ def _check_fields(origin: str, where: str, body: Mapping[str, Any], cls: type, r
 def _source(origin: str, where: str, body: Mapping[str, Any]) -> str:
     source = body.get("source", f"user file {origin}")
     if not isinstance(source, str) or not source.strip():
-        raise ValueError(f"{origin}: {where}.source: expected a non-empty string saying where the figures come from, got {source!r}")
+        raise ValueError(
+            f"{origin}: {where}.source: expected a non-empty string saying where the figures come from, got {source!r}"
+        )
     return source
 
 
@@ -198,37 +220,69 @@ def _build_gpu(origin: str, name: str, body: Mapping[str, Any]) -> GPU:
     _check_fields(origin, where, body, GPU, ("peak_flops", "memory_bytes", "memory_bytes_per_second"))
     peak = body["peak_flops"]
     if not isinstance(peak, Mapping):
-        raise ValueError(f"{origin}: {where}.peak_flops: expected a table of precision -> FLOP/s "
-                         f"with keys {', '.join(PRECISIONS)}, got {type(peak).__name__}")
+        raise ValueError(
+            f"{origin}: {where}.peak_flops: expected a table of precision -> FLOP/s "
+            f"with keys {', '.join(PRECISIONS)}, got {type(peak).__name__}"
+        )
     for key in peak:
         if key not in PRECISIONS:
             raise ValueError(f"{origin}: {where}.peak_flops.{key}: unknown precision; expected {', '.join(PRECISIONS)}")
     missing = [key for key in PRECISIONS if key not in peak]
     if missing:
-        raise ValueError(f"{origin}: {where}.peak_flops: missing precision {missing[0]!r}; give all of {', '.join(PRECISIONS)} "
-                         f"(the FP32 rate where the GPU has no tensor cores for it)")
-    peak_flops = {key: _positive_number(origin, f"{where}.peak_flops.{key}", peak[key], "dense FLOP/s") for key in PRECISIONS}
+        raise ValueError(
+            f"{origin}: {where}.peak_flops: missing precision {missing[0]!r}; give all of {', '.join(PRECISIONS)} "
+            f"(the FP32 rate where the GPU has no tensor cores for it)"
+        )
+    peak_flops = {
+        key: _positive_number(origin, f"{where}.peak_flops.{key}", peak[key], "dense FLOP/s") for key in PRECISIONS
+    }
     memory = body["memory_bytes"]
     if isinstance(memory, float) and memory.is_integer():
         memory = int(memory)
     if isinstance(memory, bool) or not isinstance(memory, int) or memory <= 0:
         raise ValueError(f"{origin}: {where}.memory_bytes: expected a positive integer number of bytes, got {memory!r}")
-    bandwidth = _positive_number(origin, f"{where}.memory_bytes_per_second", body["memory_bytes_per_second"], "bytes per second")
-    return GPU(name=name, peak_flops=peak_flops, memory_bytes=memory, memory_bytes_per_second=bandwidth,
-               source=_source(origin, where, body))
+    bandwidth = _positive_number(
+        origin, f"{where}.memory_bytes_per_second", body["memory_bytes_per_second"], "bytes per second"
+    )
+    return GPU(
+        name=name,
+        peak_flops=peak_flops,
+        memory_bytes=memory,
+        memory_bytes_per_second=bandwidth,
+        source=_source(origin, where, body),
+    )
 
 
 def _build_link(origin: str, section: str, name: str, body: Mapping[str, Any]) -> Link:
     where = f"{section}.{name}"
-    _check_fields(origin, where, body, Link, ("nominal_bytes_per_second", "achieved_bytes_per_second", "latency_seconds"))
-    nominal = _positive_number(origin, f"{where}.nominal_bytes_per_second", body["nominal_bytes_per_second"], "bytes per second, per direction")
-    achieved = _positive_number(origin, f"{where}.achieved_bytes_per_second", body["achieved_bytes_per_second"], "bytes per second, per direction")
+    _check_fields(
+        origin, where, body, Link, ("nominal_bytes_per_second", "achieved_bytes_per_second", "latency_seconds")
+    )
+    nominal = _positive_number(
+        origin, f"{where}.nominal_bytes_per_second", body["nominal_bytes_per_second"], "bytes per second, per direction"
+    )
+    achieved = _positive_number(
+        origin,
+        f"{where}.achieved_bytes_per_second",
+        body["achieved_bytes_per_second"],
+        "bytes per second, per direction",
+    )
     if achieved > nominal:
-        raise ValueError(f"{origin}: {where}.achieved_bytes_per_second: {achieved:g} exceeds nominal_bytes_per_second {nominal:g}; "
-                         f"expected achieved <= nominal")
+        raise ValueError(
+            f"{origin}: {where}.achieved_bytes_per_second: {achieved:g} exceeds nominal_bytes_per_second {nominal:g}; "
+            f"expected achieved <= nominal"
+        )
     latency = _positive_number(origin, f"{where}.latency_seconds", body["latency_seconds"], "seconds")
     max_devices = body.get("max_devices")
-    if max_devices is not None and (isinstance(max_devices, bool) or not isinstance(max_devices, int) or max_devices < 2):
+    if max_devices is not None and (
+        isinstance(max_devices, bool) or not isinstance(max_devices, int) or max_devices < 2
+    ):
         raise ValueError(f"{origin}: {where}.max_devices: expected an integer >= 2 or no value, got {max_devices!r}")
-    return Link(name=name, nominal_bytes_per_second=nominal, achieved_bytes_per_second=achieved, latency_seconds=latency,
-                source=_source(origin, where, body), max_devices=max_devices)
+    return Link(
+        name=name,
+        nominal_bytes_per_second=nominal,
+        achieved_bytes_per_second=achieved,
+        latency_seconds=latency,
+        source=_source(origin, where, body),
+        max_devices=max_devices,
+    )

@@ -20,16 +20,35 @@ from typing import Any
 
 from dpkit.plan.catalogue import GPU, Link
 from dpkit.plan.profiles import FP32_BYTES, ModelProfile
-from dpkit.strategies import (IN_REPLICAS, ON_ROOT, ONE_PROCESS, PER_DEVICE, PER_STEP, PERSISTENT, reference,
-                              strategy_class)
+from dpkit.strategies import (
+    IN_REPLICAS,
+    ON_ROOT,
+    ONE_PROCESS,
+    PER_DEVICE,
+    PER_STEP,
+    PERSISTENT,
+    reference,
+    strategy_class,
+)
 
 OPTIMIZER_STATE_BYTES_PER_PARAMETER = {"adam": 8, "sgd": 4}  # Adam: two moments; SGD: momentum
 # bytes an optimizer step reads and writes per fp32 parameter with PyTorch's default (unfused, for-each)
 # implementations, which make one pass over memory per elementwise operation: Adam's lerp, mul, addcmul,
 # sqrt, div, add and addcdiv read 12 and write 7 tensors; SGD with momentum's mul, add, add read 5 and write 3
 OPTIMIZER_TRAFFIC_BYTES_PER_PARAMETER = {"adam": 76, "sgd": 32}
-PHASE_ORDER = ("scatter", "replicate", "forward", "launch", "gather", "loss", "backward", "reduce", "all_reduce",
-               "optimizer", "overhead")
+PHASE_ORDER = (
+    "scatter",
+    "replicate",
+    "forward",
+    "launch",
+    "gather",
+    "loss",
+    "backward",
+    "reduce",
+    "all_reduce",
+    "optimizer",
+    "overhead",
+)
 
 
 @dataclass(frozen=True)
@@ -53,12 +72,12 @@ class Hardware:
 class CostConstants:
     """What the hardware's data sheet does not say; `dpkit plan --calibration` fits them to a bench run."""
 
-    compute_efficiency: float = 0.45          # achieved / peak dense FLOP/s of a training step
-    launch_seconds: float = 6e-6              # host time to launch one kernel from eager PyTorch
-    step_overhead_seconds: float = 1e-3       # the Python of one step outside the kernels
-    thread_seconds: float = 60e-6             # handing the replicas' threads their jobs and joining them (dp, replicated)
-    bucket_bytes: int = 25 * 2**20            # DDP's default bucket_cap_mb
-    memory_headroom: float = 0.9              # usable fraction of device memory (allocator, CUDA context)
+    compute_efficiency: float = 0.45  # achieved / peak dense FLOP/s of a training step
+    launch_seconds: float = 6e-6  # host time to launch one kernel from eager PyTorch
+    step_overhead_seconds: float = 1e-3  # the Python of one step outside the kernels
+    thread_seconds: float = 60e-6  # handing the replicas' threads their jobs and joining them (dp, replicated)
+    bucket_bytes: int = 25 * 2**20  # DDP's default bucket_cap_mb
+    memory_headroom: float = 0.9  # usable fraction of device memory (allocator, CUDA context)
     source: str = "defaults (docs/cost-model.md)"
 
     def to_dict(self) -> dict[str, Any]:
@@ -68,7 +87,7 @@ class CostConstants:
 @dataclass
 class Prediction:
     strategy: str
-    devices: int                 # devices per node
+    devices: int  # devices per node
     nodes: int
     batch_per_device: int
     step_seconds: float
@@ -85,14 +104,24 @@ class Prediction:
         return self.devices * self.nodes
 
     def to_dict(self) -> dict[str, Any]:
-        return {"strategy": self.strategy, "devices": self.devices, "nodes": self.nodes,
-                "batch_size_per_device": self.batch_per_device, "step_seconds": self.step_seconds,
-                "samples_per_second": self.samples_per_second, "speedup": self.speedup, "efficiency": self.efficiency,
-                "peak_bytes_per_device": list(self.peak_bytes_per_device), "max_batch_size_per_device": self.max_batch_per_device,
-                "breakdown": dict(self.breakdown), "notes": list(self.notes)}
+        return {
+            "strategy": self.strategy,
+            "devices": self.devices,
+            "nodes": self.nodes,
+            "batch_size_per_device": self.batch_per_device,
+            "step_seconds": self.step_seconds,
+            "samples_per_second": self.samples_per_second,
+            "speedup": self.speedup,
+            "efficiency": self.efficiency,
+            "peak_bytes_per_device": list(self.peak_bytes_per_device),
+            "max_batch_size_per_device": self.max_batch_per_device,
+            "breakdown": dict(self.breakdown),
+            "notes": list(self.notes),
+        }
 
 
 # ---- the building blocks ------------------------------------------------------------------------
+
 
 def transfer_seconds(link: Link, nbytes: float, messages: int = 1) -> float:
     """alpha-beta: each message pays the latency, the bytes pay the bandwidth."""
@@ -110,7 +139,10 @@ def ring_all_reduce_seconds(link: Link, nbytes: float, devices: int, messages: i
     """Ring all-reduce: each device sends and receives 2(N-1)/N of the bytes in 2(N-1) steps."""
     if devices <= 1:
         return 0.0
-    return 2 * (devices - 1) * messages * link.latency_seconds + 2 * (devices - 1) / devices * nbytes / link.achieved_bytes_per_second
+    return (
+        2 * (devices - 1) * messages * link.latency_seconds
+        + 2 * (devices - 1) / devices * nbytes / link.achieved_bytes_per_second
+    )
 
 
 def precision_key(precision: str) -> str:
@@ -129,9 +161,17 @@ def achieved_flops(hardware: Hardware, precision: str, constants: CostConstants)
 
 # ---- one step -----------------------------------------------------------------------------------
 
-def step_breakdown(profile: ModelProfile, hardware: Hardware, strategy: str, devices: int, batch_per_device: int,
-                   precision: str = "32", constants: CostConstants = CostConstants(),
-                   optimizer: str = "adam") -> dict[str, float]:
+
+def step_breakdown(
+    profile: ModelProfile,
+    hardware: Hardware,
+    strategy: str,
+    devices: int,
+    batch_per_device: int,
+    precision: str = "32",
+    constants: CostConstants = CostConstants(),
+    optimizer: str = "adam",
+) -> dict[str, float]:
     """Seconds per phase of one step on the slowest device (device 0 under dp), as they add up."""
     traits = strategy_class(strategy).traits
     nodes = hardware.nodes
@@ -177,8 +217,14 @@ def step_breakdown(profile: ModelProfile, hardware: Hardware, strategy: str, dev
         phases["scatter"] = root_fan_seconds(link, B * profile.input_bytes_per_sample, others)
     if per_step:
         # DataParallel copies the parameters from device 0 to every replica at every step
-        phases["replicate"] = (root_fan_seconds(link, params_bytes, others)
-                               + total * (profile.parameter_tensors or 1) * constants.launch_seconds) if others else 0.0
+        phases["replicate"] = (
+            (
+                root_fan_seconds(link, params_bytes, others)
+                + total * (profile.parameter_tensors or 1) * constants.launch_seconds
+            )
+            if others
+            else 0.0
+        )
     output_bytes = B * profile.output_bytes_per_sample
     if per_step and traits.loss == ON_ROOT:  # the replicas' outputs gathered on device 0 for the loss
         phases["gather"] = root_fan_seconds(link, output_bytes, others)
@@ -197,7 +243,9 @@ def step_breakdown(profile: ModelProfile, hardware: Hardware, strategy: str, dev
     if shared_weights and total > 1:
         phases["all_reduce"] = others * 3 * params_bytes / memory_rate
     elif persistent and total > 1:
-        phases["all_reduce"] = exposed_all_reduce_seconds(profile, hardware, strategy, devices, phases["backward"], constants)
+        phases["all_reduce"] = exposed_all_reduce_seconds(
+            profile, hardware, strategy, devices, phases["backward"], constants
+        )
     traffic = OPTIMIZER_TRAFFIC_BYTES_PER_PARAMETER[optimizer] * profile.parameters
     # one process whose replicas persist steps each replica's copy; a process per device steps its own one
     steps_in_process = local if traits.processes == ONE_PROCESS and persistent and not shared_weights else 1
@@ -209,11 +257,14 @@ def step_breakdown(profile: ModelProfile, hardware: Hardware, strategy: str, dev
         optimizer_memory = traffic / memory_rate * steps_in_process
     else:  # one thread steps while the replicas' threads wait: nothing crowds it
         optimizer_memory = traffic / hardware.gpu.memory_bytes_per_second
-    phases["optimizer"] = optimizer_memory + \
-        steps_in_process * max(1, profile.parameter_tensors) * constants.launch_seconds / 4  # foreach kernels
+    phases["optimizer"] = (
+        optimizer_memory + steps_in_process * max(1, profile.parameter_tensors) * constants.launch_seconds / 4
+    )  # foreach kernels
     # the replicas' threads are handed their jobs together and waited for together: about three hand-offs
     # a step (forward, backward, step or gather), each costing one thread's wake-up and join, not one per replica
-    phases["overhead"] = constants.step_overhead_seconds + (constants.thread_seconds * 3 if threads and local > 1 else 0.0)
+    phases["overhead"] = constants.step_overhead_seconds + (
+        constants.thread_seconds * 3 if threads and local > 1 else 0.0
+    )
     return {name: phases[name] for name in PHASE_ORDER if name in phases and phases[name] > 0}
 
 
@@ -223,14 +274,22 @@ def all_reduce_link(hardware: Hardware, strategy: str) -> Link:
     link = hardware.link
     if strategy_class(strategy).traits.processes == PER_DEVICE and hardware.interprocess is not None:
         link = hardware.interprocess
-    if hardware.nodes > 1 and hardware.network is not None:
-        if hardware.network.achieved_bytes_per_second < link.achieved_bytes_per_second:
-            link = hardware.network
+    slower_network = (
+        hardware.network is not None and hardware.network.achieved_bytes_per_second < link.achieved_bytes_per_second
+    )
+    if hardware.nodes > 1 and slower_network:
+        link = hardware.network
     return link
 
 
-def exposed_all_reduce_seconds(profile: ModelProfile, hardware: Hardware, strategy: str, devices: int,
-                               backward_seconds: float, constants: CostConstants) -> float:
+def exposed_all_reduce_seconds(
+    profile: ModelProfile,
+    hardware: Hardware,
+    strategy: str,
+    devices: int,
+    backward_seconds: float,
+    constants: CostConstants,
+) -> float:
     """DDP's bucketed ring all-reduce, started bucket by bucket while backward runs; what backward
     cannot hide is exposed: at least the last bucket, which is ready only when backward ends."""
     total = devices * hardware.nodes
@@ -246,8 +305,16 @@ def exposed_all_reduce_seconds(profile: ModelProfile, hardware: Hardware, strate
 
 # ---- memory -------------------------------------------------------------------------------------
 
-def memory_per_device(profile: ModelProfile, strategy: str, devices: int, batch_per_device: int, precision: str = "32",
-                      optimizer: str = "adam", shared_weights: bool = False) -> tuple[list[int], list[float]]:
+
+def memory_per_device(
+    profile: ModelProfile,
+    strategy: str,
+    devices: int,
+    batch_per_device: int,
+    precision: str = "32",
+    optimizer: str = "adam",
+    shared_weights: bool = False,
+) -> tuple[list[int], list[float]]:
     """(peak bytes per device, bytes per extra sample per device). Device 0 first.
 
     `shared_weights`: the devices are virtual CPU devices, on which a strategy that shares host weights
@@ -276,10 +343,18 @@ def memory_per_device(profile: ModelProfile, strategy: str, devices: int, batch_
     return peaks, slope
 
 
-def largest_batch_per_device(profile: ModelProfile, hardware: Hardware, strategy: str, devices: int, precision: str,
-                             optimizer: str, constants: CostConstants) -> int:
-    peaks_at_zero, slopes = memory_per_device(profile, strategy, devices, 0, precision, optimizer,
-                                              shared_weights=hardware.shared_compute)
+def largest_batch_per_device(
+    profile: ModelProfile,
+    hardware: Hardware,
+    strategy: str,
+    devices: int,
+    precision: str,
+    optimizer: str,
+    constants: CostConstants,
+) -> int:
+    peaks_at_zero, slopes = memory_per_device(
+        profile, strategy, devices, 0, precision, optimizer, shared_weights=hardware.shared_compute
+    )
     usable = hardware.gpu.memory_bytes * constants.memory_headroom
     fits = [int((usable - fixed) // slope) if slope > 0 else 10**9 for fixed, slope in zip(peaks_at_zero, slopes)]
     return max(0, min(fits))
@@ -287,37 +362,68 @@ def largest_batch_per_device(profile: ModelProfile, hardware: Hardware, strategy
 
 # ---- predictions --------------------------------------------------------------------------------
 
-def predict(profile: ModelProfile, hardware: Hardware, strategy: str, devices: int, batch_per_device: int,
-            precision: str = "32", constants: CostConstants = CostConstants(), optimizer: str = "adam") -> Prediction:
+
+def predict(
+    profile: ModelProfile,
+    hardware: Hardware,
+    strategy: str,
+    devices: int,
+    batch_per_device: int,
+    precision: str = "32",
+    constants: CostConstants = CostConstants(),
+    optimizer: str = "adam",
+) -> Prediction:
     if devices < 1:
         raise ValueError(f"devices: expected positive device counts, got {devices}")
     if batch_per_device < 1:
         raise ValueError(f"batch_per_device: expected at least 1, got {batch_per_device}")
     if optimizer not in OPTIMIZER_STATE_BYTES_PER_PARAMETER:
-        raise ValueError(f"optimizer: expected one of {', '.join(OPTIMIZER_STATE_BYTES_PER_PARAMETER)}, got {optimizer!r}")
+        raise ValueError(
+            f"optimizer: expected one of {', '.join(OPTIMIZER_STATE_BYTES_PER_PARAMETER)}, got {optimizer!r}"
+        )
     breakdown = step_breakdown(profile, hardware, strategy, devices, batch_per_device, precision, constants, optimizer)
     step = sum(breakdown.values())
-    peaks, _ = memory_per_device(profile, strategy, devices, batch_per_device, precision, optimizer,
-                                 shared_weights=hardware.shared_compute)
+    peaks, _ = memory_per_device(
+        profile, strategy, devices, batch_per_device, precision, optimizer, shared_weights=hardware.shared_compute
+    )
     largest = largest_batch_per_device(profile, hardware, strategy, devices, precision, optimizer, constants)
     samples = batch_per_device * devices * hardware.nodes
-    prediction = Prediction(strategy, devices, hardware.nodes, batch_per_device, step, breakdown, peaks, largest,
-                            samples_per_second=samples / step)
+    prediction = Prediction(
+        strategy,
+        devices,
+        hardware.nodes,
+        batch_per_device,
+        step,
+        breakdown,
+        peaks,
+        largest,
+        samples_per_second=samples / step,
+    )
     if not hardware.shared_compute and max(peaks) > hardware.gpu.memory_bytes * constants.memory_headroom:
-        prediction.notes.append(f"does not fit: {max(peaks) / 2**30:.1f} GiB on the fullest device, "
-                                f"{hardware.gpu.memory_bytes / 2**30:.0f} GiB on a {hardware.gpu.name}")
+        prediction.notes.append(
+            f"does not fit: {max(peaks) / 2**30:.1f} GiB on the fullest device, "
+            f"{hardware.gpu.memory_bytes / 2**30:.0f} GiB on a {hardware.gpu.name}"
+        )
     if hardware.link.max_devices is not None and devices > hardware.link.max_devices:
         prediction.notes.append(f"{hardware.link.name} joins at most {hardware.link.max_devices} devices")
     return prediction
 
 
-def predict_all(profile: ModelProfile, hardware: Hardware, strategies: list[str], device_counts: list[int],
-                batch_per_device: int, precision: str = "32", constants: CostConstants = CostConstants(),
-                optimizer: str = "adam") -> list[Prediction]:
+def predict_all(
+    profile: ModelProfile,
+    hardware: Hardware,
+    strategies: list[str],
+    device_counts: list[int],
+    batch_per_device: int,
+    precision: str = "32",
+    constants: CostConstants = CostConstants(),
+    optimizer: str = "adam",
+) -> list[Prediction]:
     """Every strategy at every device count it can use (only strategies with a process per device, such
     as ddp, span nodes), with speed-up and efficiency against the reference strategy on one device of one node."""
-    baseline = predict(profile, replace(hardware, nodes=1), reference(), 1, batch_per_device, precision, constants,
-                       optimizer)
+    baseline = predict(
+        profile, replace(hardware, nodes=1), reference(), 1, batch_per_device, precision, constants, optimizer
+    )
     predictions = []
     for strategy in strategies:
         traits = strategy_class(strategy).traits
@@ -329,7 +435,9 @@ def predict_all(profile: ModelProfile, hardware: Hardware, strategies: list[str]
             if traits.max_devices is not None and devices > traits.max_devices:
                 continue
             node_hardware = replace(hardware, nodes=hardware.nodes if spans_nodes and not one_device else 1)
-            prediction = predict(profile, node_hardware, strategy, devices, batch_per_device, precision, constants, optimizer)
+            prediction = predict(
+                profile, node_hardware, strategy, devices, batch_per_device, precision, constants, optimizer
+            )
             prediction.speedup = prediction.samples_per_second / baseline.samples_per_second
             prediction.efficiency = prediction.speedup / prediction.total_devices
             predictions.append(prediction)

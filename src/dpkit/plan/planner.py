@@ -26,31 +26,57 @@ class Plan:
     meta: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
-        hardware = {"gpu": self.hardware.gpu.name, "link": self.hardware.link.name,
-                    "network": self.hardware.network.name if self.hardware.network else None, "nodes": self.hardware.nodes}
-        return {"model": self.profile.to_dict(), "hardware": hardware, "precision": self.precision,
-                "constants": self.constants.to_dict(), **self.meta,
-                "predictions": [p.to_dict() for p in self.predictions], "recommendation": self.recommendation.to_dict()}
+        hardware = {
+            "gpu": self.hardware.gpu.name,
+            "link": self.hardware.link.name,
+            "network": self.hardware.network.name if self.hardware.network else None,
+            "nodes": self.hardware.nodes,
+        }
+        return {
+            "model": self.profile.to_dict(),
+            "hardware": hardware,
+            "precision": self.precision,
+            "constants": self.constants.to_dict(),
+            **self.meta,
+            "predictions": [p.to_dict() for p in self.predictions],
+            "recommendation": self.recommendation.to_dict(),
+        }
 
     def save_json(self, path: str | Path) -> Path:
         return write_json(self.to_dict(), path)
 
     def format_table(self) -> str:
         phases = [name for name in PHASE_ORDER if any(name in p.breakdown for p in self.predictions)]
-        header = ["strategy", "nodes", "devices", "step ms", "samples/s", "speedup", "eff"] + [f"{p} ms" for p in phases] + ["peak GiB", "max batch"]
+        header = (
+            ["strategy", "nodes", "devices", "step ms", "samples/s", "speedup", "eff"]
+            + [f"{p} ms" for p in phases]
+            + ["peak GiB", "max batch"]
+        )
         rows = []
         for p in self.predictions:
-            row = [p.strategy, str(p.nodes), str(p.devices), f"{p.step_seconds * 1e3:.2f}", f"{p.samples_per_second:,.0f}",
-                   f"{p.speedup:.2f}x", f"{p.efficiency:.0%}"]
+            row = [
+                p.strategy,
+                str(p.nodes),
+                str(p.devices),
+                f"{p.step_seconds * 1e3:.2f}",
+                f"{p.samples_per_second:,.0f}",
+                f"{p.speedup:.2f}x",
+                f"{p.efficiency:.0%}",
+            ]
             row += [f"{p.breakdown.get(name, 0.0) * 1e3:.2f}" for name in phases]
-            row += [f"{max(p.peak_bytes_per_device) / 2**30:.1f}" + ("!" if p.notes and "does not fit" in p.notes[0] else ""),
-                    str(p.max_batch_per_device)]
+            row += [
+                f"{max(p.peak_bytes_per_device) / 2**30:.1f}"
+                + ("!" if p.notes and "does not fit" in p.notes[0] else ""),
+                str(p.max_batch_per_device),
+            ]
             rows.append(row)
         widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]
         lines = ["  ".join(h.rjust(w) for h, w in zip(header, widths))]
         lines += ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in rows]
-        lines.append(f"recommendation: {self.recommendation.strategy}"
-                     + (f" on {self.recommendation.devices} devices" if self.recommendation.devices > 1 else ""))
+        lines.append(
+            f"recommendation: {self.recommendation.strategy}"
+            + (f" on {self.recommendation.devices} devices" if self.recommendation.devices > 1 else "")
+        )
         lines += [f"  - {reason}" for reason in self.recommendation.reasons]
         return "\n".join(lines)
 
@@ -60,9 +86,15 @@ class Plan:
         for p in self.predictions:
             throughput.setdefault(p.strategy, []).append((p.total_devices, p.samples_per_second))
         return save_scaling_figure(
-            path, throughput, [(f"{p.strategy}\n{p.total_devices}", p.breakdown) for p in self.predictions], PHASE_ORDER,
+            path,
+            throughput,
+            [(f"{p.strategy}\n{p.total_devices}", p.breakdown) for p in self.predictions],
+            PHASE_ORDER,
             title=f"{self.profile.name} on {self.hardware.gpu.name} / {self.hardware.link.name}",
-            throughput_label="samples/s (predicted)", phase_label="ms per step (predicted)", reference=reference())
+            throughput_label="samples/s (predicted)",
+            phase_label="ms per step (predicted)",
+            reference=reference(),
+        )
 
 
 def faster_link(hardware: Hardware, links: dict[str, Link]) -> Hardware | None:
@@ -73,27 +105,63 @@ def faster_link(hardware: Hardware, links: dict[str, Link]) -> Hardware | None:
     return replace(hardware, link=fastest, interprocess=None)
 
 
-def make_plan(profile: ModelProfile, hardware: Hardware, strategies: list[str], device_counts: list[int], batch_per_device: int,
-              precision: str = "32", constants: CostConstants = CostConstants(), optimizer: str = "adam",
-              links: dict[str, Link] | None = None, networks: dict[str, Link] | None = None) -> Plan:
-    predictions = predict_all(profile, hardware, strategies, device_counts, batch_per_device, precision, constants, optimizer)
+def make_plan(
+    profile: ModelProfile,
+    hardware: Hardware,
+    strategies: list[str],
+    device_counts: list[int],
+    batch_per_device: int,
+    precision: str = "32",
+    constants: CostConstants = CostConstants(),
+    optimizer: str = "adam",
+    links: dict[str, Link] | None = None,
+    networks: dict[str, Link] | None = None,
+) -> Plan:
+    predictions = predict_all(
+        profile, hardware, strategies, device_counts, batch_per_device, precision, constants, optimizer
+    )
 
     def what_if(change: str) -> list[Prediction]:
         if change == "faster-link":
             other = faster_link(hardware, links) if links else None
-            return predict_all(profile, other, strategies, device_counts, batch_per_device, precision, constants, optimizer) if other else []
+            return (
+                predict_all(
+                    profile, other, strategies, device_counts, batch_per_device, precision, constants, optimizer
+                )
+                if other
+                else []
+            )
         if change == "faster-network":
             if hardware.nodes < 2 or not networks or hardware.network is None:
                 return []
             fastest = max(networks.values(), key=lambda link: link.achieved_bytes_per_second)
             if fastest.achieved_bytes_per_second <= hardware.network.achieved_bytes_per_second:
                 return []
-            return predict_all(profile, replace(hardware, network=fastest), strategies, device_counts, batch_per_device,
-                               precision, constants, optimizer)
+            return predict_all(
+                profile,
+                replace(hardware, network=fastest),
+                strategies,
+                device_counts,
+                batch_per_device,
+                precision,
+                constants,
+                optimizer,
+            )
         if change == "double-batch":
-            return predict_all(profile, hardware, strategies, device_counts, 2 * batch_per_device, precision, constants, optimizer)
+            return predict_all(
+                profile, hardware, strategies, device_counts, 2 * batch_per_device, precision, constants, optimizer
+            )
         return []
 
-    recommendation = recommend(predictions, hardware.link.name, hardware.network.name if hardware.network else "", what_if)
-    return Plan(profile, hardware, predictions, recommendation, constants, precision,
-                {"batch_size_per_device": batch_per_device, "optimizer": optimizer})
+    recommendation = recommend(
+        predictions, hardware.link.name, hardware.network.name if hardware.network else "", what_if
+    )
+    return Plan(
+        profile,
+        hardware,
+        predictions,
+        recommendation,
+        constants,
+        precision,
+        {"batch_size_per_device": batch_per_device, "optimizer": optimizer},
+    )

@@ -13,8 +13,9 @@ All FLOP and byte counts are per sample of one forward pass, in fp32 (4-byte) te
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, replace
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -25,13 +26,13 @@ FP32_BYTES = 4
 @dataclass(frozen=True)
 class ModelProfile:
     name: str
-    parameters: int                     # trainable parameter count
-    flops_per_sample: float             # forward pass; backward costs twice this
-    kernels_per_forward: int            # operators that launch work (what the host pays per launch)
+    parameters: int  # trainable parameter count
+    flops_per_sample: float  # forward pass; backward costs twice this
+    kernels_per_forward: int  # operators that launch work (what the host pays per launch)
     activation_bytes_per_sample: float  # saved for backward (fp32)
-    output_bytes_per_sample: float      # what DataParallel gathers on device 0 (fp32)
-    input_bytes_per_sample: float       # what DataParallel scatters from device 0
-    parameter_tensors: int = 0          # tensors replicated / bucketed (0: unknown)
+    output_bytes_per_sample: float  # what DataParallel gathers on device 0 (fp32)
+    input_bytes_per_sample: float  # what DataParallel scatters from device 0
+    parameter_tensors: int = 0  # tensors replicated / bucketed (0: unknown)
     source: str = ""
 
     @property
@@ -42,12 +43,13 @@ class ModelProfile:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "ModelProfile":
+    def from_dict(cls, data: dict[str, Any]) -> ModelProfile:
         known = {name: data[name] for name in cls.__dataclass_fields__ if name in data}
         return cls(**known)
 
 
 # ---- measuring a model ----------------------------------------------------------------------------
+
 
 class _KernelCounter(torch.utils._python_dispatch.TorchDispatchMode):
     """Counts dispatched aten operators that do work (views and metadata-only operators launch nothing)."""
@@ -57,7 +59,7 @@ class _KernelCounter(torch.utils._python_dispatch.TorchDispatchMode):
         self.kernels = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if not func.is_view and func.__name__.split(".")[0] not in ("detach", "alias", "lift_fresh", "_to_copy") :
+        if not func.is_view and func.__name__.split(".")[0] not in ("detach", "alias", "lift_fresh", "_to_copy"):
             self.kernels += 1
         return func(*args, **(kwargs or {}))
 
@@ -72,9 +74,15 @@ def _tensor_bytes(value: Any) -> int:
     return 0
 
 
-def measure_model(model_or_factory: nn.Module | Callable[[], nn.Module], input_shape: Sequence[int],
-                  *, input_dtype: torch.dtype = torch.float32, name: str = "model", batch: int = 2,
-                  device: str = "meta") -> ModelProfile:
+def measure_model(
+    model_or_factory: nn.Module | Callable[[], nn.Module],
+    input_shape: Sequence[int],
+    *,
+    input_dtype: torch.dtype = torch.float32,
+    name: str = "model",
+    batch: int = 2,
+    device: str = "meta",
+) -> ModelProfile:
     """Trace one forward and backward of `batch` samples of shape `input_shape` and count per sample.
 
     `device="meta"` builds a factory's model without memory; an nn.Module given directly is measured
@@ -86,6 +94,7 @@ def measure_model(model_or_factory: nn.Module | Callable[[], nn.Module], input_s
         model = model_or_factory
         if device == "meta":
             import copy
+
             model = copy.deepcopy(model).to("meta")
     else:
         with torch.device(device):
@@ -122,32 +131,51 @@ def measure_model(model_or_factory: nn.Module | Callable[[], nn.Module], input_s
         if loss.requires_grad:
             loss.backward()
     return ModelProfile(
-        name=name, parameters=sum(p.numel() for p in trainable), flops_per_sample=forward_flops / batch,
-        kernels_per_forward=forward_kernels, activation_bytes_per_sample=saved["bytes"] / batch,
+        name=name,
+        parameters=sum(p.numel() for p in trainable),
+        flops_per_sample=forward_flops / batch,
+        kernels_per_forward=forward_kernels,
+        activation_bytes_per_sample=saved["bytes"] / batch,
         output_bytes_per_sample=_tensor_bytes(output) / batch,
-        input_bytes_per_sample=x.numel() * x.element_size() / batch, parameter_tensors=len(trainable),
-        source=f"measured on the {device} device with FlopCounterMode (input {tuple(input_shape)})")
+        input_bytes_per_sample=x.numel() * x.element_size() / batch,
+        parameter_tensors=len(trainable),
+        source=f"measured on the {device} device with FlopCounterMode (input {tuple(input_shape)})",
+    )
 
 
 # ---- built-in profiles ----------------------------------------------------------------------------
 
-def _cnn(name: str, parameters: float, macs_224: float, kernels: int, activation_bytes_224: float, tensors: int,
-         source: str) -> Callable[..., ModelProfile]:
+
+def _cnn(
+    name: str, parameters: float, macs_224: float, kernels: int, activation_bytes_224: float, tensors: int, source: str
+) -> Callable[..., ModelProfile]:
     """A convolutional net whose work and activations scale with the image area."""
 
     def build(input_shape: Sequence[int] | None = None, seq_len: int | None = None) -> ModelProfile:
         shape = tuple(input_shape) if input_shape else (3, 224, 224)
         if len(shape) != 3:
-            raise ValueError(f"input_shape: {name} takes channels,height,width such as 3,224,224, got {','.join(map(str, shape))}")
+            raise ValueError(
+                f"input_shape: {name} takes channels,height,width such as 3,224,224, got {','.join(map(str, shape))}"
+            )
         area = shape[1] * shape[2] / (224 * 224)
-        return ModelProfile(name, int(parameters), 2 * macs_224 * area, kernels, activation_bytes_224 * area,
-                            1000 * FP32_BYTES, math.prod(shape) * FP32_BYTES, tensors, source + f"; scaled to input {shape}")
+        return ModelProfile(
+            name,
+            int(parameters),
+            2 * macs_224 * area,
+            kernels,
+            activation_bytes_224 * area,
+            1000 * FP32_BYTES,
+            math.prod(shape) * FP32_BYTES,
+            tensors,
+            source + f"; scaled to input {shape}",
+        )
 
     return build
 
 
-def _transformer(name: str, parameters: float, layers: int, width: int, vocab: int, default_seq: int, heads: int,
-                 source: str) -> Callable[..., ModelProfile]:
+def _transformer(
+    name: str, parameters: float, layers: int, width: int, vocab: int, default_seq: int, heads: int, source: str
+) -> Callable[..., ModelProfile]:
     """A transformer: forward FLOPs per token 2N + 2*layers*seq*width (Kaplan et al. 2020, Table 1),
     activations per layer and sample seq*width*(34 + 5*heads*seq/width) bytes in 16-bit (Korthikanti et
     al. 2022, eq. 1), doubled for fp32; the output is the logits, seq x vocab."""
@@ -157,53 +185,136 @@ def _transformer(name: str, parameters: float, layers: int, width: int, vocab: i
         if seq < 1:
             raise ValueError(f"seq_len: expected a positive sequence length for {name}, got {seq}")
         non_embedding = 12 * layers * width * width
-        flops = seq * (2 * non_embedding + 2 * layers * seq * width) + 2 * seq * width * vocab  # + the output projection
+        flops = (
+            seq * (2 * non_embedding + 2 * layers * seq * width) + 2 * seq * width * vocab
+        )  # + the output projection
         activations = 2 * layers * seq * width * (34 + 5 * heads * seq / width)
         kernels = 22 * layers + 12
-        return ModelProfile(name, int(parameters), float(flops), kernels, float(activations), float(seq * vocab * FP32_BYTES),
-                            seq * 8.0, 4 + 12 * layers, source + f"; seq_len {seq}")
+        return ModelProfile(
+            name,
+            int(parameters),
+            float(flops),
+            kernels,
+            float(activations),
+            float(seq * vocab * FP32_BYTES),
+            seq * 8.0,
+            4 + 12 * layers,
+            source + f"; seq_len {seq}",
+        )
 
     return build
 
 
 BUILTIN_PROFILES: dict[str, Callable[..., ModelProfile]] = {
-    "resnet50": _cnn("resnet50", 25.557e6, 4.09e9, 175, 103e6, 161,
-                     "He et al. 2016 (arXiv:1512.03385) and torchvision's model card: 25.6M parameters, 4.09 GMACs at 224x224; "
-                     "activations ~103 MB/sample fp32 (an estimate from the feature-map sizes)"),
-    "resnet101": _cnn("resnet101", 44.549e6, 7.80e9, 345, 155e6, 314,
-                      "He et al. 2016 and torchvision's model card: 44.5M parameters, 7.80 GMACs at 224x224; "
-                      "activations ~155 MB/sample fp32 (estimated the same way)"),
-    "bert-base": _transformer("bert-base", 110e6, 12, 768, 30522, 128, 12,
-                              "Devlin et al. 2019 (arXiv:1810.04805): 110M parameters, 12 layers, width 768, 12 heads, vocab 30522"),
-    "bert-large": _transformer("bert-large", 340e6, 24, 1024, 30522, 128, 16,
-                               "Devlin et al. 2019: 340M parameters, 24 layers, width 1024, 16 heads"),
-    "gpt2-124m": _transformer("gpt2-124m", 124e6, 12, 768, 50257, 1024, 12,
-                              "Radford et al. 2019 (GPT-2 report) / Hugging Face gpt2: 124M parameters, 12 layers, width 768, context 1024"),
-    "gpt2-1.5b": _transformer("gpt2-1.5b", 1.558e9, 48, 1600, 50257, 1024, 25,
-                              "Radford et al. 2019: 1.5B parameters, 48 layers, width 1600, context 1024"),
-    "llama-7b": _transformer("llama-7b", 6.738e9, 32, 4096, 32000, 2048, 32,
-                             "Touvron et al. 2023 (arXiv:2302.13971): 6.7B parameters, 32 layers, width 4096, 32 heads, context 2048"),
+    "resnet50": _cnn(
+        "resnet50",
+        25.557e6,
+        4.09e9,
+        175,
+        103e6,
+        161,
+        "He et al. 2016 (arXiv:1512.03385) and torchvision's model card: 25.6M parameters, 4.09 GMACs at 224x224; "
+        "activations ~103 MB/sample fp32 (an estimate from the feature-map sizes)",
+    ),
+    "resnet101": _cnn(
+        "resnet101",
+        44.549e6,
+        7.80e9,
+        345,
+        155e6,
+        314,
+        "He et al. 2016 and torchvision's model card: 44.5M parameters, 7.80 GMACs at 224x224; "
+        "activations ~155 MB/sample fp32 (estimated the same way)",
+    ),
+    "bert-base": _transformer(
+        "bert-base",
+        110e6,
+        12,
+        768,
+        30522,
+        128,
+        12,
+        "Devlin et al. 2019 (arXiv:1810.04805): 110M parameters, 12 layers, width 768, 12 heads, vocab 30522",
+    ),
+    "bert-large": _transformer(
+        "bert-large",
+        340e6,
+        24,
+        1024,
+        30522,
+        128,
+        16,
+        "Devlin et al. 2019: 340M parameters, 24 layers, width 1024, 16 heads",
+    ),
+    "gpt2-124m": _transformer(
+        "gpt2-124m",
+        124e6,
+        12,
+        768,
+        50257,
+        1024,
+        12,
+        "Radford et al. 2019 (GPT-2 report) / Hugging Face gpt2: 124M parameters, 12 layers, width 768, context 1024",
+    ),
+    "gpt2-1.5b": _transformer(
+        "gpt2-1.5b",
+        1.558e9,
+        48,
+        1600,
+        50257,
+        1024,
+        25,
+        "Radford et al. 2019: 1.5B parameters, 48 layers, width 1600, context 1024",
+    ),
+    "llama-7b": _transformer(
+        "llama-7b",
+        6.738e9,
+        32,
+        4096,
+        32000,
+        2048,
+        32,
+        "Touvron et al. 2023 (arXiv:2302.13971): 6.7B parameters, 32 layers, width 4096, 32 heads, context 2048",
+    ),
 }
 
 
 def builtin_profile(name: str, input_shape: Sequence[int] | None = None, seq_len: int | None = None) -> ModelProfile:
     if name not in BUILTIN_PROFILES:
-        raise ValueError(f"model: unknown built-in model {name!r}; choose one of {', '.join(BUILTIN_PROFILES)} "
-                         "or give a factory as 'package.module:factory'")
+        raise ValueError(
+            f"model: unknown built-in model {name!r}; choose one of {', '.join(BUILTIN_PROFILES)} "
+            "or give a factory as 'package.module:factory'"
+        )
     return BUILTIN_PROFILES[name](input_shape, seq_len)
 
 
-def given_profile(parameters: float, flops_per_sample: float | None = None, *, name: str = "given", kernels_per_forward: int = 200,
-                  activation_bytes_per_sample: float | None = None, output_bytes_per_sample: float = 4000.0,
-                  input_bytes_per_sample: float = 3 * 224 * 224 * 4.0) -> ModelProfile:
+def given_profile(
+    parameters: float,
+    flops_per_sample: float | None = None,
+    *,
+    name: str = "given",
+    kernels_per_forward: int = 200,
+    activation_bytes_per_sample: float | None = None,
+    output_bytes_per_sample: float = 4000.0,
+    input_bytes_per_sample: float = 3 * 224 * 224 * 4.0,
+) -> ModelProfile:
     """A profile from numbers; what is not given is estimated from the parameter count (a transformer-like
     6N training FLOPs per token at 512 tokens per sample, and 16 activation bytes per parameter)."""
     if parameters is None or parameters <= 0:
         raise ValueError(f"params: expected a positive parameter count, got {parameters!r}")
     flops = flops_per_sample if flops_per_sample is not None else 2.0 * parameters * 512
     activations = activation_bytes_per_sample if activation_bytes_per_sample is not None else 16.0 * parameters / 8
-    return ModelProfile(name, int(parameters), float(flops), int(kernels_per_forward), float(activations),
-                        float(output_bytes_per_sample), float(input_bytes_per_sample), 0, "given on the command line")
+    return ModelProfile(
+        name,
+        int(parameters),
+        float(flops),
+        int(kernels_per_forward),
+        float(activations),
+        float(output_bytes_per_sample),
+        float(input_bytes_per_sample),
+        0,
+        "given on the command line",
+    )
 
 
 def with_name(profile: ModelProfile, name: str) -> ModelProfile:

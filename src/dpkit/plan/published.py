@@ -16,10 +16,10 @@ from dpkit.strategies import reference
 @dataclass
 class Comparison:
     run: dict[str, Any]
-    quantity: str          # "speedup" or "step_seconds"
+    quantity: str  # "speedup" or "step_seconds"
     measured: float
     predicted: float
-    helps: bool            # predicted: N devices give more samples/s than one
+    helps: bool  # predicted: N devices give more samples/s than one
 
     @property
     def error(self) -> float:
@@ -35,8 +35,14 @@ def compare(run: dict[str, Any], catalogue: Catalogue | None = None) -> Comparis
     catalogue = catalogue or Catalogue.load()
     profile = builtin_profile(run["model"], seq_len=run.get("seq_len"))
     hardware = Hardware(catalogue.gpu(run["gpu"]), catalogue.link(run["link"]))
-    predictions = predict_all(profile, hardware, [reference(), run["strategy"]], [1, run["devices"]],
-                              run["batch_size_per_device"], run["precision"])
+    predictions = predict_all(
+        profile,
+        hardware,
+        [reference(), run["strategy"]],
+        [1, run["devices"]],
+        run["batch_size_per_device"],
+        run["precision"],
+    )
     prediction = next(p for p in predictions if p.strategy == run["strategy"] and p.devices == run["devices"])
     quantity, measured = next(iter(run["measured"].items()))
     predicted = prediction.speedup if quantity == "speedup" else prediction.step_seconds
@@ -49,11 +55,16 @@ def compare_all() -> list[Comparison]:
 
 
 def markdown_table(comparisons: list[Comparison]) -> str:
-    lines = ["| run | model | batch/GPU | hardware | strategy | measured | predicted | error |",
-             "|---|---|---:|---|---|---:|---:|---:|"]
+    lines = [
+        "| run | model | batch/GPU | hardware | strategy | measured | predicted | error |",
+        "|---|---|---:|---|---|---:|---:|---:|",
+    ]
     for c in comparisons:
         r = c.run
         unit = (lambda v: f"{v:.2f}x") if c.quantity == "speedup" else (lambda v: f"{v * 1e3:.0f} ms/step")
-        lines.append(f"| {r['id']} | {r['model']} ({r['precision']}) | {r['batch_size_per_device']} | {r['devices']}x {r['gpu']}, "
-                     f"{r['link']} | {r['strategy']} | {unit(c.measured)} | {unit(c.predicted)} | {c.error:+.0%} |")
+        lines.append(
+            f"| {r['id']} | {r['model']} ({r['precision']}) | {r['batch_size_per_device']} | "
+            f"{r['devices']}x {r['gpu']}, "
+            f"{r['link']} | {r['strategy']} | {unit(c.measured)} | {unit(c.predicted)} | {c.error:+.0%} |"
+        )
     return "\n".join(lines)

@@ -12,7 +12,8 @@ strategies' traits (base.Traits), never compares a name:
 from __future__ import annotations
 
 import importlib
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -30,8 +31,21 @@ from dpkit.strategies.base import (
 )
 
 __all__ = [
-    "IN_REPLICAS", "NO_REPLICAS", "ONE_PROCESS", "ON_ROOT", "PERSISTENT", "PER_DEVICE", "PER_STEP", "STRATEGIES",
-    "DeferredOutput", "Strategy", "Traits", "available_strategies", "create_strategy", "matching", "reference",
+    "IN_REPLICAS",
+    "NO_REPLICAS",
+    "ONE_PROCESS",
+    "ON_ROOT",
+    "PERSISTENT",
+    "PER_DEVICE",
+    "PER_STEP",
+    "STRATEGIES",
+    "DeferredOutput",
+    "Strategy",
+    "Traits",
+    "available_strategies",
+    "create_strategy",
+    "matching",
+    "reference",
     "strategy_class",
 ]
 

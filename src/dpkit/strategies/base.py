@@ -14,8 +14,10 @@ time and memory from its traits.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Any, Callable, ClassVar, ContextManager, Sequence
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -84,8 +86,11 @@ class Strategy:
         self.devices = list(devices)
         most = self.traits.max_devices
         if most is not None and len(self.devices) > most:
-            raise ValueError(f"devices: strategy '{self.name}' uses {most} device{'s' if most > 1 else ''}, got {len(self.devices)}; "
-                             f"pass devices={most} or choose a strategy for several devices")
+            raise ValueError(
+                f"devices: strategy '{self.name}' uses {most} device{'s' if most > 1 else ''}, "
+                f"got {len(self.devices)}; "
+                f"pass devices={most} or choose a strategy for several devices"
+            )
         self.criterion: Callable | None = None  # set by loss-in-replicas strategies
 
     # --- launching ----------------------------------------------------------------------------------
@@ -144,7 +149,7 @@ class Strategy:
         """Gradients of `loss * scale`; `sync` is False on the micro-batches of an accumulation."""
         (loss * scale if scale != 1.0 else loss).backward()
 
-    def forward_context(self, args: tuple, kwargs: dict) -> ContextManager:
+    def forward_context(self, args: tuple, kwargs: dict) -> AbstractContextManager:
         """Entered around the model's forward in the user's loop. Strategies whose forward announces its
         own phases through dpkit.parallel.hooks (DataParallel's scatter/forward/gather) leave it empty."""
         return contextlib.nullcontext()

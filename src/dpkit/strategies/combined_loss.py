@@ -11,7 +11,7 @@ term that does not touch the model) therefore works as on any tensor.
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch.autograd.function import once_differentiable
@@ -24,14 +24,21 @@ class ReplicaStep:
 
     joined = False  # the replicas' graphs share nodes (SyncBatchNorm): one autograd pass must run them all
 
-    def __init__(self, indices: Sequence[int], losses: Sequence[torch.Tensor], weights: Sequence[float],
-                 gradients: GradientSum, sync: Callable[[], bool], ran: Callable[[], None]):
+    def __init__(
+        self,
+        indices: Sequence[int],
+        losses: Sequence[torch.Tensor],
+        weights: Sequence[float],
+        gradients: GradientSum,
+        sync: Callable[[], bool],
+        ran: Callable[[], None],
+    ):
         self.indices = list(indices)
         self.losses: list[torch.Tensor] | None = list(losses)
         self.weights = list(weights)
         self.gradients = gradients
         self.sync = sync  # whether this backward ends with the sum (False inside an accumulation)
-        self.ran = ran    # told that the replicas' backward (and sum) ran
+        self.ran = ran  # told that the replicas' backward (and sum) ran
 
     def value(self, device: torch.device) -> torch.Tensor:
         with torch.no_grad():
@@ -39,8 +46,12 @@ class ReplicaStep:
 
     def backward(self, grad_output: torch.Tensor) -> None:
         if self.losses is None:
-            raise RuntimeError("loss: backward through a replicated loss ran twice; its replicas' graphs are freed after the first")
-        roots = [(i, loss, (grad_output * w).to(loss.device)) for i, loss, w in zip(self.indices, self.losses, self.weights)]
+            raise RuntimeError(
+                "loss: backward through a replicated loss ran twice; its replicas' graphs are freed after the first"
+            )
+        roots = [
+            (i, loss, (grad_output * w).to(loss.device)) for i, loss, w in zip(self.indices, self.losses, self.weights)
+        ]
         self.losses = None  # the graphs are freed by this backward
         if self.joined:  # a per-replica backward would walk into the other replicas' graphs
             self.gradients.release_copies()

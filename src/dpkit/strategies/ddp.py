@@ -20,8 +20,10 @@ import contextlib
 import logging
 import os
 import time
+from collections.abc import Sequence
+from contextlib import AbstractContextManager
 from datetime import timedelta
-from typing import Any, ContextManager, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -40,6 +42,7 @@ from dpkit.strategies.base import ON_ROOT, PER_DEVICE, PERSISTENT, Strategy, Tra
 from dpkit.strategies.single import one_device_forward
 
 log = logging.getLogger("dpkit")
+
 
 class _BelowWarning(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
@@ -61,8 +64,13 @@ class ProcessShares:
                 "every global batch itself (give the loader the global batch size)"
             )
         sampler = loader.sampler
-        if (type(sampler) is RandomSampler and sampler.generator is None and loader.generator is None
-                and not sampler.replacement and sampler.num_samples == len(loader.dataset)):
+        if (
+            type(sampler) is RandomSampler
+            and sampler.generator is None
+            and loader.generator is None
+            and not sampler.replacement
+            and sampler.num_samples == len(loader.dataset)
+        ):
             # the global RNG may differ between processes; draw the order from (seed, epoch) instead
             shuffle = DistributedSampler(loader.dataset, num_replicas=1, rank=0, shuffle=True, seed=self.seed)
             return BatchSampler(shuffle, loader.batch_size, loader.drop_last)
@@ -72,11 +80,12 @@ class ProcessShares:
         sizes = split_sizes(len(indices), self.world_size)
         if sizes[self.rank] == 0:
             raise ValueError(
-                f"batch_size: a global batch of {len(indices)} samples cannot give each of {self.world_size} processes a "
+                f"batch_size: a global batch of {len(indices)} samples "
+                f"cannot give each of {self.world_size} processes a "
                 "sample; use a batch size of at least the world size, or drop_last=True"
             )
-        start = sum(sizes[:self.rank])
-        return indices[start:start + sizes[self.rank]]
+        start = sum(sizes[: self.rank])
+        return indices[start : start + sizes[self.rank]]
 
     def loss_weight(self, rows: int, global_rows: int) -> float:
         # DDP averages the processes' gradients; n_rank * world / N turns that average into sum(n_rank / N * grad_rank)
@@ -94,8 +103,15 @@ class DDP(Strategy):
     traits = Traits(processes=PER_DEVICE, loss=ON_ROOT, replicas=PERSISTENT)
     options = ("timeout_seconds", "seed", "threads_per_device", "init_timeout_seconds")
 
-    def __init__(self, devices: Sequence[torch.device], *, timeout_seconds: float = 300.0, seed: int = 0,
-                 threads_per_device: int | None = None, init_timeout_seconds: float = 60.0):
+    def __init__(
+        self,
+        devices: Sequence[torch.device],
+        *,
+        timeout_seconds: float = 300.0,
+        seed: int = 0,
+        threads_per_device: int | None = None,
+        init_timeout_seconds: float = 60.0,
+    ):
         if not launched():
             raise RuntimeError(
                 "strategy='ddp' runs one process per device, and this process was not started by a launcher "
@@ -109,7 +125,8 @@ class DDP(Strategy):
         self.local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", len(self.devices)))
         if self.local_world_size != len(self.devices):
             raise ValueError(
-                f"devices: {len(self.devices)} devices but the launcher started {self.local_world_size} processes on this "
+                f"devices: {len(self.devices)} devices but the launcher started "
+                f"{self.local_world_size} processes on this "
                 f"node; pass devices={self.local_world_size} or launch with --nproc-per-node {len(self.devices)}"
             )
         self.device = self.devices[self.local_rank]
@@ -121,7 +138,7 @@ class DDP(Strategy):
         self.seed = seed
         self._process_shares: ProcessShares | None = None
         self.ddp: nn.parallel.DistributedDataParallel | None = None
-        self.bucket_seconds: list[tuple[float, float]] = []  # (launched, reduced) per bucket, while observed
+        self.bucket_seconds: list[tuple[float, float]] = []  # (started, reduced) per bucket, while observed
 
     @property
     def root_device(self) -> torch.device:
@@ -136,11 +153,20 @@ class DDP(Strategy):
         if not dist.is_initialized():
             backend = "gloo" if self.device.type == "cpu" else "nccl"
             # every rank's arrival is awaited in short, interruptible waits, at most init_timeout_seconds
-            store = rendezvous_store(self.rank, self.world_size, wait_seconds=min(self.init_timeout_seconds, self.timeout_seconds),
-                                     timeout_seconds=self.timeout_seconds)
+            store = rendezvous_store(
+                self.rank,
+                self.world_size,
+                wait_seconds=min(self.init_timeout_seconds, self.timeout_seconds),
+                timeout_seconds=self.timeout_seconds,
+            )
             # a bounded timeout: a collective whose peer died fails instead of waiting for the default 30 minutes
-            dist.init_process_group(backend, store=store, rank=self.rank, world_size=self.world_size,
-                                    timeout=timedelta(seconds=self.timeout_seconds))
+            dist.init_process_group(
+                backend,
+                store=store,
+                rank=self.rank,
+                world_size=self.world_size,
+                timeout=timedelta(seconds=self.timeout_seconds),
+            )
         if os.environ.get(HANG_TIMEOUT_VARIABLE):
             # the launcher watches for a rank that stops making progress; tell it how far this one is
             hang_timeout_seconds = float(os.environ[HANG_TIMEOUT_VARIABLE])
@@ -160,12 +186,12 @@ class DDP(Strategy):
         reduced = allreduce_hook(state, bucket)
         if not hooks.listening():
             return reduced
-        launched = time.perf_counter()
+        started = time.perf_counter()
 
         def finished(future: torch.futures.Future) -> torch.Tensor:
             # runs in the backend's thread when the bucket's all-reduce completed (host time: on CUDA an
             # approximation of when the collective finished on the stream)
-            self.bucket_seconds.append((launched, time.perf_counter()))
+            self.bucket_seconds.append((started, time.perf_counter()))
             return future.value()
 
         return reduced.then(finished)
@@ -176,18 +202,18 @@ class DDP(Strategy):
         buckets, self.bucket_seconds = sorted(self.bucket_seconds), []
         if not buckets:
             return
-        compute_end = max(launched for launched, _ in buckets)
+        compute_end = max(started for started, _ in buckets)
         merged: list[list[float]] = []  # buckets in flight at once count once
-        for launched, reduced in buckets:
-            if merged and launched <= merged[-1][1]:
+        for started, reduced in buckets:
+            if merged and started <= merged[-1][1]:
                 merged[-1][1] = max(merged[-1][1], reduced)
             else:
-                merged.append([launched, reduced])
-        for launched, reduced in merged:
-            hidden = max(0.0, min(reduced, compute_end) - launched)
-            hooks.span("all_reduce", self.device, launched, reduced - launched, hidden)
+                merged.append([started, reduced])
+        for started, reduced in merged:
+            hidden = max(0.0, min(reduced, compute_end) - started)
+            hooks.span("all_reduce", self.device, started, reduced - started, hidden)
 
-    def forward_context(self, args: tuple, kwargs: dict) -> ContextManager:
+    def forward_context(self, args: tuple, kwargs: dict) -> AbstractContextManager:
         return one_device_forward(self.ddp.module if self.ddp is not None else None, self.device, args, kwargs)
 
     def all_gather_object(self, obj: Any) -> list[Any]:

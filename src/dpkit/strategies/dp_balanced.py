@@ -10,7 +10,8 @@ the gathered outputs.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -24,7 +25,7 @@ class DPBalancedModule(nn.Module):
 
     wraps_module = True  # dpkit.unwrap_model / save_model / load_model look inside
 
-    def __init__(self, strategy: "DPBalanced", data_parallel: nn.Module):
+    def __init__(self, strategy: DPBalanced, data_parallel: nn.Module):
         super().__init__()
         self.strategy = strategy
         self.module = data_parallel  # state_dict keys "module.module.…", which save_model strips
@@ -51,8 +52,10 @@ class DPBalanced(Strategy):
         def loss_in_replicas(output: DeferredOutput, *targets: Any, **criterion_kwargs: Any) -> torch.Tensor:
             if criterion_kwargs or len(targets) != 1:
                 raise TypeError(
-                    "criterion: strategy 'dp-balanced' calls the loss inside the replicas as criterion(output, target); "
-                    f"got {len(targets)} targets and keywords {sorted(criterion_kwargs)}; bind extra arguments into the "
+                    "criterion: strategy 'dp-balanced' calls the loss inside the replicas "
+                    "as criterion(output, target); "
+                    f"got {len(targets)} targets and keywords {sorted(criterion_kwargs)}; "
+                    "bind extra arguments into the "
                     "criterion (e.g. nn.CrossEntropyLoss(label_smoothing=0.1))"
                 )
             return self.data_parallel(*output.args, target=targets[0], **output.kwargs)

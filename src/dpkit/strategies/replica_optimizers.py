@@ -9,7 +9,8 @@ import collections
 import copy
 import inspect
 import itertools
-from typing import Any, Callable, NamedTuple, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
 
 import torch
 import torch.optim.optimizer as torch_optimizer
@@ -28,8 +29,9 @@ def _constructor_defaults(optimizer: torch.optim.Optimizer) -> dict:
     return {k: v for k, v in optimizer.defaults.items() if k in parameters}
 
 
-def clone_optimizer(optimizer: torch.optim.Optimizer, params: Sequence[nn.Parameter],
-                    replica_params: Sequence[nn.Parameter]) -> torch.optim.Optimizer:
+def clone_optimizer(
+    optimizer: torch.optim.Optimizer, params: Sequence[nn.Parameter], replica_params: Sequence[nn.Parameter]
+) -> torch.optim.Optimizer:
     """The same optimizer (type, groups, hyperparameters, state) over `replica_params`, which correspond
     position by position to `params`, the parameters `optimizer` was built over."""
     position = {id(p): k for k, p in enumerate(params)}
@@ -41,7 +43,10 @@ def clone_optimizer(optimizer: torch.optim.Optimizer, params: Sequence[nn.Parame
                     "build the optimizer from model.parameters() and pass both to engine.setup(model, optimizer)"
                 )
     groups = [
-        {**{k: v for k, v in group.items() if k != "params"}, "params": [replica_params[position[id(p)]] for p in group["params"]]}
+        {
+            **{k: v for k, v in group.items() if k != "params"},
+            "params": [replica_params[position[id(p)]] for p in group["params"]],
+        }
         for group in optimizer.param_groups
     ]
     name = type(optimizer).__name__
@@ -123,18 +128,47 @@ class ReplicaOptimizers(_UsersOptimizer):
 # torch.optim's optimizers whose step treats every parameter on its own (state keyed by the parameter,
 # nothing computed across parameters): stepping disjoint shards of the parameters does the same arithmetic
 # as one step over all of them. LBFGS (one state for all parameters, closures) is not one of them.
-PER_PARAMETER = tuple(getattr(torch.optim, name) for name in (
-    "SGD", "Adam", "AdamW", "Adagrad", "Adadelta", "Adamax", "NAdam", "RAdam", "RMSprop", "Rprop", "ASGD", "Adafactor",
-) if hasattr(torch.optim, name))
+PER_PARAMETER = tuple(
+    getattr(torch.optim, name)
+    for name in (
+        "SGD",
+        "Adam",
+        "AdamW",
+        "Adagrad",
+        "Adadelta",
+        "Adamax",
+        "NAdam",
+        "RAdam",
+        "RMSprop",
+        "Rprop",
+        "ASGD",
+        "Adafactor",
+    )
+    if hasattr(torch.optim, name)
+)
 
 
 # the optimizers of PER_PARAMETER whose step is also elementwise inside a parameter: every state tensor of
 # the parameter's shape is updated element by element, and the rest of its state (the step count) is the
 # same for every element. Their parameters may be cut in pieces, each stepped with views of its state.
 # (Adafactor's factored state is not elementwise.)
-ELEMENTWISE = tuple(getattr(torch.optim, name) for name in (
-    "SGD", "Adam", "AdamW", "Adagrad", "Adadelta", "Adamax", "NAdam", "RAdam", "RMSprop", "Rprop", "ASGD",
-) if hasattr(torch.optim, name))
+ELEMENTWISE = tuple(
+    getattr(torch.optim, name)
+    for name in (
+        "SGD",
+        "Adam",
+        "AdamW",
+        "Adagrad",
+        "Adadelta",
+        "Adamax",
+        "NAdam",
+        "RAdam",
+        "RMSprop",
+        "Rprop",
+        "ASGD",
+    )
+    if hasattr(torch.optim, name)
+)
 
 # below this many parameter elements the whole step is a few microsecond-sized kernels: handing shards to
 # the replica threads costs more than it saves, and the user's optimizer steps whole on the calling thread
@@ -193,8 +227,10 @@ def _global_step_hooks() -> bool:
     """Whether torch.optim.optimizer.register_optimizer_step_pre_hook / _post_hook hooks are registered: they
     would see each shard optimizer instead of the user's, once per shard. dpkit's own observer's hooks are
     marked `dpkit_shard_aware` (they time each shard in its thread) and do not count."""
-    hooks = [*getattr(torch_optimizer, "_global_optimizer_pre_hooks", {}).values(),
-             *getattr(torch_optimizer, "_global_optimizer_post_hooks", {}).values()]
+    hooks = [
+        *getattr(torch_optimizer, "_global_optimizer_pre_hooks", {}).values(),
+        *getattr(torch_optimizer, "_global_optimizer_post_hooks", {}).values(),
+    ]
     return any(not getattr(hook, "dpkit_shard_aware", False) for hook in hooks)
 
 
@@ -202,7 +238,7 @@ class _SteppedPiece(NamedTuple):
     param: nn.Parameter
     size: int
     state: dict  # the piece's state after the step
-    lent: dict   # what it was lent before (views of the user's tensors, copies of the rest)
+    lent: dict  # what it was lent before (views of the user's tensors, copies of the rest)
 
 
 def _piece_state(value: Any, param: torch.Tensor, lo: int, hi: int) -> Any:
@@ -229,8 +265,13 @@ class SharedOptimizer(_UsersOptimizer):
     on the calling thread.
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, replica_params: Sequence[Sequence[nn.Parameter]],
-                 devices: Sequence[torch.device], threads: int | None):
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        replica_params: Sequence[Sequence[nn.Parameter]],
+        devices: Sequence[torch.device],
+        threads: int | None,
+    ):
         self.user = optimizer
         self.replica_params = [list(params) for params in replica_params]
         self.devices = list(devices)
@@ -259,16 +300,23 @@ class SharedOptimizer(_UsersOptimizer):
         optimizer = self.user
         step = vars(optimizer).get("step")  # an instance attribute: someone replaced step()
         elements = sum(p.numel() for group in optimizer.param_groups for p in group["params"])
-        return (len(self.devices) > 1 and elements >= MIN_SHARDED_ELEMENTS and type(optimizer) in PER_PARAMETER
-                and not optimizer._optimizer_step_pre_hooks and not optimizer._optimizer_step_post_hooks
-                and not _global_step_hooks()
-                and (step is None or getattr(step, "_wrapped_by_lr_sched", False)))
+        return (
+            len(self.devices) > 1
+            and elements >= MIN_SHARDED_ELEMENTS
+            and type(optimizer) in PER_PARAMETER
+            and not optimizer._optimizer_step_pre_hooks
+            and not optimizer._optimizer_step_post_hooks
+            and not _global_step_hooks()
+            and (step is None or getattr(step, "_wrapped_by_lr_sched", False))
+        )
 
     def _layout_now(self) -> tuple:
         """What the shards depend on: the parameters of each group, and where the cut ones' storage is (a
         parameter whose .data was replaced needs new pieces)."""
-        return (tuple(tuple(id(p) for p in group["params"]) for group in self.user.param_groups),
-                tuple((id(p), p.data_ptr()) for _, p, _, _ in self._pieces))
+        return (
+            tuple(tuple(id(p) for p in group["params"]) for group in self.user.param_groups),
+            tuple((id(p), p.data_ptr()) for _, p, _, _ in self._pieces),
+        )
 
     def _build_shards(self) -> None:
         if self._layout_now() == self._layout:
@@ -291,7 +339,9 @@ class SharedOptimizer(_UsersOptimizer):
                     self._pieces.append((piece, p, lo, hi))
                     p = piece
                 chosen.setdefault(group_of[position], []).append(p)
-            shard_groups = [{**{key: v for key, v in groups[g].items() if key != "params"}, "params": chosen[g]} for g in chosen]
+            shard_groups = [
+                {**{key: v for key, v in groups[g].items() if key != "params"}, "params": chosen[g]} for g in chosen
+            ]
             shard = type(self.user)(shard_groups, **_constructor_defaults(self.user))
             self._shards.append((shard, list(chosen)))
         self._layout = self._layout_now()
@@ -300,7 +350,9 @@ class SharedOptimizer(_UsersOptimizer):
         """Whether the cut parameters' gradients and state can be viewed piece by piece this step."""
         state = self.user.state
         for _, p, _, _ in self._pieces:
-            if p.grad is not None and (p.grad.layout != torch.strided or p.grad.shape != p.shape or not p.grad.is_contiguous()):
+            if p.grad is not None and (
+                p.grad.layout != torch.strided or p.grad.shape != p.shape or not p.grad.is_contiguous()
+            ):
                 return False
             for value in state.get(p, {}).values():
                 if isinstance(value, torch.Tensor) and value.shape == p.shape and not value.is_contiguous():
@@ -328,7 +380,7 @@ class SharedOptimizer(_UsersOptimizer):
                 self._shards[k][0].step()
 
         try:
-            run_replicas(self.devices[:len(self._shards)], step_shard, generators=False, threads=self.threads)
+            run_replicas(self.devices[: len(self._shards)], step_shard, generators=False, threads=self.threads)
         finally:
             self._take_back_pieces(state, lent)
         if len(state) != known:  # new entries arrived in thread order: keep the order one step would give
@@ -366,7 +418,10 @@ class SharedOptimizer(_UsersOptimizer):
             joined = {}
             for key in parts[0].state:
                 values = [part.state.get(key) for part in parts]
-                if all(isinstance(v, torch.Tensor) and v.dim() == 1 and v.numel() == part.size for v, part in zip(values, parts)):
+                if all(
+                    isinstance(v, torch.Tensor) and v.dim() == 1 and v.numel() == part.size
+                    for v, part in zip(values, parts)
+                ):
                     if any(v is not part.lent.get(key) for v, part in zip(values, parts)):
                         joined[key] = torch.cat(values).view(parts[0].param.shape)
                     # else: views of the user's tensor, updated in place

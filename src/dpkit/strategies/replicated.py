@@ -27,7 +27,8 @@ from __future__ import annotations
 
 import contextlib
 import copy
-from typing import Any, Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -36,10 +37,10 @@ from dpkit.checks import check_int
 from dpkit.devices import cpu_threads_per_device, keep_freed_host_memory
 from dpkit.parallel import hooks, sync_batchnorm
 from dpkit.parallel.apply import run_replicas
-from dpkit.parallel.replica_rng import TrainingModeWatches
-from dpkit.parallel.replicate import check_replicable
 from dpkit.parallel.gather import gather
 from dpkit.parallel.reduce import GradientSum
+from dpkit.parallel.replica_rng import TrainingModeWatches
+from dpkit.parallel.replicate import check_replicable
 from dpkit.parallel.scatter import batch_size_of, plan_split, scatter
 from dpkit.strategies.base import IN_REPLICAS, ONE_PROCESS, PERSISTENT, DeferredOutput, Strategy, Traits, defers
 from dpkit.strategies.combined_loss import ReplicaStep, combined_loss
@@ -51,7 +52,7 @@ class ReplicatedModule(nn.Module):
 
     wraps_module = True  # dpkit.unwrap_model / save_model / load_model look inside
 
-    def __init__(self, strategy: "Replicated", model: nn.Module):
+    def __init__(self, strategy: Replicated, model: nn.Module):
         super().__init__()
         self.strategy = strategy
         self.module = model
@@ -61,7 +62,7 @@ class ReplicatedModule(nn.Module):
             return DeferredOutput(self.strategy.name, args, kwargs)
         return self.strategy.forward(args, kwargs)
 
-    def train(self, mode: bool = True) -> "ReplicatedModule":
+    def train(self, mode: bool = True) -> ReplicatedModule:
         super().train(mode)
         for replica in self.strategy.replicas[1:]:
             replica.train(mode)
@@ -71,18 +72,30 @@ class ReplicatedModule(nn.Module):
 class Replicated(Strategy):
     name = "replicated"
     # one scaler over per-replica optimizers is not wired up yet: no '16-mixed'
-    traits = Traits(processes=ONE_PROCESS, loss=IN_REPLICAS, replicas=PERSISTENT, shares_host_weights=True, grad_scaler=False)
+    traits = Traits(
+        processes=ONE_PROCESS, loss=IN_REPLICAS, replicas=PERSISTENT, shares_host_weights=True, grad_scaler=False
+    )
     options = ("threads_per_device", "overlap_reduce", "share_weights")
 
-    def __init__(self, devices: Sequence[torch.device], *, threads_per_device: int | None = None,
-                 overlap_reduce: bool = True, share_weights: bool | None = None):
+    def __init__(
+        self,
+        devices: Sequence[torch.device],
+        *,
+        threads_per_device: int | None = None,
+        overlap_reduce: bool = True,
+        share_weights: bool | None = None,
+    ):
         super().__init__(devices)
         self.on_cpu = all(device.type == "cpu" for device in self.devices)
         if share_weights not in (None, True, False):
-            raise TypeError(f"share_weights: expected True, False or None (virtual CPU devices share), got {share_weights!r}")
+            raise TypeError(
+                f"share_weights: expected True, False or None (virtual CPU devices share), got {share_weights!r}"
+            )
         if share_weights and not self.on_cpu:
-            raise ValueError("share_weights: True needs virtual CPU devices ('cpu:0', 'cpu:1', …), which share one "
-                             f"memory; devices {[str(d) for d in self.devices]} each hold their own copy")
+            raise ValueError(
+                "share_weights: True needs virtual CPU devices ('cpu:0', 'cpu:1', …), which share one "
+                f"memory; devices {[str(d) for d in self.devices]} each hold their own copy"
+            )
         # virtual CPU devices share one memory, so by default their replicas share replica 0's weights;
         # False keeps a copy and an optimizer per device, as on GPUs (dpkit profile measures that layout)
         self.shares_weights = (self.on_cpu if share_weights is None else share_weights) and len(self.devices) > 1
@@ -113,13 +126,20 @@ class Replicated(Strategy):
         self.replicas = [model] + [self._replica(model, device) for device in self.devices[1:]]
         self.params = [list(replica.parameters()) for replica in self.replicas]
         self.buffers = [list(replica.buffers()) for replica in self.replicas]
-        sync_batchnorm.link_replicas(self.replicas)  # SyncBatchNorm: whole-batch statistics, running stats on the user's
+        sync_batchnorm.link_replicas(
+            self.replicas
+        )  # SyncBatchNorm: whole-batch statistics, running stats on the user's
         # the replicas are built once, so whether they hold SyncBatchNorm layers is known from here on
         self.has_sync_batchnorm = sync_batchnorm.has_sync_batchnorm(model)
         if self.gradients is not None:
             self.gradients.remove_hooks()
-        self.gradients = GradientSum(self.params, self.devices, overlap=self.overlap_reduce, threads=self.threads,
-                                     everywhere=not self.shares_weights)
+        self.gradients = GradientSum(
+            self.params,
+            self.devices,
+            overlap=self.overlap_reduce,
+            threads=self.threads,
+            everywhere=not self.shares_weights,
+        )
         return ReplicatedModule(self, model)
 
     def _replica(self, model: nn.Module, device: torch.device) -> nn.Module:
@@ -177,15 +197,25 @@ class Replicated(Strategy):
             args_k, kwargs_k = chunks[k]
             return self.replicas[active[k]](*args_k, **kwargs_k)
 
-        forward_one, _ = sync_batchnorm.synced_job(self.replicas[0], forward_one, len(active), has_sync=self.has_sync_batchnorm)
-        outputs = run_replicas([self.devices[i] for i in active], forward_one, threads=self.threads,
-                               generators=self.randomness(self.replicas[0]))
+        forward_one, _ = sync_batchnorm.synced_job(
+            self.replicas[0], forward_one, len(active), has_sync=self.has_sync_batchnorm
+        )
+        outputs = run_replicas(
+            [self.devices[i] for i in active],
+            forward_one,
+            threads=self.threads,
+            generators=self.randomness(self.replicas[0]),
+        )
         with hooks.phase("gather", self.root_device):
             return gather(outputs, self.root_device, 0)
 
-    def forward_loss(self, output: DeferredOutput, criterion: Callable, targets: tuple, criterion_kwargs: dict) -> torch.Tensor:
+    def forward_loss(
+        self, output: DeferredOutput, criterion: Callable, targets: tuple, criterion_kwargs: dict
+    ) -> torch.Tensor:
         if not targets:
-            raise TypeError("criterion: strategy 'replicated' expects criterion(model(x), target, ...) with at least one target")
+            raise TypeError(
+                "criterion: strategy 'replicated' expects criterion(model(x), target, ...) with at least one target"
+            )
         batch = batch_size_of((output.args, targets), output.kwargs, 0)
         if batch is None:
             raise ValueError("model inputs: strategy 'replicated' found no tensor to split along dim 0")
@@ -197,13 +227,21 @@ class Replicated(Strategy):
             with hooks.replica_phase("loss"):
                 loss = criterion(out, *targets_k, **criterion_kwargs)
             if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
-                raise ValueError(f"criterion: must return a scalar (0-dim) mean loss, got {type(loss).__name__} {getattr(loss, 'shape', '')}")
+                raise ValueError(
+                    "criterion: must return a scalar (0-dim) mean loss, "
+                    f"got {type(loss).__name__} {getattr(loss, 'shape', '')}"
+                )
             return loss
 
-        forward_and_loss, group = sync_batchnorm.synced_job(self.replicas[0], forward_and_loss, len(active),
-                                                            has_sync=self.has_sync_batchnorm)
-        losses = run_replicas([self.devices[i] for i in active], forward_and_loss, threads=self.threads,
-                              generators=self.randomness(self.replicas[0]))
+        forward_and_loss, group = sync_batchnorm.synced_job(
+            self.replicas[0], forward_and_loss, len(active), has_sync=self.has_sync_batchnorm
+        )
+        losses = run_replicas(
+            [self.devices[i] for i in active],
+            forward_and_loss,
+            threads=self.threads,
+            generators=self.randomness(self.replicas[0]),
+        )
         step = ReplicaStep(active, losses, weights, self.gradients, sync=lambda: self._sync, ran=self._count_backward)
         step.joined = group is not None and group.joined  # SyncBatchNorm joined the replicas' graphs
         with hooks.phase("loss", self.root_device):

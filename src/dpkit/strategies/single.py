@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import contextlib
-from typing import ContextManager, Iterator, Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import AbstractContextManager
 
 import torch
 from torch import nn
@@ -35,7 +36,7 @@ class Single(Strategy):
         self.model = super().wrap_model(model)
         return self.model
 
-    def forward_context(self, args: tuple, kwargs: dict) -> ContextManager:
+    def forward_context(self, args: tuple, kwargs: dict) -> AbstractContextManager:
         return one_device_forward(self.model, self.root_device, args, kwargs)
 
     def backward(self, loss: torch.Tensor, *, scale: float, sync: bool) -> None:

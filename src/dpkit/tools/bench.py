@@ -7,9 +7,9 @@ Each configuration trains the same model from the same initial weights with the 
 (weak scaling: N devices take N times the samples per step). The strategies that run in one process take
 turns, one step each per round, so that drift of a shared machine hits every contender alike; a strategy
 with one process per device runs in its own processes through dpkit's launcher, one launch per device
-count, with a small worker (this module run with `--worker`). Step times are medians over the measured steps after the warm-up ones. A few
-more steps run under an `dpkit.observe.Observer` for the time by phase; they do not count in the
-medians, since observing costs time itself.
+count, with a small worker (this module run with `--worker`). Step times are medians over the measured
+steps after the warm-up ones. A few more steps run under an `dpkit.observe.Observer` for the time by
+phase; they do not count in the medians, since observing costs time itself.
 """
 
 from __future__ import annotations
@@ -22,9 +22,10 @@ import os
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -75,20 +76,34 @@ class BenchSpec:
         for name in self.strategies:
             strategy_class(name, argument="strategies")
         if not self.device_counts or any(not isinstance(n, int) or n < 1 for n in self.device_counts):
-            raise ValueError(f"device_counts: expected positive device counts such as 1,2,3, got {self.device_counts!r}")
-        for name, low in (("steps", 1), ("warmup", 0), ("batch_size_per_device", 1), ("observed_steps", 0),
-                          ("threads_per_device", 0)):
+            raise ValueError(
+                f"device_counts: expected positive device counts such as 1,2,3, got {self.device_counts!r}"
+            )
+        for name, low in (
+            ("steps", 1),
+            ("warmup", 0),
+            ("batch_size_per_device", 1),
+            ("observed_steps", 0),
+            ("threads_per_device", 0),
+        ):
             check_int(getattr(self, name), name, minimum=low)
         if self.model is None and self.example is None:
             raise ValueError("model/example: give a built-in example or a model factory")
         if self.model and not (self.data or self.input_shape):
-            raise ValueError("model: a factory needs data=package.module:loader or input_shape=3,32,32 (its per-sample shape)")
+            raise ValueError(
+                "model: a factory needs data=package.module:loader or input_shape=3,32,32 (its per-sample shape)"
+            )
         calibrating = [name for name in self.strategies if strategy_class(name).traits.balances]
         if calibrating and self.warmup < CALIBRATION_CALLS["memory"]:
             # a balancer observes its first steps, and an observer slows every contender while it runs
-            log.warning("warmup %d: %s calibrate(s) during the first %d steps, which slows the other contenders of those "
-                        "rounds; use a warm-up of %d or more", self.warmup, ", ".join(calibrating),
-                        CALIBRATION_CALLS["memory"], CALIBRATION_CALLS["memory"])
+            log.warning(
+                "warmup %d: %s calibrate(s) during the first %d steps, which slows the other contenders of those "
+                "rounds; use a warm-up of %d or more",
+                self.warmup,
+                ", ".join(calibrating),
+                CALIBRATION_CALLS["memory"],
+                CALIBRATION_CALLS["memory"],
+            )
         if self.optimizer not in ("adam", "sgd"):
             raise ValueError(f"optimizer: expected adam or sgd, got {self.optimizer!r}")
 
@@ -110,7 +125,9 @@ class ConfigResult:
 
     def summary(self) -> str:
         text = f"{self.devices} device{'s' if self.devices > 1 else ''}: {self.speedup:.2f}x ({self.efficiency:.0%})"
-        parts = [f"{name} {share:.0%}" for name, share in sorted(self.lost.items(), key=lambda kv: -kv[1]) if share >= 0.005]
+        parts = [
+            f"{name} {share:.0%}" for name, share in sorted(self.lost.items(), key=lambda kv: -kv[1]) if share >= 0.005
+        ]
         return text + (f"; lost to {', '.join(parts)}" if parts else "")
 
 
@@ -123,32 +140,54 @@ class BenchResult:
 
     def baseline(self) -> ConfigResult:
         one_device = [r for r in self.results if r.devices == 1]
-        return next((r for r in one_device if r.strategy == reference()), one_device[0] if one_device else self.results[0])
+        return next(
+            (r for r in one_device if r.strategy == reference()), one_device[0] if one_device else self.results[0]
+        )
 
     def to_dict(self) -> dict[str, Any]:
         spec = asdict(self.spec)
         spec.pop("progress")
-        return {"schema_version": SCHEMA_VERSION, "kind": "dpkit-bench", "spec": spec, "model": self.profile,
-                "machine": self.machine, "batch_size_per_device": self.spec.batch_size_per_device, "optimizer": self.spec.optimizer,
-                "precision": "32",
-                "results": [{**asdict(r), "summary": r.summary()} for r in self.results]}
+        return {
+            "schema_version": SCHEMA_VERSION,
+            "kind": "dpkit-bench",
+            "spec": spec,
+            "model": self.profile,
+            "machine": self.machine,
+            "batch_size_per_device": self.spec.batch_size_per_device,
+            "optimizer": self.spec.optimizer,
+            "precision": "32",
+            "results": [{**asdict(r), "summary": r.summary()} for r in self.results],
+        }
 
     def save_json(self, path: str | os.PathLike) -> Path:
         return write_json(self.to_dict(), path)
 
     def format_table(self) -> str:
         phases = [p for p in SHOWN_PHASES if any(p in r.phase_seconds for r in self.results)]
-        header = ["strategy", "devices", "step ms", "samples/s", "speedup", "eff"] + [f"{p} ms" for p in phases] + ["where it went"]
+        header = (
+            ["strategy", "devices", "step ms", "samples/s", "speedup", "eff"]
+            + [f"{p} ms" for p in phases]
+            + ["where it went"]
+        )
         rows = []
         for r in self.results:
-            row = [r.strategy, str(r.devices), f"{r.step_seconds * 1e3:.2f}", f"{r.samples_per_second:,.0f}",
-                   f"{r.speedup:.2f}x", f"{r.efficiency:.0%}"]
+            row = [
+                r.strategy,
+                str(r.devices),
+                f"{r.step_seconds * 1e3:.2f}",
+                f"{r.samples_per_second:,.0f}",
+                f"{r.speedup:.2f}x",
+                f"{r.efficiency:.0%}",
+            ]
             row += [f"{r.phase_seconds[p] * 1e3:.2f}" if p in r.phase_seconds else "-" for p in phases]
             row.append(r.summary().split(": ", 1)[1])
             rows.append(row)
         widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(header)]
         lines = ["  ".join(h.rjust(w) if i < len(header) - 1 else h for i, (h, w) in enumerate(zip(header, widths)))]
-        lines += ["  ".join(c.rjust(w) if i < len(header) - 1 else c for i, (c, w) in enumerate(zip(row, widths))) for row in rows]
+        lines += [
+            "  ".join(c.rjust(w) if i < len(header) - 1 else c for i, (c, w) in enumerate(zip(row, widths)))
+            for row in rows
+        ]
         return "\n".join(lines)
 
     def save_png(self, path: str | os.PathLike) -> Path:
@@ -157,19 +196,30 @@ class BenchResult:
         for r in self.results:
             throughput.setdefault(r.strategy, []).append((r.devices, r.samples_per_second))
         return save_scaling_figure(
-            path, throughput, [(f"{r.strategy}\n{r.devices}", r.phase_seconds) for r in self.results],
+            path,
+            throughput,
+            [(f"{r.strategy}\n{r.devices}", r.phase_seconds) for r in self.results],
             [p for p in SHOWN_PHASES if not p.endswith("_hidden")],  # hidden time is inside another phase
             title=f"throughput, batch {self.spec.batch_size_per_device} per device",
-            throughput_label="samples/s (median step)", phase_label="ms per observed step (slowest device per phase)",
-            linear_from=self.baseline().samples_per_second, reference=reference())
+            throughput_label="samples/s (median step)",
+            phase_label="ms per observed step (slowest device per phase)",
+            linear_from=self.baseline().samples_per_second,
+            reference=reference(),
+        )
 
 
 # ---- model and data -------------------------------------------------------------------------------
 
+
 def load_model_source(spec: BenchSpec) -> tuple[Callable[[], nn.Module], torch.Tensor, torch.Tensor, str]:
     """(factory, x, y, name): the model factory and the data rows to cut batches from."""
-    source = model_source(spec.example, spec.model, spec.data, input_shape=spec.input_shape,
-                          synthetic_rows=max(256, spec.batch_size_per_device * max(spec.device_counts)))
+    source = model_source(
+        spec.example,
+        spec.model,
+        spec.data,
+        input_shape=spec.input_shape,
+        synthetic_rows=max(256, spec.batch_size_per_device * max(spec.device_counts)),
+    )
     x, y = source.load_data(spec.seed)[:2]
     return source.build_model, x, y, source.name
 
@@ -182,11 +232,21 @@ def batch_rows(step: int, rows: int, total_rows: int) -> torch.Tensor:
 
 # ---- one in-process contender ---------------------------------------------------------------------
 
+
 class Contender:
     """One (strategy, devices) configuration with its own engine, model copy and optimizer."""
 
-    def __init__(self, spec: BenchSpec, strategy: str, devices: int, factory: Callable[[], nn.Module],
-                 x: torch.Tensor, y: torch.Tensor, rank: int = 0, world_size: int = 1):
+    def __init__(
+        self,
+        spec: BenchSpec,
+        strategy: str,
+        devices: int,
+        factory: Callable[[], nn.Module],
+        x: torch.Tensor,
+        y: torch.Tensor,
+        rank: int = 0,
+        world_size: int = 1,
+    ):
         from dpkit.training.engine import Engine
 
         self.strategy, self.devices = strategy, devices
@@ -197,11 +257,16 @@ class Contender:
         self.traits = strategy_class(strategy).traits
         if self.threads and spec.accelerator == "cpu" and "threads_per_device" in strategy_class(strategy).options:
             options["threads_per_device"] = self.threads
-        self.engine = Engine(strategy=strategy, accelerator=spec.accelerator, devices=devices, progress=False, **options)
+        self.engine = Engine(
+            strategy=strategy, accelerator=spec.accelerator, devices=devices, progress=False, **options
+        )
         torch.manual_seed(spec.seed)  # every contender starts from the same weights
         model = factory()
-        optimizer = (torch.optim.Adam(model.parameters(), lr=spec.lr) if spec.optimizer == "adam"
-                     else torch.optim.SGD(model.parameters(), lr=spec.lr, momentum=0.9))
+        optimizer = (
+            torch.optim.Adam(model.parameters(), lr=spec.lr)
+            if spec.optimizer == "adam"
+            else torch.optim.SGD(model.parameters(), lr=spec.lr, momentum=0.9)
+        )
         self.model, self.optimizer = self.engine.setup(model, optimizer)
         self.criterion = self.engine.setup_criterion(criterion_for(y))
         self.x, self.y = x, y
@@ -216,7 +281,7 @@ class Contender:
 
     def batch(self) -> tuple[torch.Tensor, torch.Tensor]:
         rows = batch_rows(self.step_index, self.global_rows, len(self.x))
-        rows = rows[self.rank * self.share_rows:(self.rank + 1) * self.share_rows]
+        rows = rows[self.rank * self.share_rows : (self.rank + 1) * self.share_rows]
         self.step_index += 1
         device = self.engine.device
         return self.x[rows].to(device), self.y[rows].to(device)
@@ -289,6 +354,7 @@ class Contender:
 
 # ---- a process per device, through the launcher ---------------------------------------------------
 
+
 def run_in_processes(spec: BenchSpec, strategy: str, devices: int) -> tuple[list[float], dict[str, float]]:
     """Launch `devices` worker processes of `strategy`; rank 0's step times and phase seconds."""
     with tempfile.TemporaryDirectory(prefix="dpkit-bench-") as folder:
@@ -325,6 +391,7 @@ def worker_main(spec_path: str, out_path: str) -> int:
 
 
 # ---- the whole bench ------------------------------------------------------------------------------
+
 
 def lost_by_phase(result: ConfigResult, baseline: ConfigResult) -> dict[str, float]:
     """The share of this configuration's step that the one-device step did not spend, by phase:
@@ -389,22 +456,33 @@ def run_benches(specs: list[BenchSpec]) -> list[BenchResult]:
     for spec in specs:
         factory, x, y, name = load_model_source(spec)
         profile = measure_model(factory, tuple(x.shape[1:]), input_dtype=x.dtype, name=name)
-        configs = [(s, n) for s in spec.strategies for n in spec.device_counts
-                   if strategy_class(s).traits.max_devices is None or n <= strategy_class(s).traits.max_devices]
+        configs = [
+            (s, n)
+            for s in spec.strategies
+            for n in spec.device_counts
+            if strategy_class(s).traits.max_devices is None or n <= strategy_class(s).traits.max_devices
+        ]
         if (reference(), 1) not in configs:
             configs.insert(0, (reference(), 1))  # the reference every speed-up is measured against
         sources.append((factory, x, y, profile))
         plans.append(configs)
-    total_steps = sum(len([c for c in configs if not _in_processes(c[0])]) * (spec.warmup + spec.steps + spec.observed_steps + 1)
-                      + len([c for c in configs if _in_processes(c[0])]) for spec, configs in zip(specs, plans))
+    total_steps = sum(
+        len([c for c in configs if not _in_processes(c[0])]) * (spec.warmup + spec.steps + spec.observed_steps + 1)
+        + len([c for c in configs if _in_processes(c[0])])
+        for spec, configs in zip(specs, plans)
+    )
     times: list[dict[tuple[str, int], list[float]]] = [{} for _ in specs]
     phases: list[dict[tuple[str, int], dict[str, float]]] = [{} for _ in specs]
     reference_work = ReferenceWork()
-    with tqdm(total=total_steps, desc="dpkit bench", unit="step", disable=not any(spec.progress for spec in specs)) as bar:
+    with tqdm(
+        total=total_steps, desc="dpkit bench", unit="step", disable=not any(spec.progress for spec in specs)
+    ) as bar:
         contenders: list[tuple[int, Contender]] = []
         try:
             for index, (spec, configs, (factory, x, y, _)) in enumerate(zip(specs, plans, sources)):
-                contenders += [(index, Contender(spec, s, n, factory, x, y)) for s, n in configs if not _in_processes(s)]
+                contenders += [
+                    (index, Contender(spec, s, n, factory, x, y)) for s, n in configs if not _in_processes(s)
+                ]
             rounds = max(spec.warmup + spec.steps for spec in specs)
             for round_index in range(rounds):
                 reference_work.run()
@@ -428,14 +506,26 @@ def run_benches(specs: list[BenchSpec]) -> list[BenchResult]:
         for index, (spec, configs) in enumerate(zip(specs, plans)):
             for strategy, devices in (c for c in configs if _in_processes(c[0])):
                 bar.set_postfix_str(f"{strategy} x{devices} (processes)")
-                times[index][(strategy, devices)], phases[index][(strategy, devices)] = run_in_processes(spec, strategy, devices)
+                times[index][(strategy, devices)], phases[index][(strategy, devices)] = run_in_processes(
+                    spec, strategy, devices
+                )
                 bar.update()
     references = {(index, c.strategy, c.devices): c.reference_times for index, c in contenders}
     benches = []
     for index, (spec, configs, (_, _, _, profile)) in enumerate(zip(specs, plans, sources)):
-        results = [ConfigResult(s, n, statistics.median(times[index][(s, n)]), times[index][(s, n)], phases[index][(s, n)],
-                                fastest_step_seconds=min(times[index][(s, n)]), interleaved=not _in_processes(s),
-                                reference_seconds_samples=references.get((index, s, n), [])) for s, n in configs]
+        results = [
+            ConfigResult(
+                s,
+                n,
+                statistics.median(times[index][(s, n)]),
+                times[index][(s, n)],
+                phases[index][(s, n)],
+                fastest_step_seconds=min(times[index][(s, n)]),
+                interleaved=not _in_processes(s),
+                reference_seconds_samples=references.get((index, s, n), []),
+            )
+            for s, n in configs
+        ]
         machine = machine_description(spec)
         machine["reference_seconds"] = statistics.median(reference_work.times) if reference_work.times else None
         bench = BenchResult(spec, profile.to_dict(), machine, results)
@@ -452,15 +542,21 @@ def run_benches(specs: list[BenchSpec]) -> list[BenchResult]:
 def machine_description(spec: BenchSpec) -> dict[str, Any]:
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     devices = resolve_devices(spec.accelerator, 1)
-    described = {"accelerator": devices[0].type, "cores": cores, "torch": torch.__version__,
-                 "load_average": os.getloadavg()[0] if hasattr(os, "getloadavg") else None}
+    described = {
+        "accelerator": devices[0].type,
+        "cores": cores,
+        "torch": torch.__version__,
+        "load_average": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
+    }
     if devices[0].type == "cuda":
         described["device_name"] = torch.cuda.get_device_name(0)
     return described
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(prog="python -m dpkit.tools.bench", description="dpkit bench's ddp worker (started by the launcher)")
+    parser = argparse.ArgumentParser(
+        prog="python -m dpkit.tools.bench", description="dpkit bench's ddp worker (started by the launcher)"
+    )
     parser.add_argument("--worker", nargs=2, metavar=("SPEC", "OUT"), required=True)
     arguments = parser.parse_args()
     code = worker_main(*arguments.worker)

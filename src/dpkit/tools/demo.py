@@ -10,14 +10,23 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-import dpkit
 from dpkit.checks import check_int
 from dpkit.devices import resolve_devices
 from dpkit.examples.digits import DigitsMLP, load_digits
+from dpkit.parallel import DataParallel
+from dpkit.training.checkpoint import load_model, save_model
 
 
-def demo(accelerator: str = "auto", devices: object = "auto", epochs: int = 20, batch_size: int = 64, lr: float = 3e-3,
-         seed: int = 0, out: str = "runs/demo", progress: bool = True) -> bool:
+def demo(
+    accelerator: str = "auto",
+    devices: object = "auto",
+    epochs: int = 20,
+    batch_size: int = 64,
+    lr: float = 3e-3,
+    seed: int = 0,
+    out: str = "runs/demo",
+    progress: bool = True,
+) -> bool:
     """Train, report and round-trip the checkpoint; whether the model learned (held-out accuracy >= 0.95) and
     the reloaded model reproduces the trained one."""
     check_int(epochs, "epochs")
@@ -27,7 +36,7 @@ def demo(accelerator: str = "auto", devices: object = "auto", epochs: int = 20, 
     x_train, y_train, x_test, y_test = load_digits(seed)
     primary = devices[0]
     model = DigitsMLP().to(primary)
-    dp = dpkit.DataParallel(model, devices)
+    dp = DataParallel(model, devices)
     optimizer = torch.optim.Adam(dp.parameters(), lr=lr)
 
     rows_per_device = [0] * len(devices)
@@ -39,7 +48,7 @@ def demo(accelerator: str = "auto", devices: object = "auto", epochs: int = 20, 
         for epoch in range(epochs):
             order = torch.randperm(len(y_train), generator=generator)
             for start in range(0, len(order), batch_size):
-                index = order[start:start + batch_size]
+                index = order[start : start + batch_size]
                 x, y = x_train[index].to(primary), y_train[index].to(primary)
                 began = time.perf_counter()
                 optimizer.zero_grad(set_to_none=True)
@@ -48,7 +57,9 @@ def demo(accelerator: str = "auto", devices: object = "auto", epochs: int = 20, 
                 optimizer.step()
                 step_seconds.append(time.perf_counter() - began)
                 rows_per_device = [total + rows for total, rows in zip(rows_per_device, dp.last_split_sizes)]
-                bar.set_postfix(epoch=epoch + 1, loss=f"{loss.item():.3f}", refresh=False)  # redraw at tqdm's pace, not every step
+                bar.set_postfix(
+                    epoch=epoch + 1, loss=f"{loss.item():.3f}", refresh=False
+                )  # redraw at tqdm's pace, not every step
                 bar.update()
 
     dp.eval()
@@ -61,8 +72,8 @@ def demo(accelerator: str = "auto", devices: object = "auto", epochs: int = 20, 
     for device, rows in zip(devices, rows_per_device):
         print(f"  {str(device):8s} {rows:7d}")
 
-    path = dpkit.save_model(dp, Path(out) / "model.pt")
-    reloaded = dpkit.load_model(DigitsMLP(), path)
+    path = save_model(dp, Path(out) / "model.pt")
+    reloaded = load_model(DigitsMLP(), path)
     keys = list(torch.load(path, weights_only=True))
     print(f"saved a clean checkpoint to {path} (keys like {keys[0]!r}, no 'module.' prefix)")
     print("load it into a bare model with:")

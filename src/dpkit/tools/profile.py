@@ -14,8 +14,9 @@ report holding every rank's devices; without a launcher, `run` starts the proces
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 from torch.utils.data import DataLoader, RandomSampler, TensorDataset
@@ -73,7 +74,12 @@ class ProfileSpec:
         if strategy_class(self.strategy).traits.balances and self.warmup < calibration:
             logging.getLogger("dpkit").warning(
                 "warmup %d: strategy %s calibrates during its first %d steps, so the observed steps include unbalanced "
-                "ones; use a warm-up of %d or more", self.warmup, self.strategy, calibration, calibration)
+                "ones; use a warm-up of %d or more",
+                self.warmup,
+                self.strategy,
+                calibration,
+                calibration,
+            )
 
 
 def batches_forever(loader: Any) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
@@ -93,7 +99,7 @@ def profile(spec: ProfileSpec) -> tuple[Report | None, float]:
     cls = strategy_class(spec.strategy)
     devices = resolve_devices(spec.accelerator, spec.devices)
     if cls.traits.max_devices is not None:
-        devices = devices[:cls.traits.max_devices]
+        devices = devices[: cls.traits.max_devices]
     source = model_source(spec.example, spec.model, spec.data)
     torch.manual_seed(spec.seed)
     model = source.build_model()
@@ -104,17 +110,26 @@ def profile(spec: ProfileSpec) -> tuple[Report | None, float]:
     model = model.to(dtype=dtype)
     x = x.to(dtype) if x.is_floating_point() else x
     y = y.to(dtype) if y.is_floating_point() else y
-    optimizer = (torch.optim.Adam(model.parameters(), lr=spec.lr) if spec.optimizer == "adam"
-                 else torch.optim.SGD(model.parameters(), lr=spec.lr, momentum=0.9))
+    optimizer = (
+        torch.optim.Adam(model.parameters(), lr=spec.lr)
+        if spec.optimizer == "adam"
+        else torch.optim.SGD(model.parameters(), lr=spec.lr, momentum=0.9)
+    )
     # the layout a strategy has on GPUs, also on virtual CPU devices (replicated would share one copy there)
-    engine = Engine(strategy=spec.strategy, accelerator=devices[0].type, devices=devices, progress=spec.progress,
-                    **cls.profile_options())
+    engine = Engine(
+        strategy=spec.strategy,
+        accelerator=devices[0].type,
+        devices=devices,
+        progress=spec.progress,
+        **cls.profile_options(),
+    )
     try:
         model, engine_optimizer = engine.setup(model, optimizer)
         criterion = engine.setup_criterion(criterion_for(y))
         sampler = RandomSampler(range(len(x)), generator=torch.Generator().manual_seed(spec.seed))
-        loader = engine.setup_dataloader(DataLoader(TensorDataset(x, y), batch_size=spec.batch_size, sampler=sampler,
-                                                    drop_last=True))
+        loader = engine.setup_dataloader(
+            DataLoader(TensorDataset(x, y), batch_size=spec.batch_size, sampler=sampler, drop_last=True)
+        )
         batches = batches_forever(loader)
 
         def step() -> float:
@@ -141,9 +156,16 @@ def profile(spec: ProfileSpec) -> tuple[Report | None, float]:
         return None, last_loss
     report = Report.merged(reports) if len(reports) > 1 else reports[0]
     report.meta = {
-        "example": None if spec.model else spec.example, "model": spec.model, "strategy": spec.strategy,
-        "devices_requested": [str(d) for d in devices], "processes": len(reports), "batch_size": spec.batch_size,
-        "dtype": spec.dtype, "optimizer": spec.optimizer, "warmup_steps": spec.warmup, "seed": spec.seed,
+        "example": None if spec.model else spec.example,
+        "model": spec.model,
+        "strategy": spec.strategy,
+        "devices_requested": [str(d) for d in devices],
+        "processes": len(reports),
+        "batch_size": spec.batch_size,
+        "dtype": spec.dtype,
+        "optimizer": spec.optimizer,
+        "warmup_steps": spec.warmup,
+        "seed": spec.seed,
         "last_loss": last_loss,
     }
     return report, last_loss
@@ -155,16 +177,20 @@ def run(spec: ProfileSpec) -> Report | None:
     if strategy_class(spec.strategy).needs_launcher():
         spec.check()
         if spec.relaunch is None:
-            raise RuntimeError(f"strategy: '{spec.strategy}' runs one process per device; give the spec a relaunch= that "
-                               "runs this profile again in each, or use `dpkit profile`")
+            raise RuntimeError(
+                f"strategy: '{spec.strategy}' runs one process per device; give the spec a relaunch= that "
+                "runs this profile again in each, or use `dpkit profile`"
+            )
         relaunch(spec.relaunch, len(resolve_devices(spec.accelerator, spec.devices)))
         return None
     report, last_loss = profile(spec)
     if report is None:  # a rank other than 0: rank 0 writes every rank's devices
         return None
     devices = ", ".join(d.device for d in report.devices)
-    print(f"dpkit profile: {report.meta['model'] or spec.example}, strategy {spec.strategy}, batch {spec.batch_size}, "
-          f"{spec.dtype}, {spec.steps} observed step(s) after {spec.warmup} warm-up, on {devices}")
+    print(
+        f"dpkit profile: {report.meta['model'] or spec.example}, strategy {spec.strategy}, batch {spec.batch_size}, "
+        f"{spec.dtype}, {spec.steps} observed step(s) after {spec.warmup} warm-up, on {devices}"
+    )
     print(report.format_table())
     print(f"last loss: {last_loss:.6f}")
     if spec.json:

@@ -22,14 +22,16 @@ import re
 import secrets
 import zipfile
 from collections import OrderedDict
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, BinaryIO, Mapping
+from typing import Any, BinaryIO
 
 import torch
 from torch import nn
 from torch.nn.modules.utils import consume_prefix_in_state_dict_if_present
 
 from dpkit.errors import DpkitError
+from dpkit.parallel.data_parallel import DataParallel
 
 log = logging.getLogger("dpkit")
 
@@ -54,6 +56,7 @@ class CheckpointCorruptError(DpkitError):
 
 # --- wrappers and prefixes --------------------------------------------------------------------------
 
+
 def _compiled_module_type() -> type | None:
     try:
         from torch._dynamo.eval_frame import OptimizedModule
@@ -68,8 +71,6 @@ def unwrap_model(model: nn.Module) -> nn.Module:
     A wrapper of dpkit's own says so with a class attribute `wraps_module = True` and keeps the wrapped
     model in `.module`.
     """
-    from dpkit.parallel.data_parallel import DataParallel  # here: dpkit.parallel imports this module's users
-
     compiled = _compiled_module_type()
     wrappers = (nn.DataParallel, nn.parallel.DistributedDataParallel, DataParallel)
     while True:
@@ -100,9 +101,10 @@ def strip_prefixes(state_dict: Mapping[str, Any]) -> dict[str, Any]:
             return clean
         plain = {key for key in clean if not key.startswith(prefix)}
         for key in clean:
-            if key.startswith(prefix) and key[len(prefix):] in plain:
+            if key.startswith(prefix) and key[len(prefix) :] in plain:
                 raise CheckpointMismatchError(
-                    f"state dict: keys '{key}' and '{key[len(prefix):]}' both map to '{key[len(prefix):]}' once wrapper "
+                    f"state dict: keys '{key}' and '{key[len(prefix) :]}' "
+                    f"both map to '{key[len(prefix) :]}' once wrapper "
                     "prefixes are removed; save the model without mixing wrapped and bare keys"
                 )
         consume_prefix_in_state_dict_if_present(clean, prefix)
@@ -113,6 +115,7 @@ def clean_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 # --- files with a checksum ----------------------------------------------------------------------------
+
 
 def remove_stale_temporaries(path: Path) -> None:
     """Delete temporary files that earlier, killed saves of `path` left next to it."""
@@ -225,7 +228,9 @@ def verify_file(path: str | os.PathLike) -> bool:
         tail_bytes = min(size, _ZIP_END_BYTES + _CHECKSUM_COMMENT_BYTES)
         handle.seek(size - tail_bytes)
         tail = handle.read(tail_bytes)
-        has_comment = size >= _ZIP_END_BYTES + _CHECKSUM_COMMENT_BYTES and tail[-_CHECKSUM_COMMENT_BYTES:].startswith(_CHECKSUM_TAG)
+        has_comment = size >= _ZIP_END_BYTES + _CHECKSUM_COMMENT_BYTES and tail[-_CHECKSUM_COMMENT_BYTES:].startswith(
+            _CHECKSUM_TAG
+        )
         if has_comment:
             end = tail[:_ZIP_END_BYTES]
             if not end.startswith(_ZIP_END) or end[-2:] != _CHECKSUM_COMMENT_BYTES.to_bytes(2, "little"):
@@ -272,17 +277,20 @@ def read_checked(path: str | os.PathLike, *, map_location: Any = "cpu") -> Any:
         global_name = re.search(r"GLOBAL (\S+) was not an allowed global", text)
         if global_name:
             raise CheckpointCorruptError(
-                f"{path}: holds a Python object ({global_name.group(1)}) that dpkit does not unpickle (it loads with weights_only=True). "
+                f"{path}: holds a Python object ({global_name.group(1)}) that dpkit does not unpickle "
+                "(it loads with weights_only=True). "
                 "If you trust the file, load it with torch.load(path, weights_only=False) and save its state dict"
             ) from error
         if checked:
             raise _corrupt(path, f"torch cannot read it ({detail})") from error
         raise CheckpointCorruptError(
-            f"{path}: not a PyTorch checkpoint (torch cannot read it: {detail}); give a file written by torch.save or dpkit"
+            f"{path}: not a PyTorch checkpoint (torch cannot read it: {detail}); "
+            "give a file written by torch.save or dpkit"
         ) from error
 
 
 # --- safetensors ----------------------------------------------------------------------------------------
+
 
 def _is_safetensors(path: Path) -> bool:
     if path.suffix == ".safetensors":
@@ -306,7 +314,9 @@ def _safetensors_digest(header: dict, data: bytes | memoryview) -> str:
     return digest.hexdigest()
 
 
-def write_safetensors(state_dict: Mapping[str, torch.Tensor], path: str | os.PathLike, metadata: dict[str, str] | None = None) -> Path:
+def write_safetensors(
+    state_dict: Mapping[str, torch.Tensor], path: str | os.PathLike, metadata: dict[str, str] | None = None
+) -> Path:
     """A safetensors file (atomic, with dpkit's checksum in its metadata) of a flat dict of tensors."""
     try:
         from safetensors.torch import save
@@ -319,8 +329,8 @@ def write_safetensors(state_dict: Mapping[str, torch.Tensor], path: str | os.Pat
         tensors[key] = value.detach().cpu().contiguous()
     body = save(tensors, metadata=dict(metadata or {}))
     header_bytes = int.from_bytes(body[:8], "little")
-    header = json.loads(body[8:8 + header_bytes])
-    data = memoryview(body)[8 + header_bytes:]
+    header = json.loads(body[8 : 8 + header_bytes])
+    data = memoryview(body)[8 + header_bytes :]
     header.setdefault("__metadata__", {})[_SAFETENSORS_KEY] = _safetensors_digest(header, data)
     encoded = json.dumps(header, separators=(",", ":")).encode()
     encoded += b" " * (-len(encoded) % 8)  # safetensors aligns the data to 8 bytes
@@ -352,16 +362,18 @@ def read_safetensors(path: str | os.PathLike, *, map_location: Any = "cpu") -> d
         raise _corrupt(path, "the file is empty (0 bytes)")
     try:
         header_bytes = int.from_bytes(body[:8], "little")
-        header = json.loads(body[8:8 + header_bytes])
+        header = json.loads(body[8 : 8 + header_bytes])
     except (ValueError, UnicodeDecodeError) as error:
         raise _corrupt(path, f"its safetensors header is damaged ({error})") from error
     expected = (header.get("__metadata__") or {}).get(_SAFETENSORS_KEY)
-    if expected is not None and _safetensors_digest(header, memoryview(body)[8 + header_bytes:]) != expected:
+    if expected is not None and _safetensors_digest(header, memoryview(body)[8 + header_bytes :]) != expected:
         raise _corrupt(path, "its SHA-256 checksum does not match its contents")
     try:
         from safetensors.torch import load
     except ImportError as error:
-        raise RuntimeError(f"{path}: reading safetensors needs the safetensors package; pip install safetensors") from error
+        raise RuntimeError(
+            f"{path}: reading safetensors needs the safetensors package; pip install safetensors"
+        ) from error
     try:
         tensors = load(body)
     except Exception as error:
@@ -371,6 +383,7 @@ def read_safetensors(path: str | os.PathLike, *, map_location: Any = "cpu") -> d
 
 
 # --- models ---------------------------------------------------------------------------------------------
+
 
 def detached_on_cpu(state: Mapping[str, Any]) -> dict[str, Any]:
     return {key: value.detach().cpu() if isinstance(value, torch.Tensor) else value for key, value in state.items()}
@@ -419,7 +432,9 @@ def check_state_dict(target: nn.Module, state: Mapping[str, Any], source: Any) -
     """
     state = strip_prefixes(state)
     own = target.state_dict()
-    own_keys = dict(zip(strip_prefixes(own), own))  # clean name -> the target's name (a wrapper unwrap_model does not know)
+    own_keys = dict(
+        zip(strip_prefixes(own), own)
+    )  # clean name -> the target's name (a wrapper unwrap_model does not know)
     expected = strip_prefixes(own)
     missing = sorted(set(expected) - set(state))
     unexpected = sorted(set(state) - set(expected))

@@ -25,9 +25,10 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -35,18 +36,33 @@ from torch.utils.data import DataLoader
 from tqdm import tqdm
 
 from dpkit.checks import check_int
-from dpkit.training.checkpoint import (
-    CheckpointCorruptError, check_state_dict, detached_on_cpu, read_model_file, save_state_dict, strip_prefixes, unwrap_model,
-)
 from dpkit.devices import DeviceLike, keep_freed_host_memory, resolve_devices
 from dpkit.parallel import hooks
 from dpkit.parallel.nested import map_leaves
 from dpkit.precision import Precision
-from dpkit.training.state import (
-    STATE_FORMAT, BatchRecord, ResumableLoader, capture_rng, check_keep, check_rng, pack_extras, read_state_directory, restore_rng,
-    resumable, write_state_directory,
-)
 from dpkit.strategies import PER_DEVICE, DeferredOutput, Strategy, create_strategy, matching, strategy_class
+from dpkit.training.checkpoint import (
+    CheckpointCorruptError,
+    check_state_dict,
+    detached_on_cpu,
+    read_model_file,
+    save_state_dict,
+    strip_prefixes,
+    unwrap_model,
+)
+from dpkit.training.state import (
+    STATE_FORMAT,
+    BatchRecord,
+    ResumableLoader,
+    capture_rng,
+    check_keep,
+    check_rng,
+    pack_extras,
+    read_state_directory,
+    restore_rng,
+    resumable,
+    write_state_directory,
+)
 
 log = logging.getLogger("dpkit")
 
@@ -150,7 +166,9 @@ class DeviceLoader:
 
     def __iter__(self):
         for batch in self.loader:
-            yield map_leaves(lambda _, x: x.to(self.device, non_blocking=True) if isinstance(x, torch.Tensor) else x, batch, "batch")
+            yield map_leaves(
+                lambda _, x: x.to(self.device, non_blocking=True) if isinstance(x, torch.Tensor) else x, batch, "batch"
+            )
 
     def __len__(self) -> int:
         return len(self.loader)
@@ -173,9 +191,16 @@ class Engine:
         **strategy_options: passed to the strategy, e.g. timeout_seconds= and seed= for ddp.
     """
 
-    def __init__(self, strategy: str = "single", accelerator: str = "auto",
-                 devices: int | str | Sequence[DeviceLike] = "auto", precision: str = "32", accumulate: int = 1,
-                 progress: bool = True, **strategy_options: Any):
+    def __init__(
+        self,
+        strategy: str = "single",
+        accelerator: str = "auto",
+        devices: int | str | Sequence[DeviceLike] = "auto",
+        precision: str = "32",
+        accumulate: int = 1,
+        progress: bool = True,
+        **strategy_options: Any,
+    ):
         check_int(accumulate, "accumulate", meaning="micro-batches per optimizer step")
         most = strategy_class(strategy).traits.max_devices
         if devices == "auto" and most is not None:
@@ -190,8 +215,10 @@ class Engine:
         self.precision = Precision(precision, self.devices[0].type)
         if self.precision.scaler is not None and not self.strategy.traits.grad_scaler:
             able = ", ".join(matching(lambda traits: traits.grad_scaler))
-            raise ValueError(f"precision: '16-mixed' is not supported with strategy '{strategy}' yet; use precision='bf16-mixed' "
-                             f"or one of the strategies {able}")
+            raise ValueError(
+                f"precision: '16-mixed' is not supported with strategy '{strategy}' yet; use precision='bf16-mixed' "
+                f"or one of the strategies {able}"
+            )
         self.accumulate = accumulate
         self.show_progress = progress
         self._accumulation = Accumulation(accumulate)
@@ -203,7 +230,13 @@ class Engine:
         self._bare_model: nn.Module | None = None  # the user's model object (replica 0 / the DDP module)
         self.strategy.setup_environment()
         if self.is_global_zero:
-            log.debug("engine: strategy %s on %s, precision %s, accumulate %d", strategy, ", ".join(map(str, self.devices)), precision, accumulate)
+            log.debug(
+                "engine: strategy %s on %s, precision %s, accumulate %d",
+                strategy,
+                ", ".join(map(str, self.devices)),
+                precision,
+                accumulate,
+            )
 
     # --- where we are ------------------------------------------------------------------------------
     @property
@@ -244,7 +277,9 @@ class Engine:
         """The criterion to call as criterion(model(x), y); under dp-balanced and replicated it runs the
         forward and the loss inside the replicas. Elsewhere it is `criterion`, announced as the "loss" phase."""
         if not callable(criterion):
-            raise TypeError(f"criterion: expected a callable loss such as nn.CrossEntropyLoss(), got {type(criterion).__name__}")
+            raise TypeError(
+                f"criterion: expected a callable loss such as nn.CrossEntropyLoss(), got {type(criterion).__name__}"
+            )
         if self._model is None:
             raise RuntimeError("engine.setup_criterion: call engine.setup(model, optimizer) first")
         in_replicas = self.strategy.wrap_criterion(criterion)
@@ -269,7 +304,8 @@ class Engine:
             loader = ResumableLoader(loader, self.strategy, on_batch=self._batch_yielded)
         elif self.strategy.traits.processes == PER_DEVICE:
             raise TypeError(
-                f"loader: strategy '{self.strategy.name}' gives each process its share of every global batch, which needs a "
+                f"loader: strategy '{self.strategy.name}' gives each process its share of every global batch, "
+                "which needs a "
                 "torch DataLoader over a map-style dataset with batch_size= or batch_sampler=, got "
                 f"{type(loader).__name__}{' over an IterableDataset' if isinstance(loader, DataLoader) else ''}"
             )
@@ -382,7 +418,8 @@ class Engine:
             raise RuntimeError("engine.save_state: call engine.setup(model, optimizer) first")
         if self._optimizers and not self._accumulation.at_boundary:  # without the Engine's optimizer no window is known
             raise RuntimeError(
-                f"engine.save_state: called after micro-batch {self._accumulation.micro_batches} of {self.accumulate} of an "
+                f"engine.save_state: called after micro-batch {self._accumulation.micro_batches} "
+                f"of {self.accumulate} of an "
                 "accumulation window, before its optimizer.step(); call it after optimizer.step()"
             )
         directory = Path(directory)
@@ -408,7 +445,9 @@ class Engine:
                 "extra": pack_extras(extra),
             }
         mine = {"rank": self.rank, "rng": capture_rng(), "loaders": [loader.order_state() for loader in self._loaders]}
-        written = write_state_directory(directory, self.step, shared, mine, rank=self.rank, keep=keep, barrier=self.barrier)
+        written = write_state_directory(
+            directory, self.step, shared, mine, rank=self.rank, keep=keep, barrier=self.barrier
+        )
         if self.is_global_zero:
             log.info("saved the training state at step %d to %s", self.step, written)
         return written
@@ -431,31 +470,48 @@ class Engine:
         saved_optimizers = shared.get("optimizers", [])
         if len(saved_optimizers) != len(self._optimizers):
             raise ValueError(
-                f"optimizer: the state holds {len(saved_optimizers)} optimizer(s), this engine set up {len(self._optimizers)}; "
+                f"optimizer: the state holds {len(saved_optimizers)} optimizer(s), "
+                f"this engine set up {len(self._optimizers)}; "
                 "set up the same model and optimizer(s) before engine.load_state"
             )
         for index, (optimizer, saved) in enumerate(zip(self._optimizers, saved_optimizers)):
             groups = [len(group["params"]) for group in optimizer.param_groups]
-            saved_groups = [len(group.get("params", ())) for group in saved.get("param_groups", [])] if isinstance(saved, dict) else None
+            saved_groups = (
+                [len(group.get("params", ())) for group in saved.get("param_groups", [])]
+                if isinstance(saved, dict)
+                else None
+            )
             if groups != saved_groups:
-                raise ValueError(f"optimizer {index}: the state has param groups of sizes {saved_groups}, this optimizer {groups}; "
-                                 "build the optimizer as in the saved run")
+                raise ValueError(
+                    f"optimizer {index}: the state has param groups of sizes {saved_groups}, this optimizer {groups}; "
+                    "build the optimizer as in the saved run"
+                )
         positions = shared.get("loaders", [])
         order_states = mine.get("loaders", [])
         for index, (loader, position) in enumerate(zip(self._loaders, positions)):
             loader.check_position(position, f"{source}: loaders[{index}]")
             if position["next_batch"] > 0 and (index >= len(order_states) or order_states[index] is None):
-                raise CheckpointCorruptError(f"{source}: loaders[{index}] stopped mid-epoch, but the state holds no generator states for that epoch's order")
+                raise CheckpointCorruptError(
+                    f"{source}: loaders[{index}] stopped mid-epoch, "
+                    "but the state holds no generator states for that epoch's order"
+                )
         check_rng(mine.get("rng"), chosen)
         extras = shared.get("extra", {})
         for name, target in objects.items():
             if name not in extras:
                 raise KeyError(f"{name}: not in the saved state's extras ({', '.join(sorted(extras)) or 'none'})")
             if extras[name]["kind"] != "state_dict" or not callable(getattr(target, "load_state_dict", None)):
-                raise TypeError(f"{name}: saved as a plain value; it comes back in load_state's result, not through load_state_dict")
+                raise TypeError(
+                    f"{name}: saved as a plain value; it comes back in load_state's result, not through load_state_dict"
+                )
         if shared.get("world_size") != self.world_size or shared.get("strategy") != self.strategy.name:
-            log.info("resuming a state saved by strategy %s on %s process(es) under strategy %s on %d",
-                     shared.get("strategy"), shared.get("world_size"), self.strategy.name, self.world_size)
+            log.info(
+                "resuming a state saved by strategy %s on %s process(es) under strategy %s on %d",
+                shared.get("strategy"),
+                shared.get("world_size"),
+                self.strategy.name,
+                self.world_size,
+            )
         # --- then change everything ---
         self.strategy.load_model_state(unwrap_model(self._bare_model), model_state)
         for optimizer, saved in zip(self._optimizers, saved_optimizers):
@@ -463,9 +519,17 @@ class Engine:
         if self.precision.scaler is not None and shared.get("scaler"):
             self.precision.scaler.load_state_dict(shared["scaler"])
         strategy_state = shared.get("strategy_state")
-        if strategy_state and shared.get("strategy") == self.strategy.name and shared.get("world_size") == self.world_size:
+        if (
+            strategy_state
+            and shared.get("strategy") == self.strategy.name
+            and shared.get("world_size") == self.world_size
+        ):
             self.strategy.load_state_dict(strategy_state)
-        self._accumulation.steps, self._accumulation.micro_batches, self._accumulation.stepped = int(shared["step"]), 0, False
+        self._accumulation.steps, self._accumulation.micro_batches, self._accumulation.stepped = (
+            int(shared["step"]),
+            0,
+            False,
+        )
         padded = list(order_states) + [None] * (len(positions) - len(order_states))
         self._pending_loaders = list(zip(positions, padded))
         for loader, (position, order_state) in zip(self._loaders, self._pending_loaders):

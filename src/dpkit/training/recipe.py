@@ -27,9 +27,10 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -93,9 +94,17 @@ class TrainConfig:
 
     def settings(self) -> dict[str, Any]:
         """What run.json records: what decides the model a run ends with."""
-        return {"example": None if (self.model and self.data) else self.example, "model": self.model, "data": self.data,
-                "seed": self.seed, "batch_size": self.batch_size, "accumulate": self.accumulate, "lr": self.lr,
-                "momentum": self.momentum, "steps": self.steps}
+        return {
+            "example": None if (self.model and self.data) else self.example,
+            "model": self.model,
+            "data": self.data,
+            "seed": self.seed,
+            "batch_size": self.batch_size,
+            "accumulate": self.accumulate,
+            "lr": self.lr,
+            "momentum": self.momentum,
+            "steps": self.steps,
+        }
 
 
 @dataclass
@@ -118,6 +127,7 @@ def run(config: TrainConfig) -> dict[str, Any] | None:
 
 # --- checks, all before any work ----------------------------------------------------------------------
 
+
 def saved_states(out: Path) -> list[Path]:
     """The saved states under OUT/state, oldest first."""
     return sorted(path for path in (out / STATE_FOLDER).glob("step-*") if path.is_dir())
@@ -127,25 +137,35 @@ def _check_out(config: TrainConfig) -> bool:
     """Whether the run resumes; refuses a folder holding a run that is neither resumed nor overwritten."""
     out = check_output_folder(config.out, "out")
     if config.resume and config.overwrite:
-        raise ValueError("resume/overwrite: give one: resume=True continues the run in the folder, overwrite=True replaces it")
+        raise ValueError(
+            "resume/overwrite: give one: resume=True continues the run in the folder, overwrite=True replaces it"
+        )
     holds = [name for name in (*RUN_FILES, STATE_FOLDER) if (out / name).exists()]
     if restart_count() > 0:
         return bool(saved_states(out))  # a restarted group picks up where the last state left off
     if config.resume:
         if not saved_states(out):
-            raise ValueError(f"resume: no saved state in {str(out / STATE_FOLDER)!r}; a run saves one with checkpoint_every=K")
+            raise ValueError(
+                f"resume: no saved state in {str(out / STATE_FOLDER)!r}; a run saves one with checkpoint_every=K"
+            )
         taken = max(int(path.name.split("-")[1]) for path in saved_states(out))
         if taken >= config.steps:
-            raise ValueError(f"steps: the run in {str(out)!r} has already taken {taken} steps; give more than {taken} to continue it")
+            raise ValueError(
+                f"steps: the run in {str(out)!r} has already taken {taken} steps; give more than {taken} to continue it"
+            )
         saved = json.loads((out / RUN_SETTINGS).read_text()) if (out / RUN_SETTINGS).exists() else {}
         for key in RESUME_MUST_MATCH:
             if key in saved and saved[key] != config.settings()[key]:
-                raise ValueError(f"{key}: the run in {str(out)!r} was trained with {saved[key]!r}, got "
-                                 f"{config.settings()[key]!r}; resume with the same value")
+                raise ValueError(
+                    f"{key}: the run in {str(out)!r} was trained with {saved[key]!r}, got "
+                    f"{config.settings()[key]!r}; resume with the same value"
+                )
         return True
     if holds and not config.overwrite:
-        raise ValueError(f"out: {str(out)!r} already holds a run ({', '.join(holds)}); resume it (resume=True), replace it "
-                         "(overwrite=True), or choose another folder")
+        raise ValueError(
+            f"out: {str(out)!r} already holds a run ({', '.join(holds)}); resume it (resume=True), replace it "
+            "(overwrite=True), or choose another folder"
+        )
     return False
 
 
@@ -164,10 +184,14 @@ def prepare(config: TrainConfig) -> Prepared:
     if config.precision not in PRECISIONS:
         raise ValueError(f"precision: expected one of {', '.join(PRECISIONS)}, got {config.precision!r}")
     traits = strategy_class(config.strategy).traits
-    devices = resolve_devices(config.accelerator, traits.max_devices if config.devices == "auto" and traits.max_devices else config.devices)
+    devices = resolve_devices(
+        config.accelerator, traits.max_devices if config.devices == "auto" and traits.max_devices else config.devices
+    )
     if traits.max_devices is not None and len(devices) > traits.max_devices:
-        raise ValueError(f"devices: strategy '{config.strategy}' runs on {traits.max_devices} device(s), got {len(devices)}; "
-                         f"pass devices={traits.max_devices} or choose a strategy for several devices")
+        raise ValueError(
+            f"devices: strategy '{config.strategy}' runs on {traits.max_devices} device(s), got {len(devices)}; "
+            f"pass devices={traits.max_devices} or choose a strategy for several devices"
+        )
     if strategy_class(config.strategy).needs_launcher():
         check_process_count(len(devices), argument="devices", force=config.force)
     resume = _check_out(config)
@@ -184,9 +208,11 @@ def prepare(config: TrainConfig) -> Prepared:
         processes = int(os.environ["WORLD_SIZE"]) if launched() else len(devices)
         smallest = rows % config.batch_size or config.batch_size
         if smallest < processes:
-            raise ValueError(f"batch_size: {config.batch_size} leaves a last batch of {smallest} row(s) for {processes} "
-                             f"processes; each needs at least one (choose a batch size whose last batch of {rows} rows "
-                             f"has >= {processes})")
+            raise ValueError(
+                f"batch_size: {config.batch_size} leaves a last batch of {smallest} row(s) for {processes} "
+                f"processes; each needs at least one (choose a batch size whose last batch of {rows} rows "
+                f"has >= {processes})"
+            )
     return Prepared(model, data, resume)
 
 
@@ -199,11 +225,13 @@ def _remove_run(out: Path) -> None:
 
 # --- one process per device: start them, and report for them ------------------------------------------
 
+
 def run_processes(config: TrainConfig) -> dict[str, Any]:
     """Run this same training once per device under the launcher (config.relaunch says how), and report."""
     if config.relaunch is None:
         raise RuntimeError(
-            f"strategy: '{config.strategy}' runs one process per device and this process was not started by a launcher; "
+            f"strategy: '{config.strategy}' runs one process per device "
+            "and this process was not started by a launcher; "
             "start your script with `dpkit launch --nproc-per-node N script.py`, use `dpkit train`, or give the config "
             "a relaunch= that runs this training again"
         )
@@ -212,19 +240,30 @@ def run_processes(config: TrainConfig) -> dict[str, Any]:
     if config.overwrite:
         _remove_run(out)
     try:
-        relaunch(config.relaunch, n_devices, max_restarts=config.max_restarts,
-                 hang_timeout_seconds=config.hang_timeout_seconds, force=config.force)
+        relaunch(
+            config.relaunch,
+            n_devices,
+            max_restarts=config.max_restarts,
+            hang_timeout_seconds=config.hang_timeout_seconds,
+            force=config.force,
+        )
     except KeyboardInterrupt:
-        raise StoppedBySignal(_stopped_message(config, signal.SIGINT, None, saved_states(out)[-1:]), signal.SIGINT) from None
+        raise StoppedBySignal(
+            _stopped_message(config, signal.SIGINT, None, saved_states(out)[-1:]), signal.SIGINT
+        ) from None
     except StoppedBySignal as stopped:
-        raise StoppedBySignal(_stopped_message(config, stopped.signum, None, saved_states(out)[-1:]), stopped.signum) from None
+        raise StoppedBySignal(
+            _stopped_message(config, stopped.signum, None, saved_states(out)[-1:]), stopped.signum
+        ) from None
     except LaunchError as error:
         if DIVERGED_EXIT_CODE in error.exit_codes.values():
             raise TrainingDiverged("") from None  # rank 0 said why in one line
         raise
     metrics = json.loads((out / "metrics.json").read_text())
-    print(f"dpkit train: {config.strategy} over {n_devices} processes done; final loss {metrics['loss'][-1]:.4f}, "
-          f"{metrics['samples_per_second']:.0f} samples/s, test accuracy {metrics['test_accuracy']:.4f}")
+    print(
+        f"dpkit train: {config.strategy} over {n_devices} processes done; final loss {metrics['loss'][-1]:.4f}, "
+        f"{metrics['samples_per_second']:.0f} samples/s, test accuracy {metrics['test_accuracy']:.4f}"
+    )
     return metrics
 
 
@@ -232,13 +271,18 @@ def _stopped_message(config: TrainConfig, signum: int, step: int | None, state: 
     name = "Ctrl-C (SIGINT)" if signum == signal.SIGINT else signal.Signals(signum).name
     at = f" at step {step} of {config.steps}" if step is not None else ""
     if not state:
-        how = "checkpoint_every=K" if config.checkpoint_every is None else f"a state every {config.checkpoint_every} steps"
+        how = (
+            "checkpoint_every=K"
+            if config.checkpoint_every is None
+            else f"a state every {config.checkpoint_every} steps"
+        )
         return f"stopped by {name}{at}; nothing saved yet ({how} saves state to resume from)"
     resume = config.resume_command or "the same training with resume=True"
     return f"stopped by {name}{at}; state saved in {state[-1]}; resume with: {resume}"
 
 
 # --- stopping at a step boundary --------------------------------------------------------------------
+
 
 class StopRequest:
     """SIGINT/SIGTERM ask the loop to stop after the current step (and save, with checkpoint_every); a
@@ -253,7 +297,7 @@ class StopRequest:
         self.signum = signum
 
     @contextlib.contextmanager
-    def installed(self) -> Iterator["StopRequest"]:
+    def installed(self) -> Iterator[StopRequest]:
         if threading.current_thread() is not threading.main_thread():
             yield self
             return
@@ -268,6 +312,7 @@ class StopRequest:
 
 
 # --- training -----------------------------------------------------------------------------------------
+
 
 class LossLog:
     """The global batch's mean loss of every step, reduced across processes a few steps at a time."""
@@ -296,8 +341,14 @@ def train(config: TrainConfig, prepared: Prepared | None = None) -> dict[str, An
     """Train in this process (one of the strategy's processes under a launcher); the metrics on rank 0."""
     prepared = prepared or prepare(config)
     out = Path(config.out)
-    engine = Engine(strategy=config.strategy, accelerator=config.accelerator, devices=config.devices,
-                    precision=config.precision, accumulate=config.accumulate, progress=config.progress)
+    engine = Engine(
+        strategy=config.strategy,
+        accelerator=config.accelerator,
+        devices=config.devices,
+        precision=config.precision,
+        accumulate=config.accumulate,
+        progress=config.progress,
+    )
     if engine.is_global_zero and not prepared.resume and config.overwrite and restart_count() == 0:
         _remove_run(out)
 
@@ -324,8 +375,10 @@ def train(config: TrainConfig, prepared: Prepared | None = None) -> dict[str, An
         losses = LossLog(engine, extras["losses"], extras["rows"])
         step_seconds, seconds_before = list(extras["step_seconds"]), float(extras["seconds"])
         if engine.step >= config.steps:
-            raise ValueError(f"steps: the run in {str(out)!r} has already taken {engine.step} steps; give more than "
-                             f"{engine.step} to continue it")
+            raise ValueError(
+                f"steps: the run in {str(out)!r} has already taken {engine.step} steps; give more than "
+                f"{engine.step} to continue it"
+            )
 
     micro_losses, micro_rows = [], 0
     steps_done = len(losses.losses)
@@ -335,16 +388,25 @@ def train(config: TrainConfig, prepared: Prepared | None = None) -> dict[str, An
     def save_state(seconds: float) -> Path:
         losses.reduce()
         write_settings()
-        return engine.save_state(out / STATE_FOLDER, keep=config.keep, losses=list(losses.losses), rows=list(losses.rows),
-                                 step_seconds=list(step_seconds), seconds=seconds)
+        return engine.save_state(
+            out / STATE_FOLDER,
+            keep=config.keep,
+            losses=list(losses.losses),
+            rows=list(losses.rows),
+            step_seconds=list(step_seconds),
+            seconds=seconds,
+        )
 
     try:
         with stop.installed():
             # said once the stop request is listening: a signal after this line stops at a step boundary
-            engine.print(f"dpkit train: {config.model or config.example} with strategy {config.strategy} on "
-                         f"{engine.world_size} process(es), devices {', '.join(map(str, engine.devices))}, global batch "
-                         f"{config.batch_size}, precision {config.precision}"
-                         + (f", resuming at step {steps_done}" if prepared.resume else ""), flush=True)
+            engine.print(
+                f"dpkit train: {config.model or config.example} with strategy {config.strategy} on "
+                f"{engine.world_size} process(es), devices {', '.join(map(str, engine.devices))}, global batch "
+                f"{config.batch_size}, precision {config.precision}"
+                + (f", resuming at step {steps_done}" if prepared.resume else ""),
+                flush=True,
+            )
             bar = engine.progress(total=config.steps, initial=steps_done, desc="training", unit="step")
             started = time.perf_counter()
             step_started = started
@@ -372,12 +434,15 @@ def train(config: TrainConfig, prepared: Prepared | None = None) -> dict[str, An
                         if engine.world_size > 1:
                             flags = engine.reduce(flags, "sum")
                         if flags[1] > 0:
-                            raise TrainingDiverged(f"lr: the loss became {float(step_loss):g} at step {steps_done} with "
-                                                   f"lr={config.lr:g}; training stopped and wrote nothing from it; try a "
-                                                   "smaller lr")
+                            raise TrainingDiverged(
+                                f"lr: the loss became {float(step_loss):g} at step {steps_done} with "
+                                f"lr={config.lr:g}; training stopped and wrote nothing from it; try a "
+                                "smaller lr"
+                            )
                         seconds = seconds_before + time.perf_counter() - started
-                        if config.checkpoint_every and (steps_done % config.checkpoint_every == 0 or flags[0] > 0
-                                                        or steps_done == config.steps):
+                        if config.checkpoint_every and (
+                            steps_done % config.checkpoint_every == 0 or flags[0] > 0 or steps_done == config.steps
+                        ):
                             saved_path = save_state(seconds)
                         if flags[0] > 0:
                             signum = stop.signum if stop.signum is not None else signal.SIGTERM  # a peer was stopped
@@ -391,7 +456,9 @@ def train(config: TrainConfig, prepared: Prepared | None = None) -> dict[str, An
     except (StoppedBySignal, TrainingDiverged, KeyboardInterrupt):
         raise
     except Exception:
-        if stop.signum is not None:  # a peer stopped first and its collective broke: the stop, not the error, is the news
+        if (
+            stop.signum is not None
+        ):  # a peer stopped first and its collective broke: the stop, not the error, is the news
             raise StoppedBySignal("", stop.signum) from None
         raise
     seconds = seconds_before + time.perf_counter() - started
@@ -411,18 +478,29 @@ def train(config: TrainConfig, prepared: Prepared | None = None) -> dict[str, An
     metrics = None
     if engine.is_global_zero:
         metrics = {
-            "strategy": config.strategy, "devices": [str(d) for d in engine.devices], "world_size": engine.world_size,
-            "precision": config.precision, "accumulate": config.accumulate, "steps": config.steps,
-            "batch_size": config.batch_size, "seed": config.seed, "lr": config.lr, "loss": losses.losses,
-            "samples_per_second": samples_per_second, "seconds": seconds,
+            "strategy": config.strategy,
+            "devices": [str(d) for d in engine.devices],
+            "world_size": engine.world_size,
+            "precision": config.precision,
+            "accumulate": config.accumulate,
+            "steps": config.steps,
+            "batch_size": config.batch_size,
+            "seed": config.seed,
+            "lr": config.lr,
+            "loss": losses.losses,
+            "samples_per_second": samples_per_second,
+            "seconds": seconds,
             "median_step_seconds": sorted(step_seconds)[len(step_seconds) // 2],
-            "test_accuracy": float(correct.float().mean()), "test_samples": int(correct.numel()),
+            "test_accuracy": float(correct.float().mean()),
+            "test_samples": int(correct.numel()),
             "resumed": prepared.resume,
         }
         # allow_nan=False: a nan that slipped through is an error here, never invalid JSON on disk
         (out / "metrics.json").write_text(json.dumps(metrics, indent=2, allow_nan=False) + "\n")
-        print(f"final loss {losses.losses[-1]:.4f}, {samples_per_second:.0f} samples/s, test accuracy "
-              f"{metrics['test_accuracy']:.4f}; wrote {out / 'model.pt'} and {out / 'metrics.json'}", file=sys.stdout)
+        print(
+            f"final loss {losses.losses[-1]:.4f}, {samples_per_second:.0f} samples/s, test accuracy "
+            f"{metrics['test_accuracy']:.4f}; wrote {out / 'model.pt'} and {out / 'metrics.json'}",
+            file=sys.stdout,
+        )
     engine.close()
     return metrics
-

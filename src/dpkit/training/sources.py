@@ -12,8 +12,9 @@ labels, mean squared error for anything else.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -51,7 +52,11 @@ class Source:
             data = self.loader(seed)
         except Exception as error:
             raise ValueError(f"data: {self.data_name}(seed) raised {type(error).__name__}: {error}") from error
-        if not isinstance(data, (tuple, list)) or len(data) < 2 or not all(isinstance(t, torch.Tensor) for t in data[:2]):
+        if (
+            not isinstance(data, (tuple, list))
+            or len(data) < 2
+            or not all(isinstance(t, torch.Tensor) for t in data[:2])
+        ):
             raise TypeError(f"data: {self.data_name}(seed) returned {_described(data)}; expected tensors (x, y, ...)")
         return tuple(data)
 
@@ -62,19 +67,27 @@ class Source:
         except Exception as error:
             raise ValueError(f"data: {self.data_name}(seed) raised {type(error).__name__}: {error}") from error
         if not isinstance(data, (tuple, list)) or len(data) != 4 or not all(isinstance(t, torch.Tensor) for t in data):
-            raise TypeError(f"data: {self.data_name}(seed) returned {_described(data)}; expected 4 tensors "
-                            "(x_train, y_train, x_test, y_test)")
+            raise TypeError(
+                f"data: {self.data_name}(seed) returned {_described(data)}; expected 4 tensors "
+                "(x_train, y_train, x_test, y_test)"
+            )
         x_train, y_train, x_test, y_test = data
         for x, y, part in ((x_train, y_train, "train"), (x_test, y_test, "test")):
             if x.dim() < 1 or len(x) == 0 or y.dim() != 1 or len(x) != len(y):
-                raise ValueError(f"data: {self.data_name}(seed) gave x_{part} of shape {tuple(x.shape)} and y_{part} of shape "
-                                 f"{tuple(y.shape)}; expected N rows of features and N labels (shape (N,))")
+                raise ValueError(
+                    f"data: {self.data_name}(seed) gave x_{part} of shape {tuple(x.shape)} and y_{part} of shape "
+                    f"{tuple(y.shape)}; expected N rows of features and N labels (shape (N,))"
+                )
             if y.is_floating_point() or y.is_complex() or (len(y) and int(y.min()) < 0):
-                raise ValueError(f"data: {self.data_name}(seed) gave y_{part} of dtype {y.dtype}; expected class labels "
-                                 "0 … C-1 as integers")
+                raise ValueError(
+                    f"data: {self.data_name}(seed) gave y_{part} of dtype {y.dtype}; expected class labels "
+                    "0 … C-1 as integers"
+                )
         if x_train.shape[1:] != x_test.shape[1:]:
-            raise ValueError(f"data: {self.data_name}(seed) gave train rows of shape {tuple(x_train.shape[1:])} and test rows "
-                             f"of shape {tuple(x_test.shape[1:])}; expected the same")
+            raise ValueError(
+                f"data: {self.data_name}(seed) gave train rows of shape {tuple(x_train.shape[1:])} and test rows "
+                f"of shape {tuple(x_test.shape[1:])}; expected the same"
+            )
         return x_train, y_train, x_test, y_test
 
 
@@ -84,8 +97,14 @@ def _described(data: Any) -> str:
     return f"{len(data)} item(s) of {', '.join(type(t).__name__ for t in data)}"
 
 
-def model_source(example: str | None = None, model: str | None = None, data: str | None = None, *,
-                 input_shape: Sequence[int] | None = None, synthetic_rows: int = 256) -> Source:
+def model_source(
+    example: str | None = None,
+    model: str | None = None,
+    data: str | None = None,
+    *,
+    input_shape: Sequence[int] | None = None,
+    synthetic_rows: int = 256,
+) -> Source:
     """The model from `model` ('package.module:factory') or the example's; the data from `data`
     ('package.module:loader'), synthetic rows of `input_shape` (with a model of yours), or the example's."""
     own_data = data is not None or (model is not None and input_shape is not None)
@@ -98,11 +117,14 @@ def model_source(example: str | None = None, model: str | None = None, data: str
         loader = _synthetic_regression(factory, shape, synthetic_rows)
     else:
         loader = chosen.load_data
-    return Source(name=model or chosen.name, factory=factory, loader=loader, model_name=model or "model",
-                  data_name=data or "data")
+    return Source(
+        name=model or chosen.name, factory=factory, loader=loader, model_name=model or "model", data_name=data or "data"
+    )
 
 
-def _synthetic_regression(factory: Callable[[], Any], input_shape: tuple[int, ...], rows: int) -> Callable[[int], Tensors]:
+def _synthetic_regression(
+    factory: Callable[[], Any], input_shape: tuple[int, ...], rows: int
+) -> Callable[[int], Tensors]:
     """Gaussian inputs of `input_shape` and Gaussian targets of the model's output shape, from the seed."""
 
     def load(seed: int) -> Tensors:
@@ -132,12 +154,21 @@ def check_model_fits(model: nn.Module, x: torch.Tensor, y: torch.Tensor, argumen
         with torch.no_grad(), torch.random.fork_rng(devices=[]):
             output = model(probe)
     except Exception as error:
-        raise ValueError(f"{argument}: the model cannot take rows of shape {tuple(x.shape[1:])} ({type(error).__name__}: "
-                         f"{str(error).splitlines()[0] if str(error) else ''})") from error
+        raise ValueError(
+            f"{argument}: the model cannot take rows of shape {tuple(x.shape[1:])} ({type(error).__name__}: "
+            f"{str(error).splitlines()[0] if str(error) else ''})"
+        ) from error
     finally:
         model.train(was_training)
     classes = int(y.max()) + 1
-    if not isinstance(output, torch.Tensor) or output.dim() != 2 or output.shape[0] != len(probe) or output.shape[1] < classes:
+    if (
+        not isinstance(output, torch.Tensor)
+        or output.dim() != 2
+        or output.shape[0] != len(probe)
+        or output.shape[1] < classes
+    ):
         shape = tuple(output.shape) if isinstance(output, torch.Tensor) else type(output).__name__
-        raise ValueError(f"{argument}: the model gives {shape} for {len(probe)} rows; expected ({len(probe)}, C) scores with "
-                         f"C >= {classes}, the classes in the labels")
+        raise ValueError(
+            f"{argument}: the model gives {shape} for {len(probe)} rows; expected ({len(probe)}, C) scores with "
+            f"C >= {classes}, the classes in the labels"
+        )

@@ -28,9 +28,10 @@ import os
 import random
 import re
 import shutil
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import numpy as np
 import torch
@@ -55,14 +56,20 @@ _STEP_DIR = re.compile(r"^step-(\d{8,})$")
 
 # --- random number generators --------------------------------------------------------------------------
 
+
 def capture_rng(*, cuda: bool = True) -> dict[str, Any]:
     """The states of Python's, NumPy's and torch's global generators (and CUDA's, when in use)."""
     numpy_state = np.random.get_state(legacy=False)
     state = {
         "python": random.getstate(),
         # as plain values and a tensor, so that weights_only loading reads them back
-        "numpy": {"bit_generator": numpy_state["bit_generator"], "key": torch.from_numpy(numpy_state["state"]["key"].astype(np.int64)),
-                  "pos": int(numpy_state["state"]["pos"]), "has_gauss": int(numpy_state["has_gauss"]), "gauss": float(numpy_state["gauss"])},
+        "numpy": {
+            "bit_generator": numpy_state["bit_generator"],
+            "key": torch.from_numpy(numpy_state["state"]["key"].astype(np.int64)),
+            "pos": int(numpy_state["state"]["pos"]),
+            "has_gauss": int(numpy_state["has_gauss"]),
+            "gauss": float(numpy_state["gauss"]),
+        },
         "torch": torch.get_rng_state(),
     }
     if cuda and torch.cuda.is_available() and torch.cuda.is_initialized():
@@ -72,7 +79,9 @@ def capture_rng(*, cuda: bool = True) -> dict[str, Any]:
 
 def check_rng(state: Any, source: Any) -> None:
     if not isinstance(state, dict) or not {"python", "numpy", "torch"} <= set(state):
-        raise CheckpointCorruptError(f"{source}: the generator states are missing or incomplete; the state cannot be resumed exactly")
+        raise CheckpointCorruptError(
+            f"{source}: the generator states are missing or incomplete; the state cannot be resumed exactly"
+        )
     if not isinstance(state["torch"], torch.Tensor) or state["torch"].dtype != torch.uint8:
         raise CheckpointCorruptError(f"{source}: torch's generator state is not a byte tensor")
 
@@ -81,21 +90,31 @@ def restore_rng(state: dict[str, Any]) -> None:
     version, internal, gauss = state["python"]
     random.setstate((version, tuple(internal), gauss))
     numpy_state = state["numpy"]
-    np.random.set_state({"bit_generator": numpy_state["bit_generator"],
-                         "state": {"key": numpy_state["key"].numpy().astype(np.uint32), "pos": numpy_state["pos"]},
-                         "has_gauss": numpy_state["has_gauss"], "gauss": numpy_state["gauss"]})
+    np.random.set_state(
+        {
+            "bit_generator": numpy_state["bit_generator"],
+            "state": {"key": numpy_state["key"].numpy().astype(np.uint32), "pos": numpy_state["pos"]},
+            "has_gauss": numpy_state["has_gauss"],
+            "gauss": numpy_state["gauss"],
+        }
+    )
     torch.set_rng_state(state["torch"])
     saved_cuda = state.get("cuda")
     if saved_cuda and torch.cuda.is_available():
         count = min(len(saved_cuda), torch.cuda.device_count())
         if count < len(saved_cuda):
-            log.warning("the state holds %d CUDA generators, this process sees %d GPUs; restoring the first %d",
-                        len(saved_cuda), torch.cuda.device_count(), count)
+            log.warning(
+                "the state holds %d CUDA generators, this process sees %d GPUs; restoring the first %d",
+                len(saved_cuda),
+                torch.cuda.device_count(),
+                count,
+            )
         for index in range(count):
             torch.cuda.set_rng_state(saved_cuda[index], index)
 
 
 # --- the data position ----------------------------------------------------------------------------------
+
 
 @dataclass(frozen=True)
 class BatchRecord:
@@ -156,12 +175,20 @@ def _generators(loader: DataLoader, batch_sampler: Any) -> list[torch.Generator]
 
 def _stateful_samplers(batch_sampler: Any) -> list[Any]:
     samplers = [batch_sampler, getattr(batch_sampler, "sampler", None)]
-    return [s for s in samplers if s is not None and callable(getattr(s, "state_dict", None)) and callable(getattr(s, "load_state_dict", None))]
+    return [
+        s
+        for s in samplers
+        if s is not None and callable(getattr(s, "state_dict", None)) and callable(getattr(s, "load_state_dict", None))
+    ]
 
 
 def resumable(loader: Any) -> bool:
     """Whether the Engine can track and restore this loader's position (a map-style DataLoader with batches)."""
-    return isinstance(loader, DataLoader) and not isinstance(loader.dataset, IterableDataset) and loader.batch_sampler is not None
+    return (
+        isinstance(loader, DataLoader)
+        and not isinstance(loader.dataset, IterableDataset)
+        and loader.batch_sampler is not None
+    )
 
 
 class ResumableLoader:
@@ -177,7 +204,10 @@ class ResumableLoader:
 
     def __init__(self, loader: DataLoader, rule: Any = None, *, on_batch: Callable[[BatchRecord], None] | None = None):
         if not resumable(loader):
-            raise TypeError(f"loader: expected a torch DataLoader over a map-style dataset with batch_size= or batch_sampler=, got {type(loader).__name__}")
+            raise TypeError(
+                "loader: expected a torch DataLoader over a map-style dataset with batch_size= or batch_sampler=, "
+                f"got {type(loader).__name__}"
+            )
         self.source = loader
         self.rule = rule
         self.on_batch = on_batch
@@ -186,17 +216,30 @@ class ResumableLoader:
         else:
             self.global_batches = GlobalBatches(rule.global_batches(loader), rule.batch_share)
         self.generators = _generators(loader, self.global_batches.batch_sampler)
-        extra = {"prefetch_factor": loader.prefetch_factor, "persistent_workers": loader.persistent_workers} if loader.num_workers > 0 else {}
+        extra = (
+            {"prefetch_factor": loader.prefetch_factor, "persistent_workers": loader.persistent_workers}
+            if loader.num_workers > 0
+            else {}
+        )
         self.loader = DataLoader(
-            loader.dataset, batch_sampler=self.global_batches, num_workers=loader.num_workers, collate_fn=loader.collate_fn,
-            pin_memory=loader.pin_memory, timeout=loader.timeout, worker_init_fn=loader.worker_init_fn,
-            multiprocessing_context=loader.multiprocessing_context, generator=loader.generator, **extra,
+            loader.dataset,
+            batch_sampler=self.global_batches,
+            num_workers=loader.num_workers,
+            collate_fn=loader.collate_fn,
+            pin_memory=loader.pin_memory,
+            timeout=loader.timeout,
+            worker_init_fn=loader.worker_init_fn,
+            multiprocessing_context=loader.multiprocessing_context,
+            generator=loader.generator,
+            **extra,
         )
         self.epoch = 0  # the epoch the next iteration starts (or, mid-epoch, the one in progress)
         self.next_batch = 0  # the next batch of that epoch
         self.in_epoch = False
         self.epoch_start: dict[str, Any] | None = None  # generator states when the current epoch began
-        self._resume: tuple[int, dict[str, Any] | None] | None = None  # (batch, generator states) for the next iteration
+        self._resume: tuple[int, dict[str, Any] | None] | None = (
+            None  # (batch, generator states) for the next iteration
+        )
         self.last_batch: BatchRecord | None = None
 
     # --- what decides an epoch's order ----------------------------------------------------------------
@@ -264,8 +307,12 @@ class ResumableLoader:
     # --- saving and restoring the position --------------------------------------------------------------
     def position(self) -> dict[str, int]:
         """Shared by every process: the epoch and its next global batch (same under any world size)."""
-        return {"epoch": self.epoch, "next_batch": self.next_batch if self.in_epoch else 0,
-                "batches_per_epoch": len(self.global_batches), "dataset_size": len(self.source.dataset)}
+        return {
+            "epoch": self.epoch,
+            "next_batch": self.next_batch if self.in_epoch else 0,
+            "batches_per_epoch": len(self.global_batches),
+            "dataset_size": len(self.source.dataset),
+        }
 
     def order_state(self) -> dict[str, Any] | None:
         """This process's generator states from the start of the epoch in progress (None between epochs)."""
@@ -275,7 +322,9 @@ class ResumableLoader:
         if not isinstance(position, dict) or not {"epoch", "next_batch", "batches_per_epoch"} <= set(position):
             raise CheckpointCorruptError(f"{source}: the data position is missing or incomplete")
         here = len(self.global_batches)
-        if position["batches_per_epoch"] != here or position.get("dataset_size", len(self.source.dataset)) != len(self.source.dataset):
+        if position["batches_per_epoch"] != here or position.get("dataset_size", len(self.source.dataset)) != len(
+            self.source.dataset
+        ):
             raise ValueError(
                 f"loader: the state was saved with {position['batches_per_epoch']} batches per epoch over "
                 f"{position.get('dataset_size')} samples, this loader has {here} over {len(self.source.dataset)}; "
@@ -287,11 +336,14 @@ class ResumableLoader:
         self.epoch, self.next_batch = int(position["epoch"]), int(position["next_batch"])
         self.in_epoch = self.next_batch > 0
         if self.next_batch > 0 and order_state is None:
-            raise CheckpointCorruptError("the state stops mid-epoch but holds no generator states for that epoch's order")
+            raise CheckpointCorruptError(
+                "the state stops mid-epoch but holds no generator states for that epoch's order"
+            )
         self._resume = (self.next_batch, order_state) if self.next_batch > 0 else None
 
 
 # --- the state directory --------------------------------------------------------------------------------
+
 
 def step_directory_name(step: int) -> str:
     return f"step-{step:08d}"
@@ -338,21 +390,25 @@ def find_state(directory: str | os.PathLike) -> Path:
     if chosen is not None and not (chosen / STATE_FILE).is_file():
         # a save of the same step was killed between its two renames: the previous copy waits aside
         if (_aside(directory, chosen.name) / STATE_FILE).is_file():
-            log.warning("%s: %s was being replaced when a save stopped; loading its previous copy", directory, chosen.name)
+            log.warning(
+                "%s: %s was being replaced when a save stopped; loading its previous copy", directory, chosen.name
+            )
             return _aside(directory, chosen.name)
         log.warning("%s: %s names %s, which is gone; loading the newest step directory", directory, LATEST, chosen.name)
         chosen = None
     if chosen is None:
         candidates = [p for p in step_directories(directory) if (p / STATE_FILE).is_file()]
         if not candidates:
-            raise FileNotFoundError(f"directory: {directory} holds no saved state (no {LATEST} pointer, no step-* directory)")
+            raise FileNotFoundError(
+                f"directory: {directory} holds no saved state (no {LATEST} pointer, no step-* directory)"
+            )
         chosen = candidates[-1]
     return chosen
 
 
 def remove_stale_state_temporaries(root: Path) -> None:
     for aside in root.glob(".step-*.old.tmp"):  # a replaced state whose replacement never arrived: put it back
-        final = root / aside.name[1:-len(".old.tmp")]
+        final = root / aside.name[1 : -len(".old.tmp")]
         if not final.exists() and (aside / STATE_FILE).is_file():
             os.rename(aside, final)
             log.info("restored %s, which an interrupted save had moved aside", final)
@@ -361,8 +417,16 @@ def remove_stale_state_temporaries(root: Path) -> None:
         log.debug("removed %s, left by an interrupted save", stale)
 
 
-def write_state_directory(root: str | os.PathLike, step: int, shared: dict[str, Any] | None, mine: dict[str, Any], *,
-                          rank: int, keep: int | None, barrier: Callable[[], None]) -> Path:
+def write_state_directory(
+    root: str | os.PathLike,
+    step: int,
+    shared: dict[str, Any] | None,
+    mine: dict[str, Any],
+    *,
+    rank: int,
+    keep: int | None,
+    barrier: Callable[[], None],
+) -> Path:
     """Write one state directory; every process calls this (rank 0 passes `shared`)."""
     root = Path(root)
     name = step_directory_name(step)
@@ -399,16 +463,27 @@ def write_state_directory(root: str | os.PathLike, step: int, shared: dict[str, 
     return final
 
 
-def read_state_directory(directory: str | os.PathLike, rank: int, *, map_location: Any = "cpu") -> tuple[Path, dict[str, Any], dict[str, Any]]:
+def read_state_directory(
+    directory: str | os.PathLike, rank: int, *, map_location: Any = "cpu"
+) -> tuple[Path, dict[str, Any], dict[str, Any]]:
     """(step directory, shared state, this rank's state); a rank the saved run did not have reads rank 0's."""
     chosen = find_state(directory)
     shared = read_checked(chosen / STATE_FILE, map_location=map_location)
     if not isinstance(shared, dict) or shared.get("format") != STATE_FORMAT:
-        raise CheckpointCorruptError(f"{chosen / STATE_FILE}: not a dpkit training state (format {shared.get('format') if isinstance(shared, dict) else type(shared).__name__!r}, expected {STATE_FORMAT!r})")
+        raise CheckpointCorruptError(
+            f"{chosen / STATE_FILE}: not a dpkit training state "
+            f"(format {shared.get('format') if isinstance(shared, dict) else type(shared).__name__!r}, "
+            f"expected {STATE_FORMAT!r})"
+        )
     own = chosen / f"rank-{rank}.pt"
     if not own.is_file():
         own = chosen / "rank-0.pt"
-        log.info("%s: saved by %d process(es); process %d takes rank 0's generator states", chosen, shared.get("world_size", 1), rank)
+        log.info(
+            "%s: saved by %d process(es); process %d takes rank 0's generator states",
+            chosen,
+            shared.get("world_size", 1),
+            rank,
+        )
     mine = read_checked(own, map_location="cpu")
     if not isinstance(mine, dict):
         raise CheckpointCorruptError(f"{own}: not a dpkit per-process state")

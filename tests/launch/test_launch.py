@@ -48,13 +48,19 @@ def test_a_taken_port_is_a_clear_error_before_anything_starts(tmp_path):
             launch(str(tmp_path / "never_run.py"), nproc_per_node=2, master_port=port)
 
 
-@pytest.mark.parametrize("kwargs,match", [
-    ({"nproc_per_node": 0}, "nproc_per_node: expected a positive int, got 0"),
-    ({"nnodes": 2, "node_rank": 2, "master_addr": "127.0.0.1", "master_port": 29555}, "node_rank: expected 0 … 1 for nnodes=2"),
-    ({"nnodes": 2, "node_rank": 1}, "master_addr/master_port: required when nnodes > 1"),
-    ({"max_restarts": -1}, "max_restarts: expected a non-negative int"),
-    ({"master_port": 70000}, "not a TCP port"),
-])
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        ({"nproc_per_node": 0}, "nproc_per_node: expected a positive int, got 0"),
+        (
+            {"nnodes": 2, "node_rank": 2, "master_addr": "127.0.0.1", "master_port": 29555},
+            "node_rank: expected 0 … 1 for nnodes=2",
+        ),
+        ({"nnodes": 2, "node_rank": 1}, "master_addr/master_port: required when nnodes > 1"),
+        ({"max_restarts": -1}, "max_restarts: expected a non-negative int"),
+        ({"master_port": 70000}, "not a TCP port"),
+    ],
+)
 def test_invalid_arguments_name_the_option(kwargs, match):
     with pytest.raises(ValueError, match=match):
         launch("script.py", **kwargs)
@@ -88,14 +94,17 @@ def test_a_failed_worker_is_named_with_its_exit_code(tmp_path):
 
 def test_max_restarts_restarts_the_group_after_a_failure(tmp_path):
     script = tmp_path / "flaky.py"
-    script.write_text(textwrap.dedent(f"""
+    script.write_text(
+        textwrap.dedent(f"""
         import os, sys
-        marker = {str(tmp_path / 'failed-once')!r}
+        marker = {str(tmp_path / "failed-once")!r}
         if os.environ["RANK"] == "0" and not os.path.exists(marker):
             open(marker, "w").close()
             sys.exit(5)
-        open({str(tmp_path)!r} + f"/done-{{os.environ['RANK']}}-{{os.environ['TORCHELASTIC_RESTART_COUNT']}}", "w").close()
-    """))
+        done = {str(tmp_path)!r} + f"/done-{{os.environ['RANK']}}-{{os.environ['TORCHELASTIC_RESTART_COUNT']}}"
+        open(done, "w").close()
+    """)
+    )
     launch(str(script), nproc_per_node=2, max_restarts=1)
     assert (tmp_path / "done-0-1").exists() and (tmp_path / "done-1-1").exists()
     with pytest.raises(LaunchError):
@@ -116,16 +125,23 @@ def _alive(pid: int) -> bool:
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the parent-death signal is Linux's prctl")
 def test_kill_9_of_the_launcher_leaves_no_worker_behind(tmp_path):
     script = tmp_path / "sleeps.py"
-    script.write_text(textwrap.dedent(f"""
+    script.write_text(
+        textwrap.dedent(f"""
         import os, time
         open({str(tmp_path)!r} + f"/pid-{{os.environ['RANK']}}", "w").write(str(os.getpid()))
         time.sleep(120)
-    """))
-    launcher = subprocess.Popen([sys.executable, "-m", "dpkit.cli.main", "launch", "--nproc-per-node", "2", str(script)],
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    """)
+    )
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "dpkit.cli.main", "launch", "--nproc-per-node", "2", str(script)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         deadline = time.monotonic() + 60
-        while not all((tmp_path / f"pid-{rank}").exists() and (tmp_path / f"pid-{rank}").read_text() for rank in range(2)):
+        while not all(
+            (tmp_path / f"pid-{rank}").exists() and (tmp_path / f"pid-{rank}").read_text() for rank in range(2)
+        ):
             assert time.monotonic() < deadline and launcher.poll() is None, "the workers never started"
             time.sleep(0.1)
         pids = [int((tmp_path / f"pid-{rank}").read_text()) for rank in range(2)]
@@ -169,7 +185,9 @@ def test_a_rank_that_stops_making_progress_is_named_within_the_hang_timeout(tmp_
     elapsed = time.monotonic() - began
     message = str(error.value)
     # the culprit comes first and is the one named as making no progress; rank 0 only waited
-    assert re.match(r"worker rank 1 \(pid \d+, node 0\) made no progress for \d+ s \(hang_timeout_seconds=5\)", message), message
+    assert re.match(
+        r"worker rank 1 \(pid \d+, node 0\) made no progress for \d+ s \(hang_timeout_seconds=5\)", message
+    ), message
     assert "rank(s) 0 waited" in message and "worker rank 0" not in message
     assert elapsed < 60, f"took {elapsed:.0f} s"  # far below the 120 s collective timeout
 
@@ -181,6 +199,7 @@ def test_hang_timeout_must_be_positive():
 
 def test_too_many_processes_for_the_cores_need_force():
     from dpkit.devices import PROCESSES_PER_CORE, available_cores
+
     too_many = PROCESSES_PER_CORE * available_cores() + 1
     with pytest.raises(ValueError, match=f"nproc_per_node: {too_many} processes on .* pass force=True"):
         launch("script.py", nproc_per_node=too_many)
@@ -208,15 +227,23 @@ NO_PEERS = textwrap.dedent("""
 
 
 def _no_peer_env() -> dict:
-    return {**os.environ, "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(free_port())}
+    return {
+        **os.environ,
+        "RANK": "0",
+        "LOCAL_RANK": "0",
+        "WORLD_SIZE": "2",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(free_port()),
+    }
 
 
 def test_an_engine_without_its_peers_gives_up_after_the_init_timeout(tmp_path):
     script = tmp_path / "alone.py"
     script.write_text(NO_PEERS)
     began = time.monotonic()
-    result = subprocess.run([sys.executable, str(script), "2"], env=_no_peer_env(), capture_output=True, text=True, timeout=60)
+    result = subprocess.run(
+        [sys.executable, str(script), "2"], env=_no_peer_env(), capture_output=True, text=True, timeout=60
+    )
     assert result.returncode == 3, result.stdout + result.stderr
     assert "rank(s) 1 of 2 did not join the rendezvous" in result.stdout
     assert time.monotonic() - began < 30
@@ -225,7 +252,9 @@ def test_an_engine_without_its_peers_gives_up_after_the_init_timeout(tmp_path):
 def test_ctrl_c_stops_an_engine_waiting_for_its_peers(tmp_path):
     script = tmp_path / "alone.py"
     script.write_text(NO_PEERS)
-    process = subprocess.Popen([sys.executable, str(script), "300"], env=_no_peer_env(), stdout=subprocess.PIPE, text=True)
+    process = subprocess.Popen(
+        [sys.executable, str(script), "300"], env=_no_peer_env(), stdout=subprocess.PIPE, text=True
+    )
     assert process.stdout.readline().strip() == "in the rendezvous"
     process.send_signal(signal.SIGINT)
     try:
@@ -237,6 +266,7 @@ def test_ctrl_c_stops_an_engine_waiting_for_its_peers(tmp_path):
 
 def test_the_hang_rule_names_only_a_rank_left_behind_for_the_timeout():
     from dpkit.launch.hang_watch import HangWatch
+
     watch = HangWatch("127.0.0.1", 1, world_size=3, node_rank=1, hang_timeout_seconds=10)  # node 1: kills nobody here
     progress = {}
     watch._check(progress, {0: (5, 100, 0), 1: (5, 101, 0), 2: (5, 102, 0)}, now=0)
@@ -248,38 +278,51 @@ def test_the_hang_rule_names_only_a_rank_left_behind_for_the_timeout():
     watch._check(progress, {0: (6, 100, 0), 1: (5, 101, 0), 2: (6, 102, 0)}, now=66)
     assert list(watch.hung) == [1] and "worker rank 1 (pid 101, node 0) made no progress for 11 s" in watch.hung[1]
     assert "rank(s) 0, 2 waited at collective 6" in watch.hung[1]
-    watch._check(progress, {0: (-1, 100, 0), 1: (5, 101, 0), 2: (-1, 102, 0)}, now=70)  # finished ranks are not compared
+    watch._check(
+        progress, {0: (-1, 100, 0), 1: (5, 101, 0), 2: (-1, 102, 0)}, now=70
+    )  # finished ranks are not compared
 
 
 def _child_failed(*records, timestamp=1_000):
     """A torchrun ChildFailedError of (rank, pid, exitcode) records, all at the same whole-second timestamp."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
     failures = {}
     for rank, pid, exitcode in records:
-        failures[rank] = ProcessFailure(local_rank=rank, pid=pid, exitcode=exitcode, error_file="/nonexistent/error.json")
+        failures[rank] = ProcessFailure(
+            local_rank=rank, pid=pid, exitcode=exitcode, error_file="/nonexistent/error.json"
+        )
         failures[rank].timestamp = timestamp
     return ChildFailedError("worker", failures)
 
 
 def test_the_summary_names_the_worker_that_exited_first_not_the_lowest_rank():
     from dpkit.launch.failures import failure_summary
+
     # rank 1 crashed (exit 7); rank 0's collective lost its peer and it aborted 40 ms later, in the same
     # whole second and the same agent poll
     error = _child_failed((0, 100, -signal.SIGABRT), (1, 101, 7))
     summary = failure_summary(error, exit_times={101: 5.00, 100: 5.04})
-    assert summary.startswith("worker rank 1 (local rank 1, pid 101) exited with code 7; "
-                              "worker rank 0 (local rank 0, pid 100) was killed by signal SIGABRT"), summary
+    assert summary.startswith(
+        "worker rank 1 (local rank 1, pid 101) exited with code 7; "
+        "worker rank 0 (local rank 0, pid 100) was killed by signal SIGABRT"
+    ), summary
     # without exit times (or with one missing), the same second: the signal death is the consequence
     assert failure_summary(error).startswith("worker rank 1 ")
     assert failure_summary(error, exit_times={101: 5.0}).startswith("worker rank 1 ")
     # a worker killed first (the OOM killer's SIGKILL) is the culprit, before the peer that errored after it
     error = _child_failed((0, 100, -signal.SIGKILL), (1, 101, 1))
-    assert failure_summary(error, exit_times={100: 5.00, 101: 5.30}).startswith("worker rank 0 (local rank 0, pid 100) was killed by signal SIGKILL")
+    assert failure_summary(error, exit_times={100: 5.00, 101: 5.30}).startswith(
+        "worker rank 0 (local rank 0, pid 100) was killed by signal SIGKILL"
+    )
     # the agent's SIGTERMs keep their place at the end
     error = _child_failed((0, 100, -signal.SIGTERM), (1, 101, 3), (2, 102, 3))
     summary = failure_summary(error, exit_times={100: 5.2, 101: 5.1, 102: 5.0})
-    assert re.match(r"worker rank 2 .* exited with code 3; worker rank 1 .* exited with code 3; "
-                    r"the launcher then stopped worker rank\(s\) 0 \(each worker's own output is above\)$", summary), summary
+    assert re.match(
+        r"worker rank 2 .* exited with code 3; worker rank 1 .* exited with code 3; "
+        r"the launcher then stopped worker rank\(s\) 0 \(each worker's own output is above\)$",
+        summary,
+    ), summary
 
 
 DIES_THEN_PEER_FAILS = textwrap.dedent("""
@@ -338,10 +381,21 @@ def both_exits_in_one_poll(tmp_path, monkeypatch):
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="pidfds are Linux's")
-@pytest.mark.parametrize("how,named", [
-    ("killed", r"worker rank 1 \(local rank 1, pid \d+\) was killed by signal SIGKILL: [^;]*; worker rank 0 .* exited with code 1"),
-    ("exit-code", r"worker rank 1 \(local rank 1, pid \d+\) exited with code 7; worker rank 0 .* exited with code 1"),
-], ids=["killed", "exit-code"])
+@pytest.mark.parametrize(
+    "how,named",
+    [
+        (
+            "killed",
+            r"worker rank 1 \(local rank 1, pid \d+\) was killed by signal SIGKILL: [^;]*; "
+            r"worker rank 0 .* exited with code 1",
+        ),
+        (
+            "exit-code",
+            r"worker rank 1 \(local rank 1, pid \d+\) exited with code 7; worker rank 0 .* exited with code 1",
+        ),
+    ],
+    ids=["killed", "exit-code"],
+)
 def test_the_worker_that_failed_first_is_named_first_when_both_fail_in_one_poll(both_exits_in_one_poll, how, named):
     folder = both_exits_in_one_poll
     script = folder / "dies.py"
@@ -355,6 +409,7 @@ def test_the_worker_that_failed_first_is_named_first_when_both_fail_in_one_poll(
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="pidfds are Linux's")
 def test_the_exit_watch_notes_which_child_exited_first():
     from dpkit.launch.failures import ExitWatch
+
     watch = ExitWatch(expected=2).start()
     children = [subprocess.Popen(["sleep", "60"]) for _ in range(2)]
     try:

@@ -1,6 +1,6 @@
-"""Hugging Face Trainer through dpkit.integrations.hf_trainer.data_parallel on two virtual CPU devices: the weights after
-training equal a single-device Trainer run's, for a tiny BERT classifier and a tiny GPT-2 LM built from
-configs, with a last batch that splits unevenly and with num_items_in_batch."""
+"""Hugging Face Trainer through dpkit.integrations.hf_trainer.data_parallel on two virtual CPU devices: the
+weights after training equal a single-device Trainer run's, for a tiny BERT classifier and a tiny GPT-2 LM
+built from configs, with a last batch that splits unevenly and with num_items_in_batch."""
 
 import copy
 import pathlib
@@ -19,16 +19,34 @@ ROWS, BATCH = 11, 4  # batches of 4, 4 and 3: the last one splits [2, 1] on two 
 
 
 def tiny_bert_classifier():
-    config = transformers.BertConfig(vocab_size=50, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-                                     intermediate_size=64, max_position_embeddings=16, num_labels=3,
-                                     hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    config = transformers.BertConfig(
+        vocab_size=50,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=16,
+        num_labels=3,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+    )
     torch.manual_seed(0)
     return transformers.BertForSequenceClassification(config)
 
 
 def tiny_gpt2():
-    config = transformers.GPT2Config(vocab_size=50, n_embd=32, n_layer=2, n_head=2, n_positions=16,
-                                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+    config = transformers.GPT2Config(
+        vocab_size=50,
+        n_embd=32,
+        n_layer=2,
+        n_head=2,
+        n_positions=16,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
     torch.manual_seed(0)
     return transformers.GPT2LMHeadModel(config)
 
@@ -37,7 +55,10 @@ def classification_rows():
     generator = torch.Generator().manual_seed(1)
     ids = torch.randint(1, 50, (ROWS, 8), generator=generator)
     labels = torch.randint(0, 3, (ROWS,), generator=generator)
-    return [{"input_ids": ids[i], "attention_mask": torch.ones(8, dtype=torch.long), "labels": labels[i]} for i in range(ROWS)]
+    return [
+        {"input_ids": ids[i], "attention_mask": torch.ones(8, dtype=torch.long), "labels": labels[i]}
+        for i in range(ROWS)
+    ]
 
 
 def language_model_rows():
@@ -55,9 +76,20 @@ def language_model_rows():
 
 def make_trainer(model, rows, tmp_path, optim, learning_rate):
     args = transformers.TrainingArguments(
-        output_dir=str(tmp_path), per_device_train_batch_size=BATCH, num_train_epochs=1, learning_rate=learning_rate,
-        per_device_eval_batch_size=BATCH, optim=optim, seed=3, report_to=[], save_strategy="no", logging_strategy="no", use_cpu=True,
-        dataloader_num_workers=0, disable_tqdm=True)
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=BATCH,
+        num_train_epochs=1,
+        learning_rate=learning_rate,
+        per_device_eval_batch_size=BATCH,
+        optim=optim,
+        seed=3,
+        report_to=[],
+        save_strategy="no",
+        logging_strategy="no",
+        use_cpu=True,
+        dataloader_num_workers=0,
+        disable_tqdm=True,
+    )
     return transformers.Trainer(model=model, args=args, train_dataset=rows)
 
 
@@ -111,7 +143,9 @@ def test_gpt2_language_model_with_num_items_in_batch_trains_to_the_single_device
     assert moved > 1e-3
     assert worst <= TOLERANCE, f"largest weight difference {worst}"
     counts = [count for _, count in spy.calls]
-    assert all(isinstance(c, torch.Tensor) and c.dim() == 0 for c in counts), "num_items_in_batch reaches each replica whole"
+    assert all(isinstance(c, torch.Tensor) and c.dim() == 0 for c in counts), (
+        "num_items_in_batch reaches each replica whole"
+    )
     assert sorted(rows for rows, _ in spy.calls).count(1) == 1
 
 

@@ -35,12 +35,24 @@ def build_model(dropout: float) -> nn.Module:
 def loader_for(seeded_order: bool) -> DataLoader:
     data = dataset()
     if seeded_order:  # the same global batches for every strategy and world size
-        return DataLoader(data, batch_size=BATCH, sampler=RandomSampler(data, generator=torch.Generator().manual_seed(5)))
+        return DataLoader(
+            data, batch_size=BATCH, sampler=RandomSampler(data, generator=torch.Generator().manual_seed(5))
+        )
     return DataLoader(data, batch_size=BATCH, shuffle=True)
 
 
-def run(strategy: str, devices: int, state_dir: Path, *, stop_at: int | None = None, resume: bool = False,
-        seeded_order: bool = False, dropout: float = 0.3, steps: int = STEPS, close: bool = True) -> tuple[dict[str, torch.Tensor], dict[int, float]]:
+def run(
+    strategy: str,
+    devices: int,
+    state_dir: Path,
+    *,
+    stop_at: int | None = None,
+    resume: bool = False,
+    seeded_order: bool = False,
+    dropout: float = 0.3,
+    steps: int = STEPS,
+    close: bool = True,
+) -> tuple[dict[str, torch.Tensor], dict[int, float]]:
     """Train up to `steps` (or save and stop at `stop_at`); the weights and the loss of every step run here."""
     engine = dpkit.Engine(strategy=strategy, accelerator="cpu", devices=devices, progress=False)
     torch.manual_seed(0)
@@ -140,8 +152,15 @@ def test_resume_twice_and_keep(tmp_path):
     assert_bitwise(reference, weights, "resumed four times")
 
 
-@pytest.mark.parametrize("first,second", [(("single", 1), ("dp", 3)), (("dp", 3), ("replicated", 2)),
-                                          (("replicated", 2), ("single", 1)), (("dp-balanced", 2), ("dp", 3))])
+@pytest.mark.parametrize(
+    "first,second",
+    [
+        (("single", 1), ("dp", 3)),
+        (("dp", 3), ("replicated", 2)),
+        (("replicated", 2), ("single", 1)),
+        (("dp-balanced", 2), ("dp", 3)),
+    ],
+)
 def test_resume_under_another_strategy_and_world_size(tmp_path, first, second):
     """The same global batches (a seeded sampler) and no dropout: a run saved under one strategy and world size
     and resumed under another ends where a single-device run ends, up to float32 rounding: splitting a batch
@@ -189,7 +208,11 @@ def test_ddp_resume_equals_uninterrupted_bitwise(tmp_path):
         result = torch.load(tmp_path / f"result-{rank}.pt", weights_only=True)
         assert_bitwise(result["reference"], result["weights"], f"ddp rank {rank}")
         assert result["losses"] == result["reference_losses"] and len(result["losses"]) == STEPS
-    assert sorted(p.name for p in (tmp_path / "state" / "step-00000005").iterdir()) == ["rank-0.pt", "rank-1.pt", "state.pt"]
+    assert sorted(p.name for p in (tmp_path / "state" / "step-00000005").iterdir()) == [
+        "rank-0.pt",
+        "rank-1.pt",
+        "state.pt",
+    ]
 
     # ddp on 2 processes -> replicated on 3 devices -> single: the data position is a global batch
     reference, reference_losses = run("single", 1, tmp_path / "unused", seeded_order=True, dropout=0.0)
@@ -198,4 +221,3 @@ def test_ddp_resume_equals_uninterrupted_bitwise(tmp_path):
     assert sorted({**middle_losses, **last_losses}) == list(range(6, STEPS + 1))
     for key in reference:  # float32 rounding only: the replicas' sums run in another order (see above)
         torch.testing.assert_close(weights[key], reference[key], rtol=1e-5, atol=1e-6)
-

@@ -11,13 +11,16 @@ def test_check_int_accepts_ints_and_integral_scalars():
     assert check_int(np.int64(4), "n") == 4 and check_int(torch.tensor(5), "n") == 5
 
 
-@pytest.mark.parametrize("value, error, message", [
-    (0, ValueError, "steps: expected a positive int (number of steps), got 0"),
-    (-1, ValueError, "steps: expected a positive int (number of steps), got -1"),
-    (True, TypeError, "steps: expected a positive int (number of steps), got True (bool)"),
-    (2.5, TypeError, "steps: expected a positive int (number of steps), got 2.5 (float)"),
-    ("3", TypeError, "steps: expected a positive int (number of steps), got '3' (str)"),
-])
+@pytest.mark.parametrize(
+    "value, error, message",
+    [
+        (0, ValueError, "steps: expected a positive int (number of steps), got 0"),
+        (-1, ValueError, "steps: expected a positive int (number of steps), got -1"),
+        (True, TypeError, "steps: expected a positive int (number of steps), got True (bool)"),
+        (2.5, TypeError, "steps: expected a positive int (number of steps), got 2.5 (float)"),
+        ("3", TypeError, "steps: expected a positive int (number of steps), got '3' (str)"),
+    ],
+)
 def test_check_int_names_argument_value_and_what_is_accepted(value, error, message):
     with pytest.raises(error) as info:
         check_int(value, "steps", meaning="number of steps")

@@ -1,11 +1,25 @@
+import logging
+import multiprocessing
 import os
+import random
+import signal
+import stat
+import time
 
 import pytest
 import torch
 from torch import nn
 
 import dpkit
-from dpkit.training.checkpoint import CheckpointMismatchError, atomic_save, strip_prefixes, unwrap_model
+from dpkit.cli.main import main as dpkit_main
+from dpkit.training.checkpoint import (
+    CheckpointCorruptError,
+    CheckpointMismatchError,
+    atomic_save,
+    strip_prefixes,
+    unwrap_model,
+    verify_file,
+)
 
 
 def small_model():
@@ -81,7 +95,9 @@ class NotATensor:
 
 def test_load_uses_weights_only(tmp_path):
     torch.save({"weight": NotATensor()}, tmp_path / "pickle.pt")
-    with pytest.raises(dpkit.CheckpointCorruptError, match=r"pickle\.pt: holds a Python object \(.*NotATensor\).*weights_only=True"):
+    with pytest.raises(
+        dpkit.CheckpointCorruptError, match=r"pickle\.pt: holds a Python object \(.*NotATensor\).*weights_only=True"
+    ):
         dpkit.load_model(nn.Linear(1, 1), tmp_path / "pickle.pt")
 
 
@@ -147,15 +163,6 @@ def test_load_into_an_unknown_prefixing_wrapper(tmp_path):
 
 # --- checkpoints that cannot rot ---------------------------------------------------------------------
 
-import logging
-import multiprocessing
-import random
-import signal
-import stat
-import time
-
-from dpkit.training.checkpoint import CheckpointCorruptError, verify_file
-
 
 def test_every_flipped_byte_is_an_error_naming_the_file(tmp_path):
     model = nn.Linear(4, 3)
@@ -178,9 +185,14 @@ def test_every_flipped_byte_is_an_error_naming_the_file(tmp_path):
 
 def test_truncated_empty_and_foreign_files_name_the_path(tmp_path):
     good = dpkit.save_model(nn.Linear(4, 3), tmp_path / "model.pt").read_bytes()
-    cases = {"empty.pt": b"", "truncated.pt": good[: len(good) // 2], "cut-tail.pt": good[:-10],
-             "text.pt": b"these are not the weights you are looking for\n", "zip-head.pt": b"PK\x03\x04" + b"\x00" * 40,
-             "pickle.pkl": __import__("pickle").dumps({"weight": [1.0, 2.0]})}
+    cases = {
+        "empty.pt": b"",
+        "truncated.pt": good[: len(good) // 2],
+        "cut-tail.pt": good[:-10],
+        "text.pt": b"these are not the weights you are looking for\n",
+        "zip-head.pt": b"PK\x03\x04" + b"\x00" * 40,
+        "pickle.pkl": __import__("pickle").dumps({"weight": [1.0, 2.0]}),
+    }
     for name, content in cases.items():
         (tmp_path / name).write_bytes(content)
         with pytest.raises(CheckpointCorruptError, match=name.replace(".", r"\.")):
@@ -318,8 +330,6 @@ def test_saves_killed_at_random_moments_leave_the_previous_checkpoint(tmp_path, 
 
 # --- dpkit ckpt --------------------------------------------------------------------------------------
 
-from dpkit.cli.main import main as dpkit_main
-
 
 def test_ckpt_inspect_prints_keys_shapes_dtypes_sizes_and_the_checksum(tmp_path, capsys):
     model = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4))
@@ -327,7 +337,9 @@ def test_ckpt_inspect_prints_keys_shapes_dtypes_sizes_and_the_checksum(tmp_path,
     assert dpkit_main(["ckpt", "inspect", str(tmp_path / "model.pt")]) == 0
     out = capsys.readouterr().out
     assert "dpkit SHA-256 verified" in out
-    assert "0.weight               4x3     float32  48 B" in out and "1.num_batches_tracked  scalar  int64    8 B" in out
+    assert (
+        "0.weight               4x3     float32  48 B" in out and "1.num_batches_tracked  scalar  int64    8 B" in out
+    )
     assert "7 tensors, 33 values, 136 B" in out
 
 
@@ -352,9 +364,16 @@ def test_ckpt_convert_strips_a_ddp_checkpoint(tmp_path, capsys, safetensors):
     if safetensors:
         pytest.importorskip("safetensors")
     source = nn.Linear(3, 2)
-    torch.save({"epoch": 1, "state_dict": {f"module.{k}": v for k, v in source.state_dict().items()}}, tmp_path / "ddp.pth")
+    torch.save(
+        {"epoch": 1, "state_dict": {f"module.{k}": v for k, v in source.state_dict().items()}}, tmp_path / "ddp.pth"
+    )
     out = tmp_path / ("model.safetensors" if safetensors else "model.pt")
-    assert dpkit_main(["ckpt", "convert", str(tmp_path / "ddp.pth"), str(out)] + (["--safetensors"] if safetensors else [])) == 0
+    assert (
+        dpkit_main(
+            ["ckpt", "convert", str(tmp_path / "ddp.pth"), str(out)] + (["--safetensors"] if safetensors else [])
+        )
+        == 0
+    )
     assert "wrapper prefixes removed from 2" in capsys.readouterr().out
     if safetensors:
         from safetensors.torch import load_file

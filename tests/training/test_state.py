@@ -36,7 +36,9 @@ def test_a_loader_resumes_mid_epoch_with_the_same_order_and_generators(order):
     def make() -> ResumableLoader:
         if order == "global":
             return ResumableLoader(DataLoader(data, batch_size=4, shuffle=True))
-        return ResumableLoader(DataLoader(data, batch_size=4, sampler=RandomSampler(data, generator=torch.Generator().manual_seed(4))))
+        return ResumableLoader(
+            DataLoader(data, batch_size=4, sampler=RandomSampler(data, generator=torch.Generator().manual_seed(4)))
+        )
 
     torch.manual_seed(0)
     loader = make()
@@ -60,7 +62,7 @@ def test_a_loader_resumes_mid_epoch_with_the_same_order_and_generators(order):
 
 def test_a_loop_that_breaks_starts_a_new_epoch_but_a_resumed_loader_continues():
     loader = ResumableLoader(DataLoader(TensorDataset(torch.arange(12)), batch_size=4))
-    for (ids,) in loader:
+    for _ in loader:
         break
     assert loader.position()["next_batch"] == 1
     assert [ids.tolist() for (ids,) in loader][0] == [0, 1, 2, 3]  # epoch 1 from its start, as a DataLoader does
@@ -76,7 +78,9 @@ def make_engine(strategy="single", devices=1, *, batch_size=4, accumulate=1, dat
     loader = None
     if dataloader:
         x = torch.randn(20, 3, generator=torch.Generator().manual_seed(1))
-        loader = engine.setup_dataloader(DataLoader(TensorDataset(x, x.sum(1, keepdim=True).repeat(1, 2)), batch_size=batch_size, shuffle=True))
+        loader = engine.setup_dataloader(
+            DataLoader(TensorDataset(x, x.sum(1, keepdim=True).repeat(1, 2)), batch_size=batch_size, shuffle=True)
+        )
     return engine, model, optimizer, loader
 
 
@@ -112,8 +116,8 @@ def test_accumulation_resumes_exactly_and_refuses_a_save_mid_window(tmp_path):
 def test_two_optimizers_both_step_and_the_step_counts_once():
     accumulation = Accumulation(every=1)
     model = nn.Linear(2, 2)
-    from dpkit.training.engine import EngineOptimizer
     from dpkit.precision import Precision
+    from dpkit.training.engine import EngineOptimizer
 
     first = EngineOptimizer(torch.optim.SGD([model.weight], lr=1.0), accumulation, Precision())
     second = EngineOptimizer(torch.optim.SGD([model.bias], lr=1.0), accumulation, Precision())
@@ -184,8 +188,11 @@ def test_bad_arguments_name_themselves(tmp_path):
     engine, *_ = make_engine()
     with pytest.raises(ValueError, match="keep: expected a positive int"):
         engine.save_state(tmp_path, keep=0)
-    with pytest.raises(TypeError, match="handle: a .*cannot be saved in the training state"):
-        engine.save_state(tmp_path, handle=open(__file__))
+    with (
+        pytest.raises(TypeError, match="handle: a .*cannot be saved in the training state"),
+        open(__file__) as handle,
+    ):
+        engine.save_state(tmp_path, handle=handle)
     with pytest.raises(RuntimeError, match="setup"):
         dpkit.Engine(strategy="single", accelerator="cpu", devices=1, progress=False).save_state(tmp_path)
     (tmp_path / "file").write_text("x")

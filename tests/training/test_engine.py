@@ -8,11 +8,11 @@ import torch.nn.functional as F
 from torch import nn
 
 import dpkit
-from dpkit.training.engine import Engine
 from dpkit.examples.digits import DigitsMLP
+from dpkit.launch import LAUNCH_VARIABLES
 from dpkit.strategies import available_strategies
 from dpkit.strategies.base import DeferredOutput
-from dpkit.launch import LAUNCH_VARIABLES
+from dpkit.training.engine import Engine
 
 IN_PROCESS = [("single", 1), ("dp", 2), ("dp-balanced", 2), ("replicated", 3)]
 
@@ -22,7 +22,9 @@ def test_every_strategy_is_a_module_found_by_name():
 
 
 def test_unknown_strategy_lists_the_choices():
-    with pytest.raises(ValueError, match="strategy: unknown strategy 'horovod'; choose one of single, dp, dp-balanced, replicated, ddp"):
+    with pytest.raises(
+        ValueError, match="strategy: unknown strategy 'horovod'; choose one of single, dp, dp-balanced, replicated, ddp"
+    ):
         Engine(strategy="horovod", accelerator="cpu")
 
 
@@ -102,7 +104,9 @@ def test_loss_in_replicas_strategies_defer_only_while_training_with_grad():
         assert isinstance(model(x), torch.Tensor)
     loss = criterion(model(x), torch.zeros(6, 2))
     assert loss.dim() == 0 and loss.requires_grad
-    assert criterion(module(x), torch.zeros(6, 2)).item() == pytest.approx(loss.item(), abs=1e-6)  # plain outputs still work
+    assert criterion(module(x), torch.zeros(6, 2)).item() == pytest.approx(
+        loss.item(), abs=1e-6
+    )  # plain outputs still work
 
 
 def test_in_one_process_reduce_and_gather_are_identities():

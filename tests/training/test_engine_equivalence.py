@@ -1,0 +1,134 @@
+"""The central property at the Engine, for every strategy in the registry: the same loop, the same seed and
+the same global batches give the single-device gradients and weights (up to float rounding).
+
+Strategies with a process per device run this module's `engine_run` in each process under dpkit's launcher;
+the others run it here. A strategy added to the registry is checked here without a line of this file changing.
+"""
+
+from __future__ import annotations
+
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, RandomSampler, TensorDataset
+
+from dpkit.strategies import PER_DEVICE, available_strategies, reference, strategy_class
+from dpkit.training.engine import Engine
+
+STEPS = 5
+TOLERANCE = 1e-5
+
+
+def data() -> TensorDataset:
+    generator = torch.Generator().manual_seed(11)
+    return TensorDataset(torch.randn(300, 20, generator=generator), torch.randint(0, 5, (300,), generator=generator))
+
+
+def engine_run(strategy: str, devices: int, batch_size: int, accumulate: int = 1) -> dict[str, list[torch.Tensor]]:
+    """STEPS optimizer steps of a plain Engine loop; the first step's gradients and the final weights, as this
+    process's model (replica 0, or this rank's) holds them."""
+    engine = Engine(strategy=strategy, accelerator="cpu", devices=devices, accumulate=accumulate, progress=False)
+    torch.manual_seed(3)
+    model = nn.Sequential(nn.Linear(20, 32), nn.ReLU(), nn.Linear(32, 5))
+    model, optimizer = engine.setup(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+    criterion = engine.setup_criterion(nn.CrossEntropyLoss())
+    order = RandomSampler(range(300), generator=torch.Generator().manual_seed(5))
+    loader = engine.setup_dataloader(DataLoader(data(), batch_size=batch_size, sampler=order))
+    bare = engine.model_copies()[0][0]
+    first_gradients = None
+    while engine.step < STEPS:
+        for x, y in loader:
+            optimizer.zero_grad()
+            engine.backward(criterion(model(x), y))
+            if first_gradients is None and accumulate == 1:
+                first_gradients = [p.grad.detach().clone() for p in bare.parameters()]
+            optimizer.step()
+            if engine.step == STEPS:
+                break
+    weights = [p.detach().clone() for p in bare.parameters()]
+    engine.close()
+    return {"gradients": first_gradients or [], "weights": weights}
+
+
+WORKER = textwrap.dedent("""
+    import sys
+    import torch
+    sys.path.insert(0, {tests!r})
+    from test_engine_equivalence import engine_run
+
+    result = engine_run({strategy!r}, {devices}, {batch_size}, {accumulate})
+    import os
+    torch.save(result, {out!r} + f"-{{os.environ['RANK']}}.pt")
+""")
+
+
+def run(strategy: str, devices: int, batch_size: int, tmp_path: Path, accumulate: int = 1) -> list[dict]:
+    """The results of every process that ran the loop (one here, or one per device under the launcher)."""
+    if strategy_class(strategy).traits.processes != PER_DEVICE:
+        return [engine_run(strategy, devices, batch_size, accumulate)]
+    from dpkit.launch import launch
+
+    script, out = tmp_path / "worker.py", tmp_path / f"{strategy}-{devices}-{batch_size}"
+    script.write_text(
+        WORKER.format(
+            tests=str(Path(__file__).parent),
+            strategy=strategy,
+            devices=devices,
+            batch_size=batch_size,
+            accumulate=accumulate,
+            out=str(out),
+        )
+    )
+    launch(str(script), nproc_per_node=devices)
+    return [torch.load(f"{out}-{rank}.pt", weights_only=True) for rank in range(devices)]
+
+
+def assert_close(mine: list[torch.Tensor], theirs: list[torch.Tensor], what: str) -> None:
+    assert len(mine) == len(theirs) > 0, what
+    difference = max((a - b).abs().max().item() for a, b in zip(mine, theirs))
+    assert difference <= TOLERANCE, f"{what}: max |diff| {difference:.3g}"
+
+
+@pytest.fixture(scope="module")
+def single_runs():
+    runs: dict[tuple, dict] = {}
+
+    def get(batch_size: int, accumulate: int = 1) -> dict:
+        key = (batch_size, accumulate)
+        if key not in runs:
+            runs[key] = engine_run(reference(), 1, batch_size, accumulate)
+        return runs[key]
+
+    return get
+
+
+MULTI_DEVICE = [name for name in available_strategies() if strategy_class(name).traits.max_devices != 1]
+
+
+@pytest.mark.parametrize("devices,batch_size", [(2, 64), (3, 67)], ids=["2-even", "3-uneven"])
+@pytest.mark.parametrize("strategy", MULTI_DEVICE)
+def test_every_strategy_takes_the_single_device_step(strategy, devices, batch_size, single_runs, tmp_path):
+    single = single_runs(batch_size)
+    for rank, result in enumerate(run(strategy, devices, batch_size, tmp_path)):
+        where = f"{strategy} on {devices} devices, batch {batch_size}, process {rank}"
+        assert_close(result["gradients"], single["gradients"], f"{where}: first gradients")
+        assert_close(result["weights"], single["weights"], f"{where}: weights after {STEPS} steps")
+
+
+@pytest.mark.parametrize("strategy", MULTI_DEVICE)
+def test_accumulated_micro_batches_take_the_single_device_step(strategy, single_runs, tmp_path):
+    single = single_runs(33, accumulate=2)
+    for result in run(strategy, 2, 33, tmp_path, accumulate=2):
+        assert_close(result["weights"], single["weights"], f"{strategy} with accumulate=2")
+
+
+def test_the_runs_are_not_vacuous(single_runs):
+    """The loop does move the weights, and the gradient is not zero: equality above means something."""
+    single = single_runs(64)
+    torch.manual_seed(3)
+    initial = list(nn.Sequential(nn.Linear(20, 32), nn.ReLU(), nn.Linear(32, 5)).parameters())
+    assert max((a - b).abs().max().item() for a, b in zip(single["weights"], initial)) > 1e-2
+    assert max(g.abs().max().item() for g in single["gradients"]) > 1e-3
