@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import argparse
 
-from dpkit.cli.flags import comma_ints
+from dpkit.cli.flags import comma_ints, from_args
 from dpkit.strategies import available_strategies
 from dpkit.tools.bench import BenchSpec, run_bench
 
@@ -62,21 +62,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 
 
 def spec_from_args(args: argparse.Namespace) -> BenchSpec:
-    return BenchSpec(
+    return from_args(
+        BenchSpec,
+        args,
         example=None if args.model and (args.data or args.input_shape) else args.example,
-        model=args.model,
-        data=args.data,
         input_shape=tuple(comma_ints("--input-shape", args.input_shape)) if args.input_shape else None,
         strategies=[s.strip() for s in args.strategies.split(",") if s.strip()],
         device_counts=comma_ints("--devices", args.devices),
-        batch_size_per_device=args.batch_size_per_device,
-        steps=args.steps,
-        warmup=args.warmup,
-        observed_steps=args.observed_steps,
-        accelerator=args.accelerator,
-        optimizer=args.optimizer,
-        seed=args.seed,
-        threads_per_device=args.threads_per_device,
         progress=not args.no_progress,
     )
 

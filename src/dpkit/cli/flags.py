@@ -10,8 +10,10 @@ argument names and `name=value` mentions are translated, never a bare word of th
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import re
 from collections.abc import Mapping
+from typing import Any
 
 _LEADING_NAMES = re.compile(r"^((?:[a-z_][a-z0-9_]*(?:\[\d+\])?)(?:/[a-z_][a-z0-9_]*(?:\[\d+\])?)*):")
 _NAME_IS_VALUE = re.compile(r"(?<![\w.\-])([a-z_][a-z0-9_]*)=([^\s,;:)]+)")
@@ -77,3 +79,10 @@ def comma_ints(flag: str, text: str) -> list[int]:
     if not values:
         raise ValueError(f"{flag}: expected comma-separated integers such as 1,2,3, got {text!r}")
     return values
+
+
+def from_args(cls: type, args: argparse.Namespace, **given: Any) -> Any:
+    """An instance of the dataclass `cls` (a library spec or config) from parsed arguments: each field from the
+    argument of the same name; `given` fields (the ones the command spells or shapes differently) as given."""
+    values = {field.name: getattr(args, field.name) for field in dataclasses.fields(cls) if hasattr(args, field.name)}
+    return cls(**{**values, **given})

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 
+from dpkit.cli.flags import from_args
 from dpkit.launch import Command
 from dpkit.strategies import available_strategies
 from dpkit.tools.profile import DTYPES, ProfileSpec
@@ -53,26 +54,6 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 
 
 def run(args: argparse.Namespace) -> int:
-    run_profile(
-        ProfileSpec(
-            example=args.example,
-            model=args.model,
-            data=args.data,
-            strategy=args.strategy,
-            accelerator=args.accelerator,
-            devices=args.devices,
-            steps=args.steps,
-            warmup=args.warmup,
-            batch_size=args.batch_size,
-            lr=args.lr,
-            optimizer=args.optimizer,
-            dtype=args.dtype,
-            seed=args.seed,
-            json=args.json,
-            png=args.png,
-            trace=args.trace,
-            progress=not args.no_progress,
-            relaunch=Command("dpkit.cli.main", tuple(args.argv)),
-        )
-    )
+    command = Command("dpkit.cli.main", tuple(args.argv))
+    run_profile(from_args(ProfileSpec, args, progress=not args.no_progress, relaunch=command))
     return 0

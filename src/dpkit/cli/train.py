@@ -11,6 +11,7 @@ import argparse
 import shlex
 
 from dpkit.checks import MAX_SEED
+from dpkit.cli.flags import from_args
 from dpkit.examples import EXAMPLES
 from dpkit.launch import Command
 from dpkit.precision import PRECISIONS
@@ -91,28 +92,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
     argv = list(args.argv)
     resume_argv = [a for a in argv if a != "--overwrite"] + ([] if "--resume" in argv else ["--resume"])
-    return TrainConfig(
-        example=args.example,
-        model=args.model,
-        data=args.data,
-        strategy=args.strategy,
-        accelerator=args.accelerator,
-        devices=args.devices,
-        steps=args.steps,
-        batch_size=args.batch_size,
-        seed=args.seed,
-        lr=args.lr,
-        momentum=args.momentum,
-        precision=args.precision,
-        accumulate=args.accumulate,
-        out=args.out,
-        checkpoint_every=args.checkpoint_every,
-        keep=args.keep,
-        resume=args.resume,
-        overwrite=args.overwrite,
-        max_restarts=args.max_restarts,
+    return from_args(
+        TrainConfig,
+        args,
         hang_timeout_seconds=args.hang_timeout,
-        force=args.force,
         progress=not args.no_progress,
         relaunch=Command("dpkit.cli.main", tuple(argv)),
         resume_command="dpkit " + shlex.join(resume_argv),
