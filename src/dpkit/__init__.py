@@ -1,5 +1,11 @@
 """dpkit: data-parallel training for PyTorch, on GPUs and on virtual CPU devices."""
 
+import importlib
+import importlib.abc
+import importlib.util
+import sys
+import warnings
+
 from dpkit import observe
 from dpkit.devices import cpu_devices
 from dpkit.errors import DpkitError
@@ -33,3 +39,34 @@ __all__ = [
     "strip_prefixes",
     "unwrap_model",
 ]
+
+
+# Modules that moved when the package was grouped by job: their old names still import, with a warning.
+MOVED_MODULES = {
+    "dpkit.engine": "dpkit.training.engine",
+    "dpkit.state": "dpkit.training.state",
+    "dpkit.checkpoint": "dpkit.training.checkpoint",
+    "dpkit.bench": "dpkit.tools.bench",
+    "dpkit.doctor": "dpkit.tools.doctor",
+    "dpkit.hf_trainer": "dpkit.integrations.hf_trainer",
+}
+
+
+class _MovedModule(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """`import dpkit.engine` gives dpkit.training.engine itself (one module object, one set of classes)."""
+
+    def find_spec(self, name, path=None, target=None):
+        return importlib.util.spec_from_loader(name, self) if name in MOVED_MODULES else None
+
+    def create_module(self, spec):
+        warnings.warn(
+            f"{spec.name} moved to {MOVED_MODULES[spec.name]}; import it from there", DeprecationWarning, stacklevel=2
+        )
+        return importlib.import_module(MOVED_MODULES[spec.name])
+
+    def exec_module(self, module) -> None:  # the module is the moved one, already run
+        pass
+
+
+if not any(isinstance(finder, _MovedModule) for finder in sys.meta_path):
+    sys.meta_path.append(_MovedModule())
