@@ -152,23 +152,7 @@ PER_PARAMETER = tuple(
 # the parameter's shape is updated element by element, and the rest of its state (the step count) is the
 # same for every element. Their parameters may be cut in pieces, each stepped with views of its state.
 # (Adafactor's factored state is not elementwise.)
-ELEMENTWISE = tuple(
-    getattr(torch.optim, name)
-    for name in (
-        "SGD",
-        "Adam",
-        "AdamW",
-        "Adagrad",
-        "Adadelta",
-        "Adamax",
-        "NAdam",
-        "RAdam",
-        "RMSprop",
-        "Rprop",
-        "ASGD",
-    )
-    if hasattr(torch.optim, name)
-)
+ELEMENTWISE = tuple(optimizer for optimizer in PER_PARAMETER if optimizer.__name__ != "Adafactor")
 
 # below this many parameter elements the whole step is a few microsecond-sized kernels: handing shards to
 # the replica threads costs more than it saves, and the user's optimizer steps whole on the calling thread
