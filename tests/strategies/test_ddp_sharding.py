@@ -8,7 +8,7 @@ import torch
 from torch.utils.data import DataLoader, DistributedSampler, RandomSampler, TensorDataset
 
 from dpkit.parallel import split_sizes
-from dpkit.strategies.ddp import ProcessShares
+from dpkit.strategies.per_device import ProcessShares
 from dpkit.training.state import ResumableLoader
 
 

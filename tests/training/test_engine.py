@@ -18,7 +18,7 @@ IN_PROCESS = [("single", 1), ("dp", 2), ("dp-balanced", 2), ("replicated", 3)]
 
 
 def test_every_strategy_is_a_module_found_by_name():
-    assert available_strategies() == ["single", "dp", "dp-balanced", "replicated", "ddp"]
+    assert available_strategies() == ["single", "dp", "dp-balanced", "replicated", "ddp", "fsdp"]
 
 
 def test_unknown_strategy_lists_the_choices():

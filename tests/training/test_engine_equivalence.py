@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, RandomSampler, TensorDataset
 
 from dpkit.strategies import PER_DEVICE, available_strategies, reference, strategy_class
@@ -25,6 +26,11 @@ TOLERANCE = 1e-5
 def data() -> TensorDataset:
     generator = torch.Generator().manual_seed(11)
     return TensorDataset(torch.randn(300, 20, generator=generator), torch.randint(0, 5, (300,), generator=generator))
+
+
+def whole(tensor: torch.Tensor) -> torch.Tensor:
+    """A tensor as one device holds it: a sharded strategy's DTensor gathered (collective: every process calls it)."""
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 
 
 def engine_run(strategy: str, devices: int, batch_size: int, accumulate: int = 1) -> dict[str, list[torch.Tensor]]:
@@ -44,11 +50,11 @@ def engine_run(strategy: str, devices: int, batch_size: int, accumulate: int = 1
             optimizer.zero_grad()
             engine.backward(criterion(model(x), y))
             if first_gradients is None and accumulate == 1:
-                first_gradients = [p.grad.detach().clone() for p in bare.parameters()]
+                first_gradients = [whole(p.grad.detach()).clone() for p in bare.parameters()]
             optimizer.step()
             if engine.step == STEPS:
                 break
-    weights = [p.detach().clone() for p in bare.parameters()]
+    weights = [whole(p.detach()).clone() for p in bare.parameters()]
     engine.close()
     return {"gradients": first_gradients or [], "weights": weights}
 

@@ -3,6 +3,7 @@
 dpkit ckpt inspect runs/train/model.pt       # keys, shapes, dtypes, sizes; checksum verified
 dpkit ckpt inspect runs/train/state          # a training state: step, strategy, data position, …
 dpkit ckpt convert ddp_checkpoint.pth model.pt [--safetensors]
+dpkit ckpt convert runs/train/state model.pt  # a training state's model (a sharded one joined) as one file
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from dpkit.training.checkpoint import (
     verify_file,
     write_safetensors,
 )
+from dpkit.training.shards import read_whole, saved_model_tensors, verify_shards
 from dpkit.training.state import STATE_FILE, STATE_FORMAT, find_state
 
 
@@ -38,10 +40,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     )
     inspect.add_argument("path", help="a checkpoint file (.pt, .pth, .safetensors) or a training-state folder")
     convert = actions.add_parser(
-        "convert", help="strip DataParallel/DDP/compile prefixes; write a checked .pt or safetensors"
+        "convert",
+        help="strip DataParallel/DDP/compile prefixes, or join a sharded state's model; write a .pt or safetensors",
     )
     convert.add_argument(
-        "source", help="a torch checkpoint: a state dict, or a {'state_dict': ...} / {'model': ...} container"
+        "source",
+        help="a torch checkpoint (a state dict, or a {'state_dict': ...} / {'model': ...} container), or a "
+        "training-state folder (its model, shards joined)",
     )
     convert.add_argument("out", help="the file to write")
     convert.add_argument("--safetensors", action="store_true", help="write safetensors instead of a torch file")
@@ -104,7 +109,20 @@ def _describe_state(shared: dict, folder: Path | None) -> list[str]:
     if folder is not None:
         files = sorted(p for p in folder.iterdir() if p.is_file())
         lines.append("files: " + ", ".join(f"{p.name} {_bytes(p.stat().st_size)} ({_integrity(p)})" for p in files))
-    for index, optimizer in enumerate(shared.get("optimizers", [])):
+    shards = folder / shared["shards"] if folder is not None and shared.get("shards") else None
+    if shards is not None:
+        digests = shared.get("shard_digests") or {}
+        verify_shards(shards, digests)
+        size = sum((shards / name).stat().st_size for name in digests)
+        lines.append(
+            f"shards: {shared['shards']}/ written by {shared.get('world_size')} process(es), {len(digests)} files, "
+            f"{_bytes(size)} (dpkit SHA-256 verified); the model and optimizers are in them"
+        )
+        for index, groups in enumerate(shared.get("optimizer_groups", [])):
+            lines.append(
+                f"optimizer {index}: param groups of {', '.join(map(str, groups))} parameter(s), in the shards"
+            )
+    for index, optimizer in enumerate(shared.get("optimizers") or []):
         groups = optimizer.get("param_groups", [])
         lrs = ", ".join(f"{g.get('lr')}" for g in groups)
         lines.append(
@@ -121,8 +139,8 @@ def _describe_state(shared: dict, folder: Path | None) -> list[str]:
     extras = shared.get("extra", {})
     if extras:
         lines.append("extras: " + ", ".join(f"{k} ({v['kind'].replace('_', ' ')})" for k, v in extras.items()))
-    lines.append("model:")
-    lines += _tensor_table(shared.get("model", {}))
+    lines.append("model:" + (" (whole shapes, from the shards' metadata)" if shards is not None else ""))
+    lines += _tensor_table(saved_model_tensors(shards) if shards is not None else shared.get("model") or {})
     return lines
 
 
@@ -147,6 +165,16 @@ def inspect(path: Path) -> int:
     return 0
 
 
+def _model_of_state(path: Path) -> dict[str, Any]:
+    """The whole model of a training state (the latest in a folder, or a step directory), its shards joined."""
+    folder = find_state(path)
+    shared = read_checked(folder / STATE_FILE)
+    if not shared.get("shards"):
+        return shared.get("model") or {}
+    verify_shards(folder / shared["shards"], shared.get("shard_digests") or {})
+    return read_whole(folder / shared["shards"]).get("model", {})
+
+
 def convert(source: Path, out: Path, to_safetensors: bool) -> int:
     if out.is_dir():
         raise ValueError(
@@ -155,8 +183,7 @@ def convert(source: Path, out: Path, to_safetensors: bool) -> int:
         )
     if out.resolve() == source.resolve():
         raise ValueError(f"OUT: {out} is the source file; write the converted checkpoint to another file")
-    loaded = read_checked(source)
-    state = unpack_state_dict(loaded, source)
+    state = _model_of_state(source) if source.is_dir() else unpack_state_dict(read_checked(source), source)
     clean = strip_prefixes(state)
     removed = len(set(state) - set(clean))
     if not clean:

@@ -56,6 +56,7 @@ STRATEGIES: dict[str, str] = {
     "dp-balanced": "dpkit.strategies.dp_balanced:DPBalanced",
     "replicated": "dpkit.strategies.replicated:Replicated",
     "ddp": "dpkit.strategies.ddp:DDP",
+    "fsdp": "dpkit.strategies.fsdp:FSDP",
 }
 
 

@@ -81,6 +81,9 @@ class Strategy:
     # one process: rank 0 of 1; strategies with a process per device set these from the launcher's environment
     rank = 0
     world_size = 1
+    # the Engine's precision ("32", "bf16-mixed", "16-mixed"), set before wrapping; the Engine applies it
+    # (autocast, GradScaler), and a strategy that also applies it itself (fsdp's gathers in bf16) reads it
+    precision = "32"
 
     def __init__(self, devices: Sequence[torch.device]):
         self.devices = list(devices)
@@ -171,6 +174,16 @@ class Strategy:
 
     def load_optimizer_state(self, optimizer: Any, state: dict[str, Any]) -> None:
         optimizer.load_state_dict(state)
+
+    def sharded_state(self, model: nn.Module, optimizers: Sequence[Any]) -> dict[str, Any] | None:
+        """This process's shards of the model ("model") and of each optimizer ("optimizers": {"0": …}), which
+        save_state writes through torch.distributed.checkpoint; None (the default): the state is saved whole,
+        from model_state and optimizer_state. Strategies whose traits say `sharded` return the shards."""
+        return None
+
+    def load_sharded_state(self, model: nn.Module, optimizers: Sequence[Any], state: dict[str, Any]) -> None:
+        """Apply what sharded_state returned, filled from a saved state (same keys, this process's layout)."""
+        raise NotImplementedError(f"strategy '{self.name}' saves whole states; it has no sharded state to load")
 
     def weights_loaded(self) -> None:
         """The user's model just received new weights; copies elsewhere must follow."""

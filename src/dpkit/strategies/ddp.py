@@ -1,186 +1,38 @@
 """ddp: torch's DistributedDataParallel, one process per device; gloo on CPU, NCCL on GPUs.
 
-Processes come from `dpkit launch` (torch.distributed.run), which sets RANK, WORLD_SIZE, LOCAL_RANK and
-the rendezvous address. Each process keeps one replica; DDP all-reduces gradient buckets while backward
-runs. Two things plain DDP gets wrong for a global batch, fixed here:
-
-- Data: every process iterates the same global batches (same sampler order) and loads only its own
-  contiguous share, sized by dpkit.split_sizes, so the shares of one step are exactly the global batch,
-  and in evaluation every sample is seen once, by one process, with no padding duplicates.
-- Weighting: DDP averages per-process mean losses, which over-weights the samples of a smaller share.
-  Scaling each process's loss by n_rank * world / N before DDP's average gives sum(n_rank / N * grad_rank),
-  the single-device gradient of the mean over all N samples. The Engine's loader records n_rank and N with
-  each batch it yields and asks `loss_weight` for the factor, which it passes to backward in `scale`.
-Both rules are ProcessShares, which the strategy's data hooks (global_batches, batch_share, loss_weight) use.
+Each process keeps one replica; DDP all-reduces gradient buckets while backward runs. The processes, the
+data rule (every process loads its contiguous share of each global batch) and the loss weight that makes
+DDP's average the single-device gradient on uneven shares come from per_device.PerDeviceStrategy.
 """
 
 from __future__ import annotations
 
 import contextlib
-import logging
-import os
 import time
-from collections.abc import Sequence
 from contextlib import AbstractContextManager
-from datetime import timedelta
-from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
-from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, RandomSampler
 
-from dpkit.checks import check_int
-from dpkit.devices import cpu_threads_per_device
-from dpkit.launch.environment import HANG_TIMEOUT_VARIABLE, LAUNCH_VARIABLES, launched
-from dpkit.launch.heartbeat import ProgressHeartbeat
-from dpkit.launch.rendezvous import rendezvous_store
 from dpkit.parallel import hooks
-from dpkit.parallel.scatter import split_sizes
-from dpkit.strategies.base import ON_ROOT, PER_DEVICE, PERSISTENT, Strategy, Traits
+from dpkit.strategies.base import ON_ROOT, PER_DEVICE, PERSISTENT, Traits
+from dpkit.strategies.per_device import PerDeviceStrategy
 from dpkit.strategies.single import one_device_forward
 
-log = logging.getLogger("dpkit")
 
-
-class _BelowWarning(logging.Filter):
-    def filter(self, record: logging.LogRecord) -> bool:
-        return record.levelno >= logging.WARNING
-
-
-class ProcessShares:
-    """ddp's data rule, apart from the processes so it can be checked without them: every process iterates
-    the same global batches, in the same order, loads its contiguous share of each (sizes by split_sizes),
-    and scales its mean loss by its share (`loss_weight`)."""
-
-    def __init__(self, rank: int, world_size: int, seed: int):
-        self.rank, self.world_size, self.seed = rank, world_size, seed
-
-    def global_batches(self, loader: DataLoader) -> Any:
-        if isinstance(loader.sampler, DistributedSampler):
-            raise ValueError(
-                "loader: do not pass a DistributedSampler; engine.setup_dataloader gives each process its share of "
-                "every global batch itself (give the loader the global batch size)"
-            )
-        sampler = loader.sampler
-        if (
-            type(sampler) is RandomSampler
-            and sampler.generator is None
-            and loader.generator is None
-            and not sampler.replacement
-            and sampler.num_samples == len(loader.dataset)
-        ):
-            # the global RNG may differ between processes; draw the order from (seed, epoch) instead
-            shuffle = DistributedSampler(loader.dataset, num_replicas=1, rank=0, shuffle=True, seed=self.seed)
-            return BatchSampler(shuffle, loader.batch_size, loader.drop_last)
-        return loader.batch_sampler
-
-    def batch_share(self, indices: list[int]) -> list[int]:
-        sizes = split_sizes(len(indices), self.world_size)
-        if sizes[self.rank] == 0:
-            raise ValueError(
-                f"batch_size: a global batch of {len(indices)} samples "
-                f"cannot give each of {self.world_size} processes a "
-                "sample; use a batch size of at least the world size, or drop_last=True"
-            )
-        start = sum(sizes[: self.rank])
-        return indices[start : start + sizes[self.rank]]
-
-    def loss_weight(self, rows: int, global_rows: int) -> float:
-        # DDP averages the processes' gradients; n_rank * world / N turns that average into sum(n_rank / N * grad_rank)
-        return rows * self.world_size / global_rows
-
-
-# DDP modules whose process group was destroyed: see DDP.teardown
-_KEPT_UNTIL_EXIT: list[nn.Module] = []
-# how long teardown gives the GIL away for gloo's threads to release their last collectives: see DDP.teardown
-_GLOO_RELEASE_SECONDS = 0.05
-
-
-class DDP(Strategy):
+class DDP(PerDeviceStrategy):
     name = "ddp"
     traits = Traits(processes=PER_DEVICE, loss=ON_ROOT, replicas=PERSISTENT)
-    options = ("timeout_seconds", "seed", "threads_per_device", "init_timeout_seconds")
-
-    def __init__(
-        self,
-        devices: Sequence[torch.device],
-        *,
-        timeout_seconds: float = 300.0,
-        seed: int = 0,
-        threads_per_device: int | None = None,
-        init_timeout_seconds: float = 60.0,
-    ):
-        if not launched():
-            raise RuntimeError(
-                "strategy='ddp' runs one process per device, and this process was not started by a launcher "
-                f"({', '.join(n for n in LAUNCH_VARIABLES if n not in os.environ)} unset); start the script with "
-                "`dpkit launch --nproc-per-node N script.py ...` (dpkit train --strategy ddp does this itself)"
-            )
-        super().__init__(devices)
-        self.rank = int(os.environ["RANK"])
-        self.world_size = int(os.environ["WORLD_SIZE"])
-        self.local_rank = int(os.environ["LOCAL_RANK"])
-        self.local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", len(self.devices)))
-        if self.local_world_size != len(self.devices):
-            raise ValueError(
-                f"devices: {len(self.devices)} devices but the launcher started "
-                f"{self.local_world_size} processes on this "
-                f"node; pass devices={self.local_world_size} or launch with --nproc-per-node {len(self.devices)}"
-            )
-        self.device = self.devices[self.local_rank]
-        if threads_per_device is not None:
-            check_int(threads_per_device, "threads_per_device", meaning="intra-op threads per process")
-        self.threads_per_device = threads_per_device
-        self.timeout_seconds = timeout_seconds
-        self.init_timeout_seconds = init_timeout_seconds  # how long to wait for every rank to join
-        self.seed = seed
-        self._process_shares: ProcessShares | None = None
-        self.ddp: nn.parallel.DistributedDataParallel | None = None
-        self.bucket_seconds: list[tuple[float, float]] = []  # (started, reduced) per bucket, while observed
-
-    @property
-    def root_device(self) -> torch.device:
-        return self.device
-
-    def setup_environment(self) -> None:
-        if self.device.type == "cpu":
-            torch.set_num_threads(self.threads_per_device or cpu_threads_per_device(self.local_world_size))
-        else:
-            torch.cuda.set_device(self.device)
-        self._heartbeat = None
-        if not dist.is_initialized():
-            backend = "gloo" if self.device.type == "cpu" else "nccl"
-            # every rank's arrival is awaited in short, interruptible waits, at most init_timeout_seconds
-            store = rendezvous_store(
-                self.rank,
-                self.world_size,
-                wait_seconds=min(self.init_timeout_seconds, self.timeout_seconds),
-                timeout_seconds=self.timeout_seconds,
-            )
-            # a bounded timeout: a collective whose peer died fails instead of waiting for the default 30 minutes
-            dist.init_process_group(
-                backend,
-                store=store,
-                rank=self.rank,
-                world_size=self.world_size,
-                timeout=timedelta(seconds=self.timeout_seconds),
-            )
-        if os.environ.get(HANG_TIMEOUT_VARIABLE):
-            # the launcher watches for a rank that stops making progress; tell it how far this one is
-            hang_timeout_seconds = float(os.environ[HANG_TIMEOUT_VARIABLE])
-            self._heartbeat = ProgressHeartbeat(self.rank, interval_seconds=min(1.0, hang_timeout_seconds / 4)).start()
-        if self.rank != 0 and not any(isinstance(f, _BelowWarning) for f in log.filters):
-            log.addFilter(_BelowWarning())
 
     def wrap_model(self, model: nn.Module) -> nn.Module:
         model = model.to(self.device)
         device_ids = [self.device.index] if self.device.type == "cuda" else None
-        self.ddp = nn.parallel.DistributedDataParallel(model, device_ids=device_ids)
+        self.wrapped = nn.parallel.DistributedDataParallel(model, device_ids=device_ids)
+        self.bucket_seconds: list[tuple[float, float]] = []  # (started, reduced) per bucket, while observed
         # torch's own all-reduce hook (the same arithmetic as DDP's default), timed while anyone listens
-        self.ddp.register_comm_hook(None, self._all_reduce_bucket)
-        return self.ddp
+        self.wrapped.register_comm_hook(None, self._all_reduce_bucket)
+        return self.wrapped
 
     def _all_reduce_bucket(self, state, bucket):  # unannotated: torch checks annotations against its own classes
         reduced = allreduce_hook(state, bucket)
@@ -199,7 +51,7 @@ class DDP(Strategy):
     def announce_all_reduce(self) -> None:
         """Tell listeners the all-reduce time of the backward that just ended, and the part of it hidden
         behind backward's computation (which ends when the last bucket is ready, i.e. launched)."""
-        buckets, self.bucket_seconds = sorted(self.bucket_seconds), []
+        buckets, self.bucket_seconds = sorted(getattr(self, "bucket_seconds", [])), []
         if not buckets:
             return
         compute_end = max(started for started, _ in buckets)
@@ -214,82 +66,11 @@ class DDP(Strategy):
             hooks.span("all_reduce", self.device, started, reduced - started, hidden)
 
     def forward_context(self, args: tuple, kwargs: dict) -> AbstractContextManager:
-        return one_device_forward(self.ddp.module if self.ddp is not None else None, self.device, args, kwargs)
-
-    def all_gather_object(self, obj: Any) -> list[Any]:
-        gathered: list[Any] = [None] * self.world_size
-        dist.all_gather_object(gathered, obj)
-        return gathered
-
-    # --- the data: ProcessShares, with rank 0's seed ----------------------------------------------------
-    def _shares(self) -> ProcessShares:
-        if self._process_shares is None:  # every process asks at the same point (setting up a loader): a collective
-            seed = torch.tensor([self.seed], dtype=torch.int64, device=self._collective_device())
-            dist.broadcast(seed, src=0)
-            self._process_shares = ProcessShares(self.rank, self.world_size, int(seed.item()))
-        return self._process_shares
-
-    def global_batches(self, loader: DataLoader) -> Any:
-        return self._shares().global_batches(loader)
-
-    def batch_share(self, indices: list[int]) -> list[int]:
-        return self._shares().batch_share(indices)
-
-    def loss_weight(self, rows: int, global_rows: int) -> float:
-        return self._shares().loss_weight(rows, global_rows)
+        return one_device_forward(self.wrapped.module if self.wrapped is not None else None, self.device, args, kwargs)
 
     def backward(self, loss: torch.Tensor, *, scale: float, sync: bool) -> None:
         # `scale` includes this process's loss weight (its rows * world / global rows, from the batch's record)
-        skip_sync = self.ddp.no_sync() if (not sync and self.ddp is not None) else contextlib.nullcontext()
+        skip_sync = self.wrapped.no_sync() if (not sync and self.wrapped is not None) else contextlib.nullcontext()
         with skip_sync, hooks.phase("backward", self.device):  # includes waiting for the last buckets' all-reduce
             (loss * scale if scale != 1.0 else loss).backward()
         self.announce_all_reduce()
-
-    # --- collectives -------------------------------------------------------------------------------
-    def _collective_device(self) -> torch.device:
-        return self.device if self.device.type == "cuda" else torch.device("cpu")
-
-    def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
-        result = tensor.detach().to(self._collective_device(), copy=True)
-        dist.all_reduce(result, op=dist.ReduceOp.SUM)
-        return result / self.world_size if op == "mean" else result
-
-    def all_gather_rows(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Every process's rows, concatenated in rank order (uneven row counts allowed)."""
-        local = tensor.detach().to(self._collective_device())
-        rows = torch.tensor([local.shape[0]], dtype=torch.int64, device=local.device)
-        all_rows = [torch.zeros_like(rows) for _ in range(self.world_size)]
-        dist.all_gather(all_rows, rows)
-        counts = [int(r.item()) for r in all_rows]
-        padded = torch.zeros((max(counts),) + tuple(local.shape[1:]), dtype=local.dtype, device=local.device)
-        padded[: local.shape[0]] = local
-        parts = [torch.empty_like(padded) for _ in range(self.world_size)]
-        dist.all_gather(parts, padded)
-        return torch.cat([part[:count] for part, count in zip(parts, counts)]).to(tensor.device)
-
-    def barrier(self) -> None:
-        dist.barrier()
-
-    def teardown(self) -> None:
-        if getattr(self, "_heartbeat", None) is not None:
-            self._heartbeat.stop()
-            self._heartbeat = None
-        if dist.is_initialized():
-            # every rank arrives before any closes its connections: a rank that tears gloo down while a
-            # peer is still finishing its last collective can abort at exit ("terminate called ...")
-            dist.barrier()
-            if self.ddp is not None:
-                # Freeing DDP's Reducer right away frees the gloo process group, whose destructor joins gloo's
-                # worker thread while holding the GIL; if that thread is still freeing a finished work that
-                # holds Python tensors (all_gather_object's), it waits for the GIL: a deadlock, seen under load
-                # at the end of `dpkit profile --strategy ddp`. Kept for the life of the process instead.
-                _KEPT_UNTIL_EXIT.append(self.ddp)
-            dist.destroy_process_group()
-            # gloo's worker threads drop their last collectives (the barrier's, and the all-reduce it waited
-            # for) just after those completed; a tensor Python once held (DDP's bucket, which went through
-            # the comm hook) takes the GIL to be freed. Should the script end within those moments, the
-            # thread takes the GIL while the interpreter finalizes, CPython ends it (pthread_exit), and in
-            # C++ that is std::terminate: "terminate called without an active exception", SIGABRT at exit.
-            # Giving the GIL away for a moment lets them finish first.
-            time.sleep(_GLOO_RELEASE_SECONDS)
-        self.ddp = None

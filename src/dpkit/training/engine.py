@@ -50,6 +50,13 @@ from dpkit.training.checkpoint import (
     strip_prefixes,
     unwrap_model,
 )
+from dpkit.training.shards import (
+    check_shard_shapes,
+    load_into,
+    numbered_optimizer_state,
+    read_whole,
+    verify_shards,
+)
 from dpkit.training.state import (
     STATE_FORMAT,
     BatchRecord,
@@ -213,6 +220,7 @@ class Engine:
             keep_freed_host_memory()
         self.strategy: Strategy = create_strategy(strategy, self.devices, **strategy_options)
         self.precision = Precision(precision, self.devices[0].type)
+        self.strategy.precision = self.precision.precision
         if self.precision.scaler is not None and not self.strategy.traits.grad_scaler:
             able = ", ".join(matching(lambda traits: traits.grad_scaler))
             raise ValueError(
@@ -423,9 +431,15 @@ class Engine:
                 "accumulation window, before its optimizer.step(); call it after optimizer.step()"
             )
         directory = Path(directory)
-        # every process takes part: a strategy whose state is spread over the processes gathers it here
-        model_state = self.strategy.model_state(unwrap_model(self._bare_model))
-        optimizer_states = [self.strategy.optimizer_state(optimizer.optimizer) for optimizer in self._optimizers]
+        bare = unwrap_model(self._bare_model)
+        optimizers = [optimizer.optimizer for optimizer in self._optimizers]
+        # every process takes part: a sharded strategy's processes each write their shards (DCP); another
+        # strategy whose state is spread over the processes gathers it to rank 0 here
+        shards = self.strategy.sharded_state(bare, optimizers)
+        model_state, optimizer_states = None, None
+        if shards is None:
+            model_state = self.strategy.model_state(bare)
+            optimizer_states = [self.strategy.optimizer_state(optimizer) for optimizer in optimizers]
         shared = None
         if self.is_global_zero:
             shared = {
@@ -436,8 +450,10 @@ class Engine:
                 "devices": [str(d) for d in self.devices],
                 "precision": self.precision.precision,
                 "accumulate": self.accumulate,
-                "model": detached_on_cpu(strip_prefixes(model_state)),
+                "model": None if shards is not None else detached_on_cpu(strip_prefixes(model_state)),
                 "optimizers": optimizer_states,
+                # with shards: the optimizers' param group sizes, checked before a load reads any shard
+                "optimizer_groups": [[len(group["params"]) for group in opt.param_groups] for opt in optimizers],
                 "scaler": self.precision.scaler.state_dict() if self.precision.scaler is not None else None,
                 "loaders": [loader.position() for loader in self._loaders],
                 # what a strategy learned that decides its arithmetic (dp-balanced: its chunk sizes)
@@ -446,7 +462,7 @@ class Engine:
             }
         mine = {"rank": self.rank, "rng": capture_rng(), "loaders": [loader.order_state() for loader in self._loaders]}
         written = write_state_directory(
-            directory, self.step, shared, mine, rank=self.rank, keep=keep, barrier=self.barrier
+            directory, self.step, shared, mine, rank=self.rank, keep=keep, barrier=self.barrier, shards=shards
         )
         if self.is_global_zero:
             log.info("saved the training state at step %d to %s", self.step, written)
@@ -465,9 +481,27 @@ class Engine:
         # read onto the CPU: load_state_dict moves weights and optimizer state to their parameters' devices
         chosen, shared, mine = read_state_directory(directory, self.rank, map_location="cpu")
         source = chosen / "state.pt"
+        bare = unwrap_model(self._bare_model)
+        optimizers = [optimizer.optimizer for optimizer in self._optimizers]
         # --- check everything first ---
-        model_state = check_state_dict(unwrap_model(self._bare_model), shared.get("model", {}), source)
-        saved_optimizers = shared.get("optimizers", [])
+        shards = chosen / shared["shards"] if shared.get("shards") else None
+        sharded_load = False  # this strategy reads its own shards of a sharded state (DCP reshards them)
+        if shards is not None:
+            self._verify_shards(shards, shared.get("shard_digests") or {})
+            sharded_load = self.strategy.traits.sharded
+            if sharded_load:
+                check_shard_shapes(bare, shards)
+                model_state, saved_optimizers = None, [{"param_groups": []}] * len(shared["optimizer_groups"])
+            else:  # a whole state in this process: the shards joined (any strategy resumes a sharded run)
+                whole = read_whole(shards)
+                model_state = check_state_dict(bare, whole.get("model", {}), shards)
+                saved_optimizers = [
+                    numbered_optimizer_state(whole["optimizers"][str(index)])
+                    for index in range(len(shared["optimizer_groups"]))
+                ]
+        else:
+            model_state = check_state_dict(bare, shared.get("model", {}), source)
+            saved_optimizers = shared.get("optimizers", [])
         if len(saved_optimizers) != len(self._optimizers):
             raise ValueError(
                 f"optimizer: the state holds {len(saved_optimizers)} optimizer(s), "
@@ -481,6 +515,8 @@ class Engine:
                 if isinstance(saved, dict)
                 else None
             )
+            if sharded_load:
+                saved_groups = list(shared["optimizer_groups"][index])
             if groups != saved_groups:
                 raise ValueError(
                     f"optimizer {index}: the state has param groups of sizes {saved_groups}, this optimizer {groups}; "
@@ -513,9 +549,12 @@ class Engine:
                 self.world_size,
             )
         # --- then change everything ---
-        self.strategy.load_model_state(unwrap_model(self._bare_model), model_state)
-        for optimizer, saved in zip(self._optimizers, saved_optimizers):
-            self.strategy.load_optimizer_state(optimizer.optimizer, saved)
+        if sharded_load:
+            self._load_shards(bare, optimizers, shards)
+        else:
+            self.strategy.load_model_state(bare, model_state)
+            for optimizer, saved in zip(optimizers, saved_optimizers):
+                self.strategy.load_optimizer_state(optimizer, saved)
         if self.precision.scaler is not None and shared.get("scaler"):
             self.precision.scaler.load_state_dict(shared["scaler"])
         strategy_state = shared.get("strategy_state")
@@ -539,6 +578,31 @@ class Engine:
         restore_rng(mine["rng"])
         log.info("resumed from %s at step %d", chosen, self.step)
         return {name: entry["value"] for name, entry in extras.items()}
+
+    def _verify_shards(self, folder: Path, digests: dict[str, str]) -> None:
+        """Every shard file's checksum, each process checking its part; all raise if any part is damaged."""
+        names = sorted(digests)
+        mine = {name: digests[name] for name in names[self.rank :: self.world_size]}
+        try:
+            verify_shards(folder, mine)
+            problem = None
+        except CheckpointCorruptError as error:
+            problem = str(error)
+        found = next((p for p in self.strategy.all_gather_object(problem) if p), None)
+        if found:
+            raise CheckpointCorruptError(found)
+
+    def _load_shards(self, bare: nn.Module, optimizers: list[Any], folder: Path) -> None:
+        """Read this process's shards into copies, then apply them: a load that fails leaves the model as it was,
+        and the optimizers too (asking a fresh optimizer for its sharded state initializes it; undone here)."""
+        before = [optimizer.state_dict() for optimizer in optimizers]
+        try:
+            filled = load_into(self.strategy.sharded_state(bare, optimizers), folder)
+        except Exception:
+            for optimizer, state in zip(optimizers, before):
+                optimizer.load_state_dict(state)
+            raise
+        self.strategy.load_sharded_state(bare, optimizers, filled)
 
     def close(self) -> None:
         """Release the strategy's resources (the process group under ddp)."""

@@ -13,8 +13,10 @@ What makes a resumed run equal to one that never stopped, besides weights and op
 
 A state is a directory `step-NNNNNNNN/` under the folder the user names, holding `state.pt` (what every
 process shares: model, optimizers, scaler, step, data position, extras; written by rank 0) and
-`rank-R.pt` (each process's generators). It is written into a temporary sibling, every file fsynced,
-renamed into place, and then the folder's `latest` pointer is replaced atomically.
+`rank-R.pt` (each process's generators); a sharded strategy's model and optimizers are in `shards/`
+instead, each process's part written by itself (training/shards.py). It is written into a temporary
+sibling, every file fsynced, renamed into place, and then the folder's `latest` pointer is replaced
+atomically.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ from dpkit.training.checkpoint import (
     read_checked,
     write_checked,
 )
+from dpkit.training.shards import SHARDS, shard_digests, write_shards
 
 log = logging.getLogger("dpkit")
 
@@ -426,8 +429,11 @@ def write_state_directory(
     rank: int,
     keep: int | None,
     barrier: Callable[[], None],
+    shards: dict[str, Any] | None = None,
 ) -> Path:
-    """Write one state directory; every process calls this (rank 0 passes `shared`)."""
+    """Write one state directory; every process calls this (rank 0 passes `shared`). With `shards` (a sharded
+    strategy's state, on every process) each process writes its shards into the folder SHARDS through
+    torch.distributed.checkpoint, and rank 0 records every shard file's SHA-256 in `shared`."""
     root = Path(root)
     name = step_directory_name(step)
     final, temporary = root / name, root / f".{name}.tmp"
@@ -438,6 +444,11 @@ def write_state_directory(
         remove_stale_state_temporaries(root)
         temporary.mkdir()
     barrier()
+    if shards is not None:
+        write_shards(shards, temporary / SHARDS)
+        barrier()
+        if rank == 0:
+            shared["shards"], shared["shard_digests"] = SHARDS, shard_digests(temporary / SHARDS)
     with open(temporary / f"rank-{rank}.pt", "wb") as handle:
         write_checked(mine, handle)
     if rank == 0:
@@ -445,6 +456,8 @@ def write_state_directory(
             write_checked(shared, handle)
     barrier()
     if rank == 0:
+        if (temporary / SHARDS).is_dir():
+            fsync_directory(temporary / SHARDS)
         fsync_directory(temporary)
         replaced = None
         if final.exists():  # the same step saved again: move the old one aside, then drop it

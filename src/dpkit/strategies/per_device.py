@@ -1,0 +1,243 @@
+"""What the strategies with one process per device share (ddp, fsdp); not a strategy itself.
+
+Processes come from `dpkit launch` (torch.distributed.run), which sets RANK, WORLD_SIZE, LOCAL_RANK and
+the rendezvous address. `PerDeviceStrategy` joins them in a process group (gloo on CPU, NCCL on GPUs),
+tells the launcher's hang watch how far this rank is, and gives every process its share of each global
+batch with the loss weight that makes the exchanged gradient the single-device one:
+
+- Data: every process iterates the same global batches (same sampler order) and loads only its own
+  contiguous share, sized by dpkit.split_sizes, so the shares of one step are exactly the global batch,
+  and in evaluation every sample is seen once, by one process, with no padding duplicates.
+- Weighting: DDP and FSDP average per-process mean losses' gradients, which over-weights the samples of a
+  smaller share. Scaling each process's loss by n_rank * world / N before the average gives
+  sum(n_rank / N * grad_rank), the single-device gradient of the mean over all N samples. The Engine's
+  loader records n_rank and N with each batch it yields and asks `loss_weight` for the factor, which it
+  passes to backward in `scale`.
+Both rules are ProcessShares, which the data hooks (global_batches, batch_share, loss_weight) use.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Sequence
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, RandomSampler
+
+from dpkit.checks import check_int
+from dpkit.devices import cpu_threads_per_device
+from dpkit.launch.environment import HANG_TIMEOUT_VARIABLE, LAUNCH_VARIABLES, launched
+from dpkit.launch.heartbeat import ProgressHeartbeat
+from dpkit.launch.rendezvous import rendezvous_store
+from dpkit.parallel.scatter import split_sizes
+from dpkit.strategies.base import Strategy
+
+log = logging.getLogger("dpkit")
+
+
+class _BelowWarning(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno >= logging.WARNING
+
+
+class ProcessShares:
+    """The data rule, apart from the processes so it can be checked without them: every process iterates
+    the same global batches, in the same order, loads its contiguous share of each (sizes by split_sizes),
+    and scales its mean loss by its share (`loss_weight`)."""
+
+    def __init__(self, rank: int, world_size: int, seed: int):
+        self.rank, self.world_size, self.seed = rank, world_size, seed
+
+    def global_batches(self, loader: DataLoader) -> Any:
+        if isinstance(loader.sampler, DistributedSampler):
+            raise ValueError(
+                "loader: do not pass a DistributedSampler; engine.setup_dataloader gives each process its share of "
+                "every global batch itself (give the loader the global batch size)"
+            )
+        sampler = loader.sampler
+        if (
+            type(sampler) is RandomSampler
+            and sampler.generator is None
+            and loader.generator is None
+            and not sampler.replacement
+            and sampler.num_samples == len(loader.dataset)
+        ):
+            # the global RNG may differ between processes; draw the order from (seed, epoch) instead
+            shuffle = DistributedSampler(loader.dataset, num_replicas=1, rank=0, shuffle=True, seed=self.seed)
+            return BatchSampler(shuffle, loader.batch_size, loader.drop_last)
+        return loader.batch_sampler
+
+    def batch_share(self, indices: list[int]) -> list[int]:
+        sizes = split_sizes(len(indices), self.world_size)
+        if sizes[self.rank] == 0:
+            raise ValueError(
+                f"batch_size: a global batch of {len(indices)} samples "
+                f"cannot give each of {self.world_size} processes a "
+                "sample; use a batch size of at least the world size, or drop_last=True"
+            )
+        start = sum(sizes[: self.rank])
+        return indices[start : start + sizes[self.rank]]
+
+    def loss_weight(self, rows: int, global_rows: int) -> float:
+        # the gradients are averaged over processes; n_rank * world / N turns that into sum(n_rank / N * grad_rank)
+        return rows * self.world_size / global_rows
+
+
+# wrapped modules whose process group was destroyed: see PerDeviceStrategy.teardown
+_KEPT_UNTIL_EXIT: list[nn.Module] = []
+# how long teardown gives the GIL away for gloo's threads to release their last collectives: see teardown
+_GLOO_RELEASE_SECONDS = 0.05
+
+
+class PerDeviceStrategy(Strategy):
+    """One process per device, joined in a process group: the data, the collectives and the teardown that
+    ddp and fsdp share. A subclass wraps the model (keeping what holds the process group in `self.wrapped`)."""
+
+    options = ("timeout_seconds", "seed", "threads_per_device", "init_timeout_seconds")
+
+    def __init__(
+        self,
+        devices: Sequence[torch.device],
+        *,
+        timeout_seconds: float = 300.0,
+        seed: int = 0,
+        threads_per_device: int | None = None,
+        init_timeout_seconds: float = 60.0,
+    ):
+        if not launched():
+            raise RuntimeError(
+                f"strategy='{self.name}' runs one process per device, and this process was not started by a launcher "
+                f"({', '.join(n for n in LAUNCH_VARIABLES if n not in os.environ)} unset); start the script with "
+                f"`dpkit launch --nproc-per-node N script.py ...` (dpkit train --strategy {self.name} does this itself)"
+            )
+        super().__init__(devices)
+        self.rank = int(os.environ["RANK"])
+        self.world_size = int(os.environ["WORLD_SIZE"])
+        self.local_rank = int(os.environ["LOCAL_RANK"])
+        self.local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", len(self.devices)))
+        if self.local_world_size != len(self.devices):
+            raise ValueError(
+                f"devices: {len(self.devices)} devices but the launcher started "
+                f"{self.local_world_size} processes on this "
+                f"node; pass devices={self.local_world_size} or launch with --nproc-per-node {len(self.devices)}"
+            )
+        self.device = self.devices[self.local_rank]
+        if threads_per_device is not None:
+            check_int(threads_per_device, "threads_per_device", meaning="intra-op threads per process")
+        self.threads_per_device = threads_per_device
+        self.timeout_seconds = timeout_seconds
+        self.init_timeout_seconds = init_timeout_seconds  # how long to wait for every rank to join
+        self.seed = seed
+        self._process_shares: ProcessShares | None = None
+        self._heartbeat: ProgressHeartbeat | None = None
+        self.wrapped: nn.Module | None = None  # the wrapped model, which holds on to the process group
+
+    @property
+    def root_device(self) -> torch.device:
+        return self.device
+
+    def setup_environment(self) -> None:
+        if self.device.type == "cpu":
+            torch.set_num_threads(self.threads_per_device or cpu_threads_per_device(self.local_world_size))
+        else:
+            torch.cuda.set_device(self.device)
+        if not dist.is_initialized():
+            backend = "gloo" if self.device.type == "cpu" else "nccl"
+            # every rank's arrival is awaited in short, interruptible waits, at most init_timeout_seconds
+            store = rendezvous_store(
+                self.rank,
+                self.world_size,
+                wait_seconds=min(self.init_timeout_seconds, self.timeout_seconds),
+                timeout_seconds=self.timeout_seconds,
+            )
+            # a bounded timeout: a collective whose peer died fails instead of waiting for the default 30 minutes
+            dist.init_process_group(
+                backend,
+                store=store,
+                rank=self.rank,
+                world_size=self.world_size,
+                timeout=timedelta(seconds=self.timeout_seconds),
+            )
+        if os.environ.get(HANG_TIMEOUT_VARIABLE):
+            # the launcher watches for a rank that stops making progress; tell it how far this one is
+            hang_timeout_seconds = float(os.environ[HANG_TIMEOUT_VARIABLE])
+            self._heartbeat = ProgressHeartbeat(self.rank, interval_seconds=min(1.0, hang_timeout_seconds / 4)).start()
+        if self.rank != 0 and not any(isinstance(f, _BelowWarning) for f in log.filters):
+            log.addFilter(_BelowWarning())
+
+    # --- the data: ProcessShares, with rank 0's seed ----------------------------------------------------
+    def _shares(self) -> ProcessShares:
+        if self._process_shares is None:  # every process asks at the same point (setting up a loader): a collective
+            seed = torch.tensor([self.seed], dtype=torch.int64, device=self.collective_device())
+            dist.broadcast(seed, src=0)
+            self._process_shares = ProcessShares(self.rank, self.world_size, int(seed.item()))
+        return self._process_shares
+
+    def global_batches(self, loader: DataLoader) -> Any:
+        return self._shares().global_batches(loader)
+
+    def batch_share(self, indices: list[int]) -> list[int]:
+        return self._shares().batch_share(indices)
+
+    def loss_weight(self, rows: int, global_rows: int) -> float:
+        return self._shares().loss_weight(rows, global_rows)
+
+    # --- collectives -------------------------------------------------------------------------------
+    def collective_device(self) -> torch.device:
+        return self.device if self.device.type == "cuda" else torch.device("cpu")
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        gathered: list[Any] = [None] * self.world_size
+        dist.all_gather_object(gathered, obj)
+        return gathered
+
+    def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        result = tensor.detach().to(self.collective_device(), copy=True)
+        dist.all_reduce(result, op=dist.ReduceOp.SUM)
+        return result / self.world_size if op == "mean" else result
+
+    def all_gather_rows(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Every process's rows, concatenated in rank order (uneven row counts allowed)."""
+        local = tensor.detach().to(self.collective_device())
+        rows = torch.tensor([local.shape[0]], dtype=torch.int64, device=local.device)
+        all_rows = [torch.zeros_like(rows) for _ in range(self.world_size)]
+        dist.all_gather(all_rows, rows)
+        counts = [int(r.item()) for r in all_rows]
+        padded = torch.zeros((max(counts),) + tuple(local.shape[1:]), dtype=local.dtype, device=local.device)
+        padded[: local.shape[0]] = local
+        parts = [torch.empty_like(padded) for _ in range(self.world_size)]
+        dist.all_gather(parts, padded)
+        return torch.cat([part[:count] for part, count in zip(parts, counts)]).to(tensor.device)
+
+    def barrier(self) -> None:
+        dist.barrier()
+
+    def teardown(self) -> None:
+        if self._heartbeat is not None:
+            self._heartbeat.stop()
+            self._heartbeat = None
+        if dist.is_initialized():
+            # every rank arrives before any closes its connections: a rank that tears gloo down while a
+            # peer is still finishing its last collective can abort at exit ("terminate called ...")
+            dist.barrier()
+            if self.wrapped is not None:
+                # Freeing DDP's Reducer right away frees the gloo process group, whose destructor joins gloo's
+                # worker thread while holding the GIL; if that thread is still freeing a finished work that
+                # holds Python tensors (all_gather_object's), it waits for the GIL: a deadlock, seen under load
+                # at the end of `dpkit profile --strategy ddp`. Kept for the life of the process instead.
+                _KEPT_UNTIL_EXIT.append(self.wrapped)
+            dist.destroy_process_group()
+            # gloo's worker threads drop their last collectives (the barrier's, and the all-reduce it waited
+            # for) just after those completed; a tensor Python once held (DDP's bucket, which went through
+            # the comm hook) takes the GIL to be freed. Should the script end within those moments, the
+            # thread takes the GIL while the interpreter finalizes, CPython ends it (pthread_exit), and in
+            # C++ that is std::terminate: "terminate called without an active exception", SIGABRT at exit.
+            # Giving the GIL away for a moment lets them finish first.
+            time.sleep(_GLOO_RELEASE_SECONDS)
+        self.wrapped = None

@@ -1,0 +1,134 @@
+"""Training runs for the fsdp tests: one Engine loop, run here (the single-device reference) or in every
+process under dpkit's launcher (`launched_runs`), several runs per launch to keep the tests fast."""
+
+from __future__ import annotations
+
+import json
+import textwrap
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.utils.data import DataLoader, RandomSampler, TensorDataset
+
+from dpkit.training.engine import Engine
+
+
+class Blocks(nn.Module):
+    """A residual stack in a ModuleList, so the default rule makes each block a unit of its own."""
+
+    def __init__(self, width: int = 32):
+        super().__init__()
+        self.embed = nn.Linear(20, width)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(width, width), nn.Tanh()) for _ in range(3))
+        self.head = nn.Linear(width, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.embed(x)
+        for block in self.blocks:
+            x = x + block(x)
+        return self.head(x)
+
+
+@dataclass
+class RunSpec:
+    strategy: str = "single"
+    devices: int = 1
+    batch_size: int = 64
+    steps: int = 4
+    accumulate: int = 1
+    optimizer: str = "sgd"
+    clip: float | None = None
+    precision: str = "32"
+    options: dict | None = None
+    save_at: int | None = None  # save_state at this step into `state`
+    resume: bool = False  # load_state from `state` first
+    state: str | None = None
+    save_model: str | None = None  # engine.save(model, this) at the end
+
+
+def whole(tensor: torch.Tensor) -> torch.Tensor:
+    """What one device would hold: a DTensor gathered (a collective)."""
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
+def data() -> TensorDataset:
+    generator = torch.Generator().manual_seed(11)
+    return TensorDataset(torch.randn(300, 20, generator=generator), torch.randint(0, 5, (300,), generator=generator))
+
+
+def train(spec: RunSpec, close: bool = True) -> dict:
+    """The weights after `spec.steps` steps and the gradient norm of every step (before clipping)."""
+    engine = Engine(
+        strategy=spec.strategy,
+        accelerator="cpu",
+        devices=spec.devices,
+        accumulate=spec.accumulate,
+        precision=spec.precision,
+        progress=False,
+        **(spec.options or {}),
+    )
+    torch.manual_seed(3)
+    model = Blocks()
+    optimizer = (
+        torch.optim.Adam(model.parameters(), lr=0.01)
+        if spec.optimizer == "adam"
+        else torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    )
+    model, optimizer = engine.setup(model, optimizer)
+    criterion = engine.setup_criterion(nn.CrossEntropyLoss())
+    order = RandomSampler(range(300), generator=torch.Generator().manual_seed(5))
+    loader = engine.setup_dataloader(DataLoader(data(), batch_size=spec.batch_size, sampler=order))
+    if spec.resume:
+        engine.load_state(spec.state)
+    norms, micro_batches = [], 0
+    while engine.step < spec.steps:
+        for x, y in loader:
+            optimizer.zero_grad()
+            engine.backward(criterion(model(x), y))
+            micro_batches += 1
+            if spec.clip is not None and micro_batches % spec.accumulate == 0:
+                norms.append(float(whole(torch.nn.utils.clip_grad_norm_(model.parameters(), spec.clip))))
+            optimizer.step()
+            if spec.save_at is not None and engine.step == spec.save_at:
+                engine.save_state(spec.state)
+            if engine.step == spec.steps:
+                break
+    if spec.save_model:
+        engine.save(model, spec.save_model)
+    bare = engine.model_copies()[0][0]
+    weights = {name: whole(p.detach()).clone() for name, p in bare.named_parameters()}
+    if close:
+        engine.close()
+    return {"weights": weights, "norms": norms}
+
+
+WORKER = textwrap.dedent("""
+    import json, os, sys
+    import torch
+    sys.path.insert(0, {here!r})
+    from fsdp_runs import RunSpec, train
+
+    specs = [RunSpec(**spec) for spec in json.loads({specs!r})]
+    results = [train(spec, close=index == len(specs) - 1) for index, spec in enumerate(specs)]
+    torch.save(results, {out!r} + f"-{{os.environ['RANK']}}.pt")
+""")
+
+
+def launched_runs(specs: list[RunSpec], devices: int, tmp_path: Path, name: str = "runs") -> list[list[dict]]:
+    """Every spec's result in every process (results[rank][index]), run one after another in one launch."""
+    from dpkit.launch import launch
+
+    script, out = tmp_path / f"{name}.py", tmp_path / name
+    script.write_text(
+        WORKER.format(here=str(Path(__file__).parent), specs=json.dumps([asdict(s) for s in specs]), out=str(out))
+    )
+    launch(str(script), nproc_per_node=devices)
+    return [torch.load(f"{out}-{rank}.pt", weights_only=True) for rank in range(devices)]
+
+
+def max_difference(mine: dict, theirs: dict) -> float:
+    assert mine.keys() == theirs.keys() and mine
+    return max((mine[k].float() - theirs[k].float()).abs().max().item() for k in mine)

@@ -1,0 +1,138 @@
+"""fsdp: equal to one device (even and uneven batches, SGD and Adam, accumulation, clipping, 2 and 3
+processes, both reshard settings), its default units, its options, and its sharded training state."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from fsdp_runs import Blocks, RunSpec, launched_runs, max_difference, train
+from torch import nn
+
+from dpkit.strategies.fsdp import FSDP, shard_units
+
+TOLERANCE = 1e-5
+
+
+def test_the_default_units_are_the_blocks_then_large_modules_never_a_tied_weight():
+    model = Blocks()
+    assert shard_units(model) == list(model.blocks)  # below the size threshold only the ModuleList's blocks
+    # innermost first: a block's Linear (1056 parameters) is a unit before its block; the head (165) is not
+    assert shard_units(model, min_parameters=600) == [model.embed, *(block[0] for block in model.blocks)]
+
+    class Tied(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embedding = nn.Embedding(100, 16)
+            self.inner = nn.Linear(16, 16)
+            self.head = nn.Linear(16, 100, bias=False)
+            self.head.weight = self.embedding.weight
+
+    tied = Tied()
+    # the embedding and the head share one weight: neither may gather it alone; the root keeps it
+    assert shard_units(tied, min_parameters=10) == [tied.inner]
+
+
+def test_fsdp_equals_one_device_with_sgd_adam_uneven_batches_accumulation_and_clipping(tmp_path):
+    specs = [
+        RunSpec(batch_size=64, optimizer="sgd", clip=0.5),
+        RunSpec(batch_size=67, optimizer="adam"),  # 34 + 33 rows on 2 processes, 23 + 22 + 22 on 3
+        RunSpec(batch_size=33, optimizer="adam", accumulate=2),
+    ]
+    singles = [train(spec) for spec in specs]
+    assert singles[0]["norms"] and min(singles[0]["norms"]) > 0.5  # the clip acts on every step
+    for devices, reshard in ((2, True), (3, False)):
+        options = {"reshard_after_forward": reshard}
+        sharded = [
+            RunSpec(**{**spec.__dict__, "strategy": "fsdp", "devices": devices, "options": options}) for spec in specs
+        ]
+        for rank, results in enumerate(launched_runs(sharded, devices, tmp_path, f"exact-{devices}")):
+            for spec, single, result in zip(specs, singles, results):
+                where = f"{devices} processes, reshard_after_forward={reshard}, rank {rank}, {spec}"
+                assert max_difference(result["weights"], single["weights"]) <= TOLERANCE, where
+                assert result["norms"] == pytest.approx(single["norms"], rel=1e-5), where
+
+
+def test_bf16_mixed_gathers_in_bf16_and_stays_close_to_one_device(tmp_path):
+    spec = RunSpec(precision="bf16-mixed", optimizer="adam")
+    single = train(spec)
+    (result,), _ = launched_runs([RunSpec(**{**spec.__dict__, "strategy": "fsdp", "devices": 2})], 2, tmp_path)
+    difference = max_difference(result["weights"], single["weights"])
+    # bf16 keeps 8 bits of mantissa: the two runs round differently, but train the same model
+    assert 0 < difference < 0.05
+    assert all(w.dtype == torch.float32 for w in result["weights"].values())  # the shards stay float32
+
+
+def test_options_are_checked_before_any_work(monkeypatch):
+    for variable, value in {
+        "RANK": "0",
+        "WORLD_SIZE": "1",
+        "LOCAL_RANK": "0",
+        "LOCAL_WORLD_SIZE": "1",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": "1",
+    }.items():
+        monkeypatch.setenv(variable, value)
+    cpu = [torch.device("cpu", 0)]
+    with pytest.raises(ValueError, match="offload: CPU offload .* needs CUDA"):
+        FSDP(cpu, offload=True)
+    with pytest.raises(TypeError, match="reshard_after_forward: expected True"):
+        FSDP(cpu, reshard_after_forward="yes")
+    with pytest.raises(TypeError, match="units: expected a function"):
+        FSDP(cpu, units=[nn.Linear(1, 1)])
+
+
+def test_a_sharded_state_resumes_bitwise_reshards_and_reads_back_whole_anywhere(tmp_path, capsys):
+    state, model_file = str(tmp_path / "state"), str(tmp_path / "model.pt")
+    fsdp = {"strategy": "fsdp", "devices": 2, "optimizer": "adam", "batch_size": 67}
+    in_one_go = RunSpec(**fsdp, steps=12, save_model=model_file)
+    stopped = RunSpec(**fsdp, steps=5, save_at=5, state=state)
+    resumed = RunSpec(**fsdp, steps=12, resume=True, state=state)
+    for results in launched_runs([in_one_go, stopped, resumed], 2, tmp_path, "resume"):
+        whole_run, _, finished = results
+        assert all(torch.equal(finished["weights"][k], whole_run["weights"][k]) for k in whole_run["weights"])
+
+    # each process wrote its own shards; state.pt holds no model, and records every shard file's checksum
+    step = tmp_path / "state" / "step-00000005"
+    shared = torch.load(step / "state.pt", weights_only=False)
+    assert shared["model"] is None and shared["shards"] == "shards"
+    assert sorted(shared["shard_digests"]) == sorted(p.name for p in (step / "shards").iterdir())
+    assert sum(name.endswith(".distcp") for name in shared["shard_digests"]) >= 2
+
+    # save_model: one whole state dict with the bare model's names, for plain torch.load
+    bare = Blocks()
+    bare.load_state_dict(torch.load(model_file, weights_only=True))
+    assert max_difference(dict(bare.named_parameters()), whole_run["weights"]) == 0
+
+    # 3 processes resume the 2-process state (DCP reshards); one process and ddp read it back whole
+    on_three = launched_runs([RunSpec(**{**resumed.__dict__, "devices": 3})], 3, tmp_path, "three")
+    on_ddp = launched_runs([RunSpec(**{**resumed.__dict__, "strategy": "ddp"})], 2, tmp_path, "ddp")
+    on_one = train(RunSpec(optimizer="adam", batch_size=67, steps=12, resume=True, state=state))
+    for result in (on_three[0][0], on_ddp[0][0], on_one):
+        assert max_difference(result["weights"], whole_run["weights"]) <= TOLERANCE
+
+    # and the CLI reads it: inspect verifies every shard, convert joins the model into one file
+    from dpkit.cli.main import main
+
+    assert main(["ckpt", "inspect", state]) == 0
+    printed = capsys.readouterr().out
+    assert "shards: shards/ written by 2 process(es)" in printed and "SHA-256 verified" in printed
+    assert "blocks.0.0.weight  32x32  float32" in printed
+    assert main(["ckpt", "convert", state, str(tmp_path / "joined.pt")]) == 0
+    joined = torch.load(tmp_path / "joined.pt", weights_only=True)
+    fresh = Blocks()
+    fresh.load_state_dict(joined)
+    stopped_one = train(RunSpec(optimizer="adam", batch_size=67, steps=5))  # the same 5 steps on one device
+    assert max_difference(dict(fresh.named_parameters()), stopped_one["weights"]) <= TOLERANCE
+
+
+def test_a_damaged_shard_is_named_by_every_process(tmp_path):
+    state = str(tmp_path / "state")
+    launched_runs([RunSpec(strategy="fsdp", devices=2, steps=2, save_at=2, state=state)], 2, tmp_path)
+    shard = sorted((tmp_path / "state" / "step-00000002" / "shards").glob("*.distcp"))[0]
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    from dpkit.training.checkpoint import CheckpointCorruptError
+
+    with pytest.raises(CheckpointCorruptError, match=f"{shard.name}: checksum mismatch"):
+        train(RunSpec(steps=3, resume=True, state=state))
