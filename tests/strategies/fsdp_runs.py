@@ -132,3 +132,51 @@ def launched_runs(specs: list[RunSpec], devices: int, tmp_path: Path, name: str 
 def max_difference(mine: dict, theirs: dict) -> float:
     assert mine.keys() == theirs.keys() and mine
     return max((mine[k].float() - theirs[k].float()).abs().max().item() for k in mine)
+
+
+def observed_memory(reshard_after_forward: bool) -> dict:
+    """Two observed Adam steps under fsdp: the observer's books next to the bytes this process's tensors hold."""
+    from dpkit.observe import Observer
+
+    engine = Engine(
+        strategy="fsdp", accelerator="cpu", devices=2, progress=False, reshard_after_forward=reshard_after_forward
+    )
+    torch.manual_seed(3)
+    model = Blocks(width=64)
+    model, optimizer = engine.setup(model, torch.optim.Adam(model.parameters(), lr=0.01))
+    x, y = data().tensors
+    bare = engine.model_copies()[0][0]
+
+    def step() -> None:
+        optimizer.zero_grad()
+        engine.backward(nn.functional.cross_entropy(model(x[:32]), y[:32]))
+        optimizer.step()
+
+    step()
+    with Observer(engine.device, models=engine.model_copies(), optimizers=[optimizer]) as observer:
+        step()
+        step()
+    account = observer.ledger.accounts[str(engine.device)]
+
+    def nbytes(tensors) -> int:  # each storage once: FSDP2's sharded gradients are views of one buffer
+        storages = {}
+        for tensor in tensors:
+            storage = (tensor.to_local() if isinstance(tensor, DTensor) else tensor).untyped_storage()
+            storages[storage.data_ptr()] = storage.nbytes()
+        return sum(storages.values())
+
+    def gathered_bytes(module: nn.Module) -> int:  # whole parameters, dim 0 padded to a multiple of the processes
+        return sum(-(-p.shape[0] // 2) * 2 * p[0].numel() * 4 for p in module.parameters())
+
+    result = {
+        "books": dict(account.current),
+        "peaks": dict(account.category_peaks),
+        "parameters": nbytes(bare.parameters()),
+        "gradients": nbytes(p.grad for p in bare.parameters()),
+        "optimizer_state": nbytes(v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v)),
+        "block_bytes": gathered_bytes(bare.blocks[0]),
+        "root_bytes": gathered_bytes(bare) - sum(gathered_bytes(b) for b in bare.blocks),
+        "model_bytes": gathered_bytes(bare),
+    }
+    engine.close()
+    return result

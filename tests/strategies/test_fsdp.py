@@ -136,3 +136,33 @@ def test_a_damaged_shard_is_named_by_every_process(tmp_path):
 
     with pytest.raises(CheckpointCorruptError, match=f"{shard.name}: checksum mismatch"):
         train(RunSpec(steps=3, resume=True, state=state))
+
+
+MEMORY_WORKER = """
+import os, sys, torch
+sys.path.insert(0, {here!r})
+from fsdp_runs import observed_memory
+torch.save([observed_memory(True), observed_memory(False)], {out!r} + "-" + os.environ["RANK"] + ".pt")
+"""
+
+
+def test_the_observer_books_the_shards_and_the_gathered_units_as_torch_holds_them(tmp_path):
+    from pathlib import Path
+
+    from dpkit.launch import launch
+
+    script, out = tmp_path / "memory.py", tmp_path / "memory"
+    script.write_text(MEMORY_WORKER.format(here=str(Path(__file__).parent), out=str(out)))
+    launch(str(script), nproc_per_node=2)
+    for rank in range(2):
+        resharding, keeping = torch.load(f"{out}-{rank}.pt", weights_only=True)
+        for run in (resharding, keeping):
+            # between steps: this process's shards of the parameters, of their gradients and of Adam's state
+            for category in ("parameters", "gradients", "optimizer_state"):
+                assert run["books"][category] == run[category] > 0, (rank, category)
+            assert run["parameters"] < run["model_bytes"] * 0.6  # a shard, not the whole model
+            assert run["books"]["gathered_parameters"] == 0  # nothing stays gathered after the step
+        # gathered at once: the root unit (it stays gathered from forward to backward) and one block;
+        # without resharding after forward every unit stays gathered until its backward
+        assert resharding["peaks"]["gathered_parameters"] == resharding["root_bytes"] + resharding["block_bytes"]
+        assert keeping["peaks"]["gathered_parameters"] == keeping["model_bytes"]

@@ -17,11 +17,27 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from dpkit.devices import parse_device, tensor_device
 
-CATEGORIES = ("parameters", "gradients", "optimizer_state", "activations", "gathered_outputs", "loss", "other")
+CATEGORIES = (
+    "parameters",
+    "gradients",
+    "optimizer_state",
+    "gathered_parameters",  # a sharded strategy's units gathered whole for their forward and backward (fsdp)
+    "activations",
+    "gathered_outputs",
+    "loss",
+    "other",
+)
+
+
+def _storage_holder(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor whose storage holds the bytes: a DTensor's local shard (a DTensor itself reports a storage of
+    the whole tensor's size, which this process does not hold)."""
+    return tensor._local_tensor if isinstance(tensor, DTensor) else tensor
 
 
 @dataclass
@@ -56,6 +72,7 @@ class MemoryLedger:
         # re-entrant: a weakref callback may fire inside our own critical section when we drop a reference
         self._lock = threading.RLock()
         self._entries: dict[int, tuple[str, str, int, weakref.ref]] = {}
+        self._levels: dict[tuple[str, str], int] = {}  # bytes told by set_level, not seen as allocations
         self.accounts: dict[str, DeviceAccount] = {}
 
     def account(self, device: str) -> DeviceAccount:
@@ -67,7 +84,7 @@ class MemoryLedger:
     def charge(self, tensor: torch.Tensor, device: str, category: str) -> bool:
         """Put the tensor's storage on `device`'s books under `category` (no-op if already there)."""
         try:
-            storage = tensor.untyped_storage()
+            storage = _storage_holder(tensor).untyped_storage()
             key = storage._cdata
             nbytes = storage.nbytes()
         except (RuntimeError, NotImplementedError):  # sparse, nested and other storage-less tensors
@@ -84,7 +101,7 @@ class MemoryLedger:
     def move(self, tensor: torch.Tensor, device: str, category: str) -> None:
         """Re-home a storage (e.g. a replica's gradient that became the reduced .grad on device 0)."""
         try:
-            storage = tensor.untyped_storage()
+            storage = _storage_holder(tensor).untyped_storage()
         except (RuntimeError, NotImplementedError):
             return
         with self._lock:
@@ -102,12 +119,21 @@ class MemoryLedger:
     def where(self, tensor: torch.Tensor) -> tuple[str, str] | None:
         """(device, category) a tensor's storage is charged to, or None if it is not on the books."""
         try:
-            key = tensor.untyped_storage()._cdata
+            key = _storage_holder(tensor).untyped_storage()._cdata
         except (RuntimeError, NotImplementedError):
             return None
         with self._lock:
             entry = self._entries.get(key)
             return None if entry is None else (entry[0], entry[1])
+
+    def set_level(self, device: str, category: str, nbytes: int) -> None:
+        """`device` now holds `nbytes` of `category` that no allocation shows: memory a strategy keeps in
+        storages it resizes in place (fsdp's gathered parameters), told at each change."""
+        with self._lock:
+            before = self._levels.get((device, category), 0)
+            self._levels[(device, category)] = nbytes
+            if nbytes != before:
+                self.account(device).add(category, nbytes - before)
 
     def _release(self, key: int, ref: weakref.ref) -> None:
         with self._lock:

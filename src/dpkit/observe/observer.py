@@ -265,6 +265,15 @@ class Observer:
             per_device = self.hidden_seconds.setdefault(key, {})
             per_device[name] = per_device.get(name, 0.0) + hidden_seconds
 
+    def memory_level(self, device: torch.device | str, category: str, nbytes: int) -> None:
+        """Bytes of `category` that `device` holds in storages resized in place (no allocation shows them)."""
+        if category not in CATEGORIES:
+            raise ValueError(f"category: unknown memory category {category!r}; use one of {', '.join(CATEGORIES)}")
+        if self.memory:
+            key = device_key(device)
+            self._note_device(key)
+            self.ledger.set_level(key, category, int(nbytes))
+
     # ---- what a step is made of ------------------------------------------------------------------
     def split(
         self, module: nn.Module, devices: Sequence[torch.device], output_device: torch.device, rows: Sequence[int]

@@ -111,6 +111,7 @@ class Report:
             "parameters": "params",
             "gradients": "grads",
             "optimizer_state": "optim",
+            "gathered_parameters": "unsharded",
             "activations": "activ",
             "gathered_outputs": "gathered",
             "loss": "loss",

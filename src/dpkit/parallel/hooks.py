@@ -20,6 +20,9 @@ Calls, all optional for a listener to implement:
                                  a phase that ran outside the caller's flow (an asynchronous all-reduce),
                                  told once it finished; times from time.perf_counter(); `hidden_seconds`
                                  of it overlapped the caller's other work (backward)
+    memory_level(device, category, nbytes)
+                                 `device` now holds `nbytes` of `category` in storages resized in place,
+                                 which no allocation shows (fsdp's gathered parameters); told at each change
 
 A phase inside a replica's job (replica_phase, or phase with device None) belongs to that replica's device.
 A strategy that runs its own replicas announces split() once per forward, runs its jobs through the replica
@@ -55,6 +58,7 @@ class Listener(Protocol):  # documentation of the calls; a listener implements a
     def span(
         self, name: str, device: torch.device, start_seconds: float, seconds: float, hidden_seconds: float
     ) -> None: ...
+    def memory_level(self, device: torch.device, category: str, nbytes: int) -> None: ...
 
 
 class Handle:
@@ -128,6 +132,10 @@ def outputs(outputs: Sequence[Any], devices: Sequence[torch.device], stop: Seque
 
 def span(name: str, device: torch.device, start_seconds: float, seconds: float, hidden_seconds: float = 0.0) -> None:
     _notify("span", name, device, start_seconds, seconds, hidden_seconds)
+
+
+def memory_level(device: torch.device, category: str, nbytes: int) -> None:
+    _notify("memory_level", device, category, nbytes)
 
 
 @contextlib.contextmanager

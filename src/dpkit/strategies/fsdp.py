@@ -29,6 +29,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.tensor import DTensor
 
 from dpkit.checks import check_int
 from dpkit.parallel import hooks
@@ -123,6 +124,7 @@ class FSDP(PerDeviceStrategy):
         self.offload = bool(offload)
         self.model: nn.Module | None = None
         self._sharded_params: dict[int, nn.Parameter] = {}  # id(the user's parameter) -> its sharded successor
+        self._told_in_backward: set[int] = set()
 
     # --- wrapping -----------------------------------------------------------------------------------
     def _mixed_precision(self) -> MixedPrecisionPolicy:
@@ -150,7 +152,33 @@ class FSDP(PerDeviceStrategy):
         after = dict(model.named_parameters())
         self._sharded_params = {id(before[name]): after[name] for name in before if name in after}
         self.model = self.wrapped = model
+        for unit in [*units, model]:
+            self._tell_gathered_bytes_around(unit)
         return model
+
+    # --- what is gathered: told to listeners (dpkit profile), since no allocation shows it ----------------
+    def gathered_bytes(self) -> int:
+        """Bytes of whole parameters this process holds now: a unit's parameters are plain tensors (not
+        DTensor shards) from its gather until it reshards, in storages FSDP2 resizes in place."""
+        storages = {}
+        for parameter in self.model.parameters():
+            if not isinstance(parameter, DTensor):
+                storage = parameter.untyped_storage()
+                storages[storage.data_ptr()] = storage.nbytes()
+        return sum(storages.values())
+
+    def _tell_gathered_bytes(self, *_: Any) -> None:
+        if hooks.listening():
+            hooks.memory_level(self.device, "gathered_parameters", self.gathered_bytes())
+
+    def _tell_gathered_bytes_around(self, unit: nn.Module) -> None:
+        """Tell the gathered bytes on both sides of the unit's own gather (FSDP2's forward pre-hook, registered
+        first) and of its reshard (its forward hook, registered last): hooks before and after each."""
+        tell = self._tell_gathered_bytes
+        unit.register_forward_pre_hook(tell, prepend=True)
+        unit.register_forward_pre_hook(tell)
+        unit.register_forward_hook(tell, prepend=True)
+        unit.register_forward_hook(tell)
 
     def wrap_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         """The optimizer the user built on the model's parameters, now holding their shards (fully_shard
@@ -175,7 +203,18 @@ class FSDP(PerDeviceStrategy):
             self.model.set_requires_gradient_sync(sync)
             self.model.set_reshard_after_backward(sync)
         with hooks.phase("backward", self.device):  # includes the gathers and reduce-scatters it waits for
+            if hooks.listening():
+                self._tell_gathered_bytes_in_backward()
             (loss * scale if scale != 1.0 else loss).backward()
+        self._tell_gathered_bytes()
+
+    def _tell_gathered_bytes_in_backward(self) -> None:
+        """While observed, also tell the gathered bytes whenever a gradient reaches a gathered parameter (its
+        unit is gathered then), once per parameter object: FSDP2 keeps them from step to step."""
+        for parameter in self.model.parameters():
+            if not isinstance(parameter, DTensor) and id(parameter) not in self._told_in_backward:
+                self._told_in_backward.add(id(parameter))
+                parameter.register_post_accumulate_grad_hook(self._tell_gathered_bytes)
 
     # --- saving and loading: whole states on rank 0, gathered from every process ---------------------
     def model_state(self, model: nn.Module) -> dict[str, Any] | None:
