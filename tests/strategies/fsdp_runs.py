@@ -35,6 +35,7 @@ class Blocks(nn.Module):
 @dataclass
 class RunSpec:
     strategy: str = "single"
+    accelerator: str = "cpu"
     devices: int = 1
     batch_size: int = 64
     steps: int = 4
@@ -63,7 +64,7 @@ def train(spec: RunSpec, close: bool = True) -> dict:
     """The weights after `spec.steps` steps and the gradient norm of every step (before clipping)."""
     engine = Engine(
         strategy=spec.strategy,
-        accelerator="cpu",
+        accelerator=spec.accelerator,
         devices=spec.devices,
         accumulate=spec.accumulate,
         precision=spec.precision,
@@ -99,7 +100,7 @@ def train(spec: RunSpec, close: bool = True) -> dict:
     if spec.save_model:
         engine.save(model, spec.save_model)
     bare = engine.model_copies()[0][0]
-    weights = {name: whole(p.detach()).clone() for name, p in bare.named_parameters()}
+    weights = {name: whole(p.detach()).cpu().clone() for name, p in bare.named_parameters()}
     if close:
         engine.close()
     return {"weights": weights, "norms": norms}

@@ -166,3 +166,15 @@ def test_the_observer_books_the_shards_and_the_gathered_units_as_torch_holds_the
         # without resharding after forward every unit stays gathered until its backward
         assert resharding["peaks"]["gathered_parameters"] == resharding["root_bytes"] + resharding["block_bytes"]
         assert keeping["peaks"]["gathered_parameters"] == keeping["model_bytes"]
+
+
+@pytest.mark.cuda
+def test_on_cuda_over_nccl_with_cpu_offload_and_bf16_it_trains_like_one_device(tmp_path):
+    single = train(RunSpec(accelerator="cuda", optimizer="adam"))
+    specs = [
+        RunSpec(strategy="fsdp", accelerator="cuda", optimizer="adam", options={"offload": True}),
+        RunSpec(strategy="fsdp", accelerator="cuda", optimizer="adam", precision="bf16-mixed"),
+    ]
+    offloaded, bf16 = launched_runs(specs, 1, tmp_path, "cuda")[0]
+    assert max_difference(offloaded["weights"], single["weights"]) <= 1e-4  # CUDA kernels may differ in rounding
+    assert 0 < max_difference(bf16["weights"], single["weights"]) < 0.05
