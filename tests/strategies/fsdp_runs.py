@@ -84,6 +84,8 @@ def train(spec: RunSpec, close: bool = True) -> dict:
     loader = engine.setup_dataloader(DataLoader(data(), batch_size=spec.batch_size, sampler=order))
     if spec.resume:
         engine.load_state(spec.state)
+    if spec.save_at == 0:  # before any step: the optimizer has no state yet
+        engine.save_state(spec.state)
     norms, micro_batches = [], 0
     while engine.step < spec.steps:
         for x, y in loader:

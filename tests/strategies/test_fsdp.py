@@ -87,9 +87,15 @@ def test_a_sharded_state_resumes_bitwise_reshards_and_reads_back_whole_anywhere(
     in_one_go = RunSpec(**fsdp, steps=12, save_model=model_file)
     stopped = RunSpec(**fsdp, steps=5, save_at=5, state=state)
     resumed = RunSpec(**fsdp, steps=12, resume=True, state=state)
-    for results in launched_runs([in_one_go, stopped, resumed], 2, tmp_path, "resume"):
-        whole_run, _, finished = results
-        assert all(torch.equal(finished["weights"][k], whole_run["weights"][k]) for k in whole_run["weights"])
+    # saved before the first step: Adam has no state yet, and must have none after the resume either
+    at_zero = str(tmp_path / "at-zero")
+    before_any_step = RunSpec(**fsdp, steps=0, save_at=0, state=at_zero)
+    resumed_from_zero = RunSpec(**fsdp, steps=12, resume=True, state=at_zero)
+    runs = [in_one_go, stopped, resumed, before_any_step, resumed_from_zero]
+    for results in launched_runs(runs, 2, tmp_path, "resume"):
+        whole_run, _, finished, _, finished_from_zero = results
+        for result in (finished, finished_from_zero):
+            assert all(torch.equal(result["weights"][k], whole_run["weights"][k]) for k in whole_run["weights"])
 
     # each process wrote its own shards; state.pt holds no model, and records every shard file's checksum
     step = tmp_path / "state" / "step-00000005"

@@ -14,7 +14,7 @@ time and memory from its traits.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -175,13 +175,13 @@ class Strategy:
     def load_optimizer_state(self, optimizer: Any, state: dict[str, Any]) -> None:
         optimizer.load_state_dict(state)
 
-    def sharded_state(self, model: nn.Module, optimizers: Sequence[Any]) -> dict[str, Any] | None:
-        """This process's shards of the model ("model") and of each optimizer ("optimizers": {"0": …}), which
-        save_state writes through torch.distributed.checkpoint; None (the default): the state is saved whole,
-        from model_state and optimizer_state. Strategies whose traits say `sharded` return the shards."""
+    def sharded_state(self, model: nn.Module, optimizers: Mapping[str, Any]) -> dict[str, Any] | None:
+        """This process's shards of the model ("model") and of the optimizers given by name ("optimizers":
+        {name: …}), which save_state writes through torch.distributed.checkpoint; None (the default): the
+        state is saved whole, from model_state and optimizer_state. A `sharded` strategy returns the shards."""
         return None
 
-    def load_sharded_state(self, model: nn.Module, optimizers: Sequence[Any], state: dict[str, Any]) -> None:
+    def load_sharded_state(self, model: nn.Module, optimizers: Mapping[str, Any], state: dict[str, Any]) -> None:
         """Apply what sharded_state returned, filled from a saved state (same keys, this process's layout)."""
         raise NotImplementedError(f"strategy '{self.name}' saves whole states; it has no sharded state to load")
 

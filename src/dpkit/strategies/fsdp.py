@@ -14,7 +14,7 @@ collectives with CUDA streams. CPU offload of the shards (offload=True) needs CU
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from typing import Any
 
@@ -240,13 +240,13 @@ class FSDP(PerDeviceStrategy):
         set_optimizer_state_dict(self.model, optimizer, by_name, options=FULL_EVERYWHERE)
 
     # --- saving and loading: each process its shards, through torch.distributed.checkpoint ------------
-    def sharded_state(self, model: nn.Module, optimizers: Sequence[Any]) -> dict[str, Any]:
+    def sharded_state(self, model: nn.Module, optimizers: Mapping[str, Any]) -> dict[str, Any]:
         return {
             "model": get_model_state_dict(model),
-            "optimizers": {str(index): get_optimizer_state_dict(model, opt) for index, opt in enumerate(optimizers)},
+            "optimizers": {name: get_optimizer_state_dict(model, opt) for name, opt in optimizers.items()},
         }
 
-    def load_sharded_state(self, model: nn.Module, optimizers: Sequence[Any], state: dict[str, Any]) -> None:
+    def load_sharded_state(self, model: nn.Module, optimizers: Mapping[str, Any], state: dict[str, Any]) -> None:
         set_model_state_dict(model, state["model"])
-        for index, optimizer in enumerate(optimizers):
-            set_optimizer_state_dict(model, optimizer, state["optimizers"][str(index)])
+        for name, optimizer in optimizers.items():
+            set_optimizer_state_dict(model, optimizer, state["optimizers"][name])

@@ -435,7 +435,10 @@ class Engine:
         optimizers = [optimizer.optimizer for optimizer in self._optimizers]
         # every process takes part: a sharded strategy's processes each write their shards (DCP); another
         # strategy whose state is spread over the processes gathers it to rank 0 here
-        shards = self.strategy.sharded_state(bare, optimizers)
+        # an optimizer that has not stepped has no state to shard (asking for it would make torch initialize
+        # it, changing its next step): it is saved as fresh, and a load leaves it fresh
+        stepped = {str(index): optimizer for index, optimizer in enumerate(optimizers) if optimizer.state}
+        shards = self.strategy.sharded_state(bare, stepped)
         model_state, optimizer_states = None, None
         if shards is None:
             model_state = self.strategy.model_state(bare)
@@ -454,6 +457,7 @@ class Engine:
                 "optimizers": optimizer_states,
                 # with shards: the optimizers' param group sizes, checked before a load reads any shard
                 "optimizer_groups": [[len(group["params"]) for group in opt.param_groups] for opt in optimizers],
+                "optimizers_in_shards": sorted(stepped) if shards is not None else None,
                 "scaler": self.precision.scaler.state_dict() if self.precision.scaler is not None else None,
                 "loaders": [loader.position() for loader in self._loaders],
                 # what a strategy learned that decides its arithmetic (dp-balanced: its chunk sizes)
@@ -495,9 +499,12 @@ class Engine:
             else:  # a whole state in this process: the shards joined (any strategy resumes a sharded run)
                 whole = read_whole(shards)
                 model_state = check_state_dict(bare, whole.get("model", {}), shards)
+                in_shards = whole.get("optimizers", {})
                 saved_optimizers = [
-                    numbered_optimizer_state(whole["optimizers"][str(index)])
-                    for index in range(len(shared["optimizer_groups"]))
+                    numbered_optimizer_state(in_shards[str(index)])
+                    if str(index) in in_shards
+                    else {"state": {}, "param_groups": optimizer.state_dict()["param_groups"]}  # saved fresh
+                    for index, optimizer in enumerate(optimizers[: len(shared["optimizer_groups"])])
                 ]
         else:
             model_state = check_state_dict(bare, shared.get("model", {}), source)
@@ -550,7 +557,7 @@ class Engine:
             )
         # --- then change everything ---
         if sharded_load:
-            self._load_shards(bare, optimizers, shards)
+            self._load_shards(bare, optimizers, shared["optimizers_in_shards"], shards)
         else:
             self.strategy.load_model_state(bare, model_state)
             for optimizer, saved in zip(optimizers, saved_optimizers):
@@ -592,17 +599,22 @@ class Engine:
         if found:
             raise CheckpointCorruptError(found)
 
-    def _load_shards(self, bare: nn.Module, optimizers: list[Any], folder: Path) -> None:
+    def _load_shards(self, bare: nn.Module, optimizers: list[Any], in_shards: list[str], folder: Path) -> None:
         """Read this process's shards into copies, then apply them: a load that fails leaves the model as it was,
-        and the optimizers too (asking a fresh optimizer for its sharded state initializes it; undone here)."""
+        and the optimizers too (asking a fresh optimizer for its sharded state initializes it; undone here).
+        An optimizer saved before its first step is left fresh."""
         before = [optimizer.state_dict() for optimizer in optimizers]
+        saved = {name: optimizers[int(name)] for name in in_shards}
         try:
-            filled = load_into(self.strategy.sharded_state(bare, optimizers), folder)
+            filled = load_into(self.strategy.sharded_state(bare, saved), folder)
         except Exception:
             for optimizer, state in zip(optimizers, before):
                 optimizer.load_state_dict(state)
             raise
-        self.strategy.load_sharded_state(bare, optimizers, filled)
+        self.strategy.load_sharded_state(bare, saved, filled)
+        for index, optimizer in enumerate(optimizers):
+            if str(index) not in saved:
+                optimizer.load_state_dict({"state": {}, "param_groups": optimizer.state_dict()["param_groups"]})
 
     def close(self) -> None:
         """Release the strategy's resources (the process group under ddp)."""
