@@ -48,6 +48,7 @@ class RunSpec:
     resume: bool = False  # load_state from `state` first
     state: str | None = None
     save_model: str | None = None  # engine.save(model, this) at the end
+    load_model: str | None = None  # engine.load(this) after setup
 
 
 def whole(tensor: torch.Tensor) -> torch.Tensor:
@@ -82,6 +83,8 @@ def train(spec: RunSpec, close: bool = True) -> dict:
     criterion = engine.setup_criterion(nn.CrossEntropyLoss())
     order = RandomSampler(range(300), generator=torch.Generator().manual_seed(5))
     loader = engine.setup_dataloader(DataLoader(data(), batch_size=spec.batch_size, sampler=order))
+    if spec.load_model:
+        engine.load(spec.load_model)
     if spec.resume:
         engine.load_state(spec.state)
     if spec.save_at == 0:  # before any step: the optimizer has no state yet
@@ -183,3 +186,18 @@ def observed_memory(reshard_after_forward: bool) -> dict:
     }
     engine.close()
     return result
+
+
+def plain_save_and_load_refused(path: str) -> list[str]:
+    """What dpkit.save_model and dpkit.load_model say to a sharded model (each process holds only its shards)."""
+    import dpkit
+
+    engine = Engine(strategy="fsdp", accelerator="cpu", devices=2, progress=False)
+    model = engine.setup(Blocks())
+    messages = []
+    for call in (lambda: dpkit.save_model(model, path), lambda: dpkit.load_model(model, path)):
+        try:
+            call()
+        except ValueError as error:
+            messages.append(str(error))
+    return messages

@@ -109,7 +109,15 @@ def test_a_sharded_state_resumes_bitwise_reshards_and_reads_back_whole_anywhere(
     bare.load_state_dict(torch.load(model_file, weights_only=True))
     assert max_difference(dict(bare.named_parameters()), whole_run["weights"]) == 0
 
-    # 3 processes resume the 2-process state (DCP reshards); one process and ddp read it back whole
+    # 3 processes resume the 2-process state (DCP reshards); one process and ddp read it back whole; fsdp
+    # resumes a whole state that one device saved, and engine.load gives each process its shards of a file
+    single_state = str(tmp_path / "single-state")
+    train(RunSpec(optimizer="adam", batch_size=67, steps=5, save_at=5, state=single_state))
+    from_single = RunSpec(**fsdp, steps=12, resume=True, state=single_state)
+    loaded = RunSpec(**fsdp, steps=0, load_model=model_file)
+    from_single, loaded = launched_runs([from_single, loaded], 2, tmp_path, "whole")[0]
+    assert max_difference(from_single["weights"], whole_run["weights"]) <= TOLERANCE
+    assert max_difference(loaded["weights"], whole_run["weights"]) == 0
     on_three = launched_runs([RunSpec(**{**resumed.__dict__, "devices": 3})], 3, tmp_path, "three")
     on_ddp = launched_runs([RunSpec(**{**resumed.__dict__, "strategy": "ddp"})], 2, tmp_path, "ddp")
     on_one = train(RunSpec(optimizer="adam", batch_size=67, steps=12, resume=True, state=state))
@@ -147,8 +155,9 @@ def test_a_damaged_shard_is_named_by_every_process(tmp_path):
 MEMORY_WORKER = """
 import os, sys, torch
 sys.path.insert(0, {here!r})
-from fsdp_runs import observed_memory
-torch.save([observed_memory(True), observed_memory(False)], {out!r} + "-" + os.environ["RANK"] + ".pt")
+from fsdp_runs import observed_memory, plain_save_and_load_refused
+refused = plain_save_and_load_refused({out!r} + "-plain.pt")
+torch.save([observed_memory(True), observed_memory(False), refused], {out!r} + "-" + os.environ["RANK"] + ".pt")
 """
 
 
@@ -161,7 +170,13 @@ def test_the_observer_books_the_shards_and_the_gathered_units_as_torch_holds_the
     script.write_text(MEMORY_WORKER.format(here=str(Path(__file__).parent), out=str(out)))
     launch(str(script), nproc_per_node=2)
     for rank in range(2):
-        resharding, keeping = torch.load(f"{out}-{rank}.pt", weights_only=True)
+        resharding, keeping, refused = torch.load(f"{out}-{rank}.pt", weights_only=True)
+        # a plain save or load of one process's shards would be wrong: both say what to call instead
+        assert [m.split("; ")[-1] for m in refused] == [
+            "call engine.save(model, path) in every process instead (it gathers the whole state dict and rank 0 "
+            "writes it)",
+            "call engine.load(path) in every process instead (each process takes its shards of the file)",
+        ]
         for run in (resharding, keeping):
             # between steps: this process's shards of the parameters, of their gradients and of Adam's state
             for category in ("parameters", "gradients", "optimizer_state"):

@@ -28,6 +28,7 @@ from typing import Any, BinaryIO
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.nn.modules.utils import consume_prefix_in_state_dict_if_present
 
 from dpkit.errors import DpkitError
@@ -389,10 +390,20 @@ def detached_on_cpu(state: Mapping[str, Any]) -> dict[str, Any]:
     return {key: value.detach().cpu() if isinstance(value, torch.Tensor) else value for key, value in state.items()}
 
 
+def _refuse_sharded(model: nn.Module, call: str, what_it_does: str) -> None:
+    """A sharded model (fsdp) holds only this process's shards: saving or loading it whole is a collective."""
+    if any(isinstance(tensor, DTensor) for tensor in unwrap_model(model).state_dict().values()):
+        raise ValueError(
+            "model: its parameters are sharded across processes (strategy 'fsdp') and this process holds only "
+            f"its shards; call {call} in every process instead ({what_it_does})"
+        )
+
+
 def save_model(model: nn.Module, path: str | os.PathLike) -> Path:
     """Save the bare model's state dict (no `module.` / `_orig_mod.` prefixes), atomically, with a checksum."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
+    _refuse_sharded(model, "engine.save(model, path)", "it gathers the whole state dict and rank 0 writes it")
     return save_state_dict(unwrap_model(model).state_dict(), path)
 
 
@@ -469,6 +480,7 @@ def load_model(model: nn.Module, path: str | os.PathLike, *, map_location: Any =
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
+    _refuse_sharded(model, "engine.load(path)", "each process takes its shards of the file")
     state = read_model_file(path, map_location=map_location)
     target = unwrap_model(model)
     target.load_state_dict(check_state_dict(target, state, path), strict=True)
