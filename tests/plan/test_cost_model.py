@@ -9,16 +9,18 @@ from dpkit.plan.catalogue import Catalogue, Link
 from dpkit.plan.cost_model import (
     CostConstants,
     Hardware,
+    Sizing,
     exposed_all_reduce_seconds,
     memory_per_device,
     predict,
     predict_all,
+    ring_all_gather_seconds,
     ring_all_reduce_seconds,
     root_fan_seconds,
     transfer_seconds,
 )
-from dpkit.plan.profiles import builtin_profile
-from dpkit.strategies import ONE_PROCESS, Strategy, strategy_class
+from dpkit.plan.profiles import builtin_profile, given_profile
+from dpkit.strategies import ONE_PROCESS, PER_DEVICE, Strategy, available_strategies, matching, strategy_class
 
 CATALOGUE = Catalogue.load()
 LINK = Link("test", 10e9, 10e9, 1e-5, "test")
@@ -35,6 +37,11 @@ class LikeDP(Strategy):
     traits = strategy_class("dp").traits
 
 
+class LikeFSDP(Strategy):
+    name = "like-fsdp"
+    traits = strategy_class("fsdp").traits
+
+
 class DDPInOneProcess(Strategy):
     """ddp's traits but one process driving every device: one trait changed."""
 
@@ -47,7 +54,7 @@ def unknown_names(monkeypatch):
     """Registers the classes above in the strategy registry, under names no code compares."""
     from dpkit import strategies
 
-    for cls in (LikeDDP, LikeDP, DDPInOneProcess):
+    for cls in (LikeDDP, LikeDP, LikeFSDP, DDPInOneProcess):
         monkeypatch.setitem(strategies.STRATEGIES, cls.name, f"{__name__}:{cls.__name__}")
 
 
@@ -182,8 +189,8 @@ def test_multi_node_ddp_is_bound_by_the_slower_network():
 def test_bad_arguments_name_themselves():
     profile = builtin_profile("resnet50")
     hardware = Hardware(CATALOGUE.gpu("t4"), CATALOGUE.link("pcie3"))
-    with pytest.raises(ValueError, match="strategy: unknown strategy 'fsdp'"):
-        predict(profile, hardware, "fsdp", 2, 8)
+    with pytest.raises(ValueError, match="strategy: unknown strategy 'zero'"):
+        predict(profile, hardware, "zero", 2, 8)
     with pytest.raises(ValueError, match="batch_per_device: expected at least 1, got 0"):
         predict(profile, hardware, "ddp", 2, 0)
     with pytest.raises(ValueError, match="precision: expected 32, tf32"):
@@ -220,7 +227,7 @@ HARDWARE = {
 
 
 @pytest.mark.parametrize("hardware", HARDWARE.values(), ids=HARDWARE.keys())
-@pytest.mark.parametrize("like, known", [("like-ddp", "ddp"), ("like-dp", "dp")])
+@pytest.mark.parametrize("like, known", [("like-ddp", "ddp"), ("like-dp", "dp"), ("like-fsdp", "fsdp")])
 def test_a_strategy_is_predicted_from_its_traits_not_its_name(unknown_names, hardware, like, known):
     profile = builtin_profile("gpt2-124m", seq_len=1024)
     for devices in (1, 2, 4):
@@ -237,8 +244,8 @@ def test_a_strategy_is_predicted_from_its_traits_not_its_name(unknown_names, har
     ours = [(p.devices, p.nodes, p.speedup, p.breakdown) for p in planned if p.strategy == like]
     theirs = [(p.devices, p.nodes, p.speedup, p.breakdown) for p in planned if p.strategy == known]
     assert ours == theirs
-    # ddp's traits span every node; dp's drive one node's devices from one process: none across two nodes
-    if known == "ddp":
+    # ddp's and fsdp's traits span every node; dp's drive one node's devices from one process: none across two
+    if strategy_class(known).traits.processes == PER_DEVICE:
         expected_nodes = {hardware.nodes}
     else:
         expected_nodes = {1} if hardware.nodes == 1 else set()
@@ -260,3 +267,155 @@ def test_changing_one_trait_changes_what_that_trait_decides(unknown_names):
     assert "replicate" not in threads.breakdown and "reduce" not in threads.breakdown  # its replicas persist
     planned = predict_all(profile, hardware, ["ddp", "ddp-in-one-process"], [1, 4], 32)
     assert [(p.strategy, p.devices, p.nodes) for p in planned] == [("ddp", 1, 2), ("ddp", 4, 2)]
+
+
+# ---- sharded strategies (ZeRO-3 / FSDP): memory and communication ----------------------------------------
+
+SHARDED = matching(lambda traits: traits.sharded)[0]  # the registry's sharded strategy, whatever its name
+UNSHARDED_PER_DEVICE = matching(lambda traits: traits.processes == PER_DEVICE and not traits.sharded)[0]
+
+
+def zero3_bytes(profile, devices, precision, optimizer="adam"):
+    """Rajbhandari et al. 2020, section 3.1 and figure 1: 2 + 2 + K bytes per parameter under mixed precision
+    (16-bit parameters and gradients, K = 12 for Adam's float32 master copy, momentum and variance; 8 for SGD's
+    master copy and momentum), 4 + 4 + state in float32; all of it divided by N under ZeRO-3. Plus the largest
+    unit gathered: its parameters in the gather dtype, twice (the next one is prefetched), and its gradient in
+    float32 before the reduce-scatter."""
+    mixed = precision in ("bf16-mixed", "16-mixed")
+    state = {"adam": 8, "sgd": 4}[optimizer]
+    per_parameter = 2 + 2 + (4 + state) if mixed else 4 + 4 + state
+    gather = 2 if mixed else 4
+    unit = profile.unit_parameters
+    return per_parameter * profile.parameters / devices + 2 * gather * unit + 4 * unit
+
+
+@pytest.mark.parametrize("precision", ["32", "bf16-mixed"])
+@pytest.mark.parametrize("optimizer", ["adam", "sgd"])
+def test_sharded_memory_is_the_state_over_n_plus_the_gathered_unit(precision, optimizer):
+    profile = builtin_profile("llama-7b")
+    assert 200e6 < profile.unit_parameters < 205e6  # a LLaMA-7B block: 4 x 4096^2 + 3 x 4096 x 11008
+    for devices in (1, 2, 3, 8, 64):
+        peaks, slopes = memory_per_device(profile, SHARDED, devices, 0, precision, optimizer)
+        assert len(peaks) == devices and len(set(peaks)) == 1  # every process holds its shard alike
+        assert peaks[0] == pytest.approx(zero3_bytes(profile, devices, precision, optimizer), abs=devices)
+        # the activations are each device's own, as under ddp
+        assert slopes == memory_per_device(profile, UNSHARDED_PER_DEVICE, devices, 0, precision, optimizer)[1]
+
+
+def test_sharded_memory_falls_with_the_devices_and_unsharded_does_not():
+    profile = builtin_profile("gpt2-1.5b")
+    for precision in ("32", "bf16-mixed"):
+        sharded = [max(memory_per_device(profile, SHARDED, n, 4, precision)[0]) for n in (2, 4, 8, 16)]
+        whole = [max(memory_per_device(profile, UNSHARDED_PER_DEVICE, n, 4, precision)[0]) for n in (2, 4, 8, 16)]
+        assert sharded == sorted(sharded, reverse=True) and len(set(sharded)) == 4
+        assert len(set(whole)) == 1
+        assert sharded[0] < whole[0]
+    # over two nodes the state is split over every process of both
+    two_nodes, _ = memory_per_device(profile, SHARDED, 4, 4, "bf16-mixed", nodes=2)
+    assert two_nodes == memory_per_device(profile, SHARDED, 8, 4, "bf16-mixed")[0][:4]
+
+
+def test_sharded_offload_leaves_the_gathered_units_and_the_activations():
+    profile = builtin_profile("llama-7b")
+    on_device, slopes = memory_per_device(profile, SHARDED, 8, 1, "bf16-mixed", offload=True)
+    unit = profile.unit_parameters
+    assert on_device[0] == pytest.approx(2 * 2 * unit + 4 * unit + slopes[0], abs=1)
+    # the strategies that keep whole copies ignore it
+    assert memory_per_device(profile, "ddp", 8, 1, offload=True) == memory_per_device(profile, "ddp", 8, 1)
+
+
+def test_mixed_precision_counts_autocasts_16_bit_weights_where_the_model_is_whole():
+    # autocast keeps float32 parameters and gradients and casts every weight to 16 bits for the forward; the
+    # casts are saved for backward: 2 bytes per parameter more, less the halved activations. A sharded strategy
+    # gathers 16-bit units instead: less than in float32
+    profile = builtin_profile("bert-large")
+    for strategy in ("ddp", "dp", "replicated"):
+        fixed_32 = memory_per_device(profile, strategy, 2, 0, "32")[0]
+        fixed_16 = memory_per_device(profile, strategy, 2, 0, "bf16-mixed")[0]
+        assert [b - a for a, b in zip(fixed_32, fixed_16)] == [2 * profile.parameters] * 2
+    assert memory_per_device(profile, SHARDED, 2, 0, "bf16-mixed")[0] < memory_per_device(profile, SHARDED, 2, 0)[0]
+
+
+def test_ring_all_gather_is_half_an_all_reduce():
+    for devices in (2, 4, 8):
+        expected = (devices - 1) * 1e-5 + (devices - 1) / devices * 1e9 / 10e9
+        assert ring_all_gather_seconds(LINK, 1e9, devices) == pytest.approx(expected)
+    assert ring_all_gather_seconds(LINK, 1e9, 1) == 0.0
+    assert 2 * ring_all_gather_seconds(LINK, 1e9, 8) == pytest.approx(ring_all_reduce_seconds(LINK, 1e9, 8))
+
+
+def test_sharded_communication_is_one_and_a_half_all_reduces_in_fp32():
+    # ZeRO-3: an all-gather of the parameters in forward, another in backward and a reduce-scatter of the
+    # gradients: 3 x (N-1)/N of the bytes against the all-reduce's 2 x (N-1)/N (Rajbhandari et al. 2020,
+    # section 7.2). Where nothing overlaps (virtual CPU devices) and latency is nil, the phases show it whole.
+    profile = builtin_profile("gpt2-124m", seq_len=1024)
+    no_latency = Link("no latency", 10e9, 10e9, 0.0, "test")
+    cpu = Hardware(
+        replace(CATALOGUE.gpu("a100-80gb-sxm"), memory_bytes_per_second=20e9), no_latency, shared_compute=True
+    )
+    for devices in (2, 4):
+        sharded = predict(profile, cpu, SHARDED, devices, 1).breakdown
+        whole = predict(profile, cpu, UNSHARDED_PER_DEVICE, devices, 1).breakdown
+        assert "all_reduce" not in sharded and "all_gather" not in whole
+        assert sharded["all_gather"] + sharded["reduce_scatter"] == pytest.approx(1.5 * whole["all_reduce"])
+        assert sharded["all_gather"] == pytest.approx(2 * sharded["reduce_scatter"])
+        # mixed precision gathers 16-bit parameters; the gradients are reduced in float32
+        mixed = predict(profile, cpu, SHARDED, devices, 1, "bf16-mixed").breakdown
+        assert mixed["all_gather"] == pytest.approx(sharded["all_gather"] / 2)
+        assert mixed["reduce_scatter"] == pytest.approx(sharded["reduce_scatter"])
+
+
+def test_sharded_collectives_hide_behind_compute_on_gpus_but_the_largest_unit_shows():
+    profile = builtin_profile("llama-7b")
+    hardware = Hardware(CATALOGUE.gpu("h100-sxm"), CATALOGUE.link("nvlink4"))
+    long_steps = predict(profile, hardware, SHARDED, 8, 4, "bf16-mixed").breakdown
+    share = profile.unit_parameters / profile.parameters
+    gather = ring_all_gather_seconds(hardware.link, 2 * profile.parameters, 8, profile.units)
+    scatter = ring_all_gather_seconds(hardware.link, 4 * profile.parameters, 8, profile.units)
+    # compute is long enough to hide all but the largest unit's collectives: forward's gather and backward's
+    assert long_steps["all_gather"] + long_steps["reduce_scatter"] == pytest.approx(
+        share * gather + share * (gather + scatter)
+    )
+    # on a slow link the collectives outlast the compute
+    slow = predict(profile, replace(hardware, link=CATALOGUE.link("pcie3")), SHARDED, 8, 1, "bf16-mixed")
+    assert slow.breakdown["all_gather"] + slow.breakdown["reduce_scatter"] > 0.2 * slow.step_seconds
+
+
+def test_each_shard_steps_its_part_of_the_optimizer():
+    profile = builtin_profile("gpt2-1.5b")
+    hardware = Hardware(CATALOGUE.gpu("h100-sxm"), CATALOGUE.link("nvlink4"))
+    whole = predict(profile, hardware, UNSHARDED_PER_DEVICE, 8, 1).breakdown["optimizer"]
+    sharded = predict(profile, hardware, SHARDED, 8, 1).breakdown["optimizer"]
+    launches = max(1, profile.parameter_tensors) * CostConstants().launch_seconds / 4
+    assert sharded - launches == pytest.approx((whole - launches) / 8)
+
+
+def test_a_strategy_without_a_grad_scaler_cannot_run_16_mixed():
+    profile = builtin_profile("resnet50")
+    hardware = Hardware(CATALOGUE.gpu("a100-80gb-sxm"), CATALOGUE.link("nvlink3"))
+    for name in available_strategies():
+        prediction = predict(profile, hardware, name, 2 if name != "single" else 1, 32, "16-mixed")
+        assert prediction.runs == strategy_class(name).traits.grad_scaler
+        assert prediction.runs == (not any(note.startswith("cannot run") for note in prediction.notes))
+        assert predict(profile, hardware, name, 1, 32, "bf16-mixed").runs
+
+
+def test_smallest_fitting_devices_is_the_fewest_on_which_the_fullest_device_fits():
+    profile = builtin_profile("llama-7b")
+    hardware = Hardware(CATALOGUE.gpu("a100-80gb-sxm"), CATALOGUE.link("nvlink3"))
+    sizing = Sizing(profile, hardware, 1, "bf16-mixed")
+    usable = hardware.gpu.memory_bytes * CostConstants().memory_headroom
+    by_hand = next(n for n in range(1, 65) if max(memory_per_device(profile, SHARDED, n, 1, "bf16-mixed")[0]) <= usable)
+    assert 1 < by_hand < 8
+    assert sizing.smallest_fitting_devices(SHARDED) == by_hand
+    assert sizing.smallest_fitting_devices(UNSHARDED_PER_DEVICE) is None  # a whole copy never fits
+    assert sizing.smallest_fitting_devices(SHARDED, most=by_hand - 1) is None
+    # on two nodes the shards spread over both: half the devices per node
+    two = Sizing(profile, replace(hardware, nodes=2, network=CATALOGUE.network("ib-200g")), 1, "bf16-mixed")
+    assert two.smallest_fitting_devices(SHARDED) == -(-by_hand // 2)
+    # a small model fits one device
+    assert Sizing(builtin_profile("resnet50"), hardware, 32).smallest_fitting_devices(SHARDED) == 1
+    # a given model without its units is planned as gathering the whole model at once
+    given = given_profile(1e9)
+    assert given.unit_parameters == given.parameters and given.units == 1
+    assert given_profile(1e9, largest_unit_parameters=1e8).units == 10

@@ -53,3 +53,82 @@ def test_bad_model_names_and_shapes():
         builtin_profile("resnet50", input_shape=(224, 224))
     with pytest.raises(ValueError, match="params: expected"):
         given_profile(0)
+
+
+class Block(nn.Module):
+    def __init__(self, width):
+        super().__init__()
+        self.attention = nn.Linear(width, 3 * width)
+        self.mlp = nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width))
+
+    def forward(self, x):
+        return x + self.mlp(x + self.attention(x)[..., : x.shape[-1]])
+
+
+class TinyLM(nn.Module):
+    """Token embedding, a list of blocks, a norm and an output layer, tied to the embedding or not."""
+
+    def __init__(self, vocab=1000, width=128, layers=3, tied=True):
+        super().__init__()
+        self.embedding = nn.Embedding(vocab, width)
+        self.blocks = nn.ModuleList(Block(width) for _ in range(layers))
+        self.norm = nn.LayerNorm(width)
+        self.output = nn.Linear(width, vocab, bias=False)
+        if tied:
+            self.output.weight = self.embedding.weight
+
+    def forward(self, tokens):
+        x = self.embedding(tokens)
+        for block in self.blocks:
+            x = block(x)
+        return self.output(self.norm(x))
+
+
+@pytest.mark.parametrize(
+    "factory",
+    [
+        lambda: TinyLM(tied=True),
+        lambda: TinyLM(vocab=10_000, tied=False),
+        lambda: nn.Sequential(nn.Linear(64, 2048), nn.ReLU(), nn.Linear(2048, 512), nn.Linear(512, 10)),
+        mlp,
+    ],
+    ids=["tied", "untied", "large-linears", "small-mlp"],
+)
+def test_shard_units_follow_the_sharded_strategys_rule(factory):
+    from dpkit.plan.profiles import UNIT_MIN_PARAMETERS, shard_unit_sizes
+    from dpkit.strategies.fsdp import DEFAULT_UNIT_PARAMETERS, shard_units
+
+    assert UNIT_MIN_PARAMETERS == DEFAULT_UNIT_PARAMETERS
+    with torch.device("meta"):
+        model = factory()
+    taken: set[int] = set()
+    expected = []
+    for unit in shard_units(model):
+        own = [p for p in unit.parameters() if id(p) not in taken]
+        taken.update(id(p) for p in own)
+        expected.append(sum(p.numel() for p in own))
+    root = sum(p.numel() for p in model.parameters() if id(p) not in taken)
+    assert shard_unit_sizes(model) == expected + ([root] if root else [])
+    assert sum(shard_unit_sizes(model)) == sum(p.numel() for p in model.parameters())
+
+
+def test_a_measured_profile_knows_its_largest_unit():
+    profile = measure_model(lambda: TinyLM(vocab=10_000, tied=False), (16,), input_dtype=torch.long)
+    width = 128
+    block = 3 * width * width + 3 * width + 8 * width * width + 5 * width
+    assert profile.largest_unit_parameters == 10_000 * width  # the embedding, larger than a block
+    assert profile.shard_units == 3 + 2 + 1  # the blocks, the embedding, the output layer, the root (the norm)
+    assert block < profile.largest_unit_parameters
+    small = measure_model(mlp, (20,))
+    assert small.largest_unit_parameters == small.parameters and small.shard_units == 1  # the root alone
+
+
+def test_builtin_transformers_estimate_their_units():
+    llama = builtin_profile("llama-7b")
+    # Touvron et al. 2023: a block is 4 x 4096^2 attention + 3 x 4096 x 11008 MLP (+ norms); embeddings 32000 x 4096
+    assert llama.unit_parameters == pytest.approx(4 * 4096**2 + 3 * 4096 * 11008, rel=0.01)
+    assert llama.units == 32 + 3
+    gpt2 = builtin_profile("gpt2-124m")
+    assert gpt2.unit_parameters == 50257 * 768  # the tied embedding stays with the root, larger than a block
+    resnet = builtin_profile("resnet50")
+    assert resnet.unit_parameters == 512 * 512 * 3 * 3

@@ -7,7 +7,9 @@ recommend one, before running anything.
     dpkit plan --params 125e6 --flops-per-sample 2.5e11 --gpu h100-sxm --link pcie4 ...
     dpkit plan --model mypkg.models:build --input-shape 64 --calibration bench.json   # this machine, fitted
 
-The formulas and their sources are in docs/cost-model.md.
+The formulas and their sources are in docs/cost-model.md. When nothing fits, the recommendation names no
+strategy (printed as "recommendation: none", JSON "strategy": null) and its reasons, with "would_fit" in the
+JSON, say what would: the device count on which the sharded strategy fits, CPU offload, a smaller batch.
 """
 
 from __future__ import annotations
@@ -51,6 +53,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     model.add_argument(
         "--kernels-per-forward", type=int, default=200, help="kernels launched per forward (with --params)"
     )
+    model.add_argument(
+        "--largest-unit-params",
+        type=float,
+        help="parameters of the largest unit a sharded strategy gathers at once, e.g. one transformer block "
+        "(with --params; default: the whole model)",
+    )
     hardware = parser.add_argument_group("hardware")
     hardware.add_argument("--gpu", help="a GPU of the catalogue, e.g. h100-sxm (not needed with a CPU --calibration)")
     hardware.add_argument("--link", help="the link between the GPUs of a node, e.g. nvlink4, pcie4")
@@ -75,6 +83,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 def load_profile(args: argparse.Namespace) -> ModelProfile:
     if args.model and args.params is not None:
         raise ValueError("--model/--params: give a model or its numbers, not both")
+    if args.largest_unit_params is not None and args.params is None:
+        raise ValueError("--largest-unit-params: goes with --params (a model's units are counted from the model)")
     if args.params is not None:
         return given_profile(
             args.params,
@@ -84,6 +94,7 @@ def load_profile(args: argparse.Namespace) -> ModelProfile:
             activation_bytes_per_sample=args.activation_bytes_per_sample,
             output_bytes_per_sample=args.output_bytes_per_sample,
             input_bytes_per_sample=args.input_bytes_per_sample,
+            largest_unit_parameters=args.largest_unit_params,
         )
     if not args.model:
         raise ValueError("--model: give a built-in profile, 'package.module:factory', or the numbers with --params")

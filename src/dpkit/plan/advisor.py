@@ -1,7 +1,10 @@
 """From predictions to advice: which strategy, why, what limits it, and what would change the answer.
 
-The advice is about DataParallel: is it fine here, or what does a process per device buy? The advisor
-finds the strategies it speaks of by their traits in the registry (dpkit.strategies), not by name.
+The advice is about DataParallel: is it fine here, or what does a process per device buy? And when the
+model does not fit a device whole, about sharding it. The advisor finds the strategies it speaks of by their
+traits in the registry (dpkit.strategies), not by name, and never recommends a configuration that does not
+fit in memory or cannot run at the precision asked: when none can, the recommendation names no strategy
+(`strategy` None, JSON null) and its reasons say what would fit.
 """
 
 from __future__ import annotations
@@ -10,10 +13,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from dpkit.plan.cost_model import Prediction
-from dpkit.strategies import ON_ROOT, ONE_PROCESS, PER_DEVICE, PER_STEP, Traits, matching, reference
+from dpkit.plan.cost_model import Prediction, Sizing, runs_at
+from dpkit.strategies import ON_ROOT, ONE_PROCESS, PER_DEVICE, PER_STEP, Traits, matching, reference, strategy_class
 
-COMMUNICATION = ("scatter", "replicate", "gather", "reduce", "all_reduce")
+COMMUNICATION = ("scatter", "replicate", "gather", "reduce", "all_reduce", "all_gather", "reduce_scatter")
 PHASE_WORDS = {
     "scatter": "input scatter",
     "replicate": "per-step parameter broadcast",
@@ -21,6 +24,8 @@ PHASE_WORDS = {
     "loss": "loss on device 0",
     "reduce": "gradient reduce to device 0",
     "all_reduce": "exposed all-reduce",
+    "all_gather": "exposed parameter all-gathers",
+    "reduce_scatter": "exposed gradient reduce-scatter",
     "launch": "GIL-serialised kernel launches",
     "overhead": "per-step Python and threads",
     "optimizer": "optimizer step",
@@ -28,17 +33,30 @@ PHASE_WORDS = {
     "backward": "backward",
 }
 DP_FINE_RATIO = 0.9  # DP is fine when it reaches this share of the best throughput
+# where an unsharded strategy fits, the sharded one is recommended only when it is this much faster: sharding
+# gathers the parameters every step and saves and loads collectively, and its edge in the model (each device
+# steps only its shard of the optimizer) must outweigh what the model does not see of its per-unit hooks
+SHARDING_WORTH = 1.1
 HELPS_SPEEDUP = 1.1  # below this, more devices do not help
 
 
 @dataclass
 class Recommendation:
-    strategy: str
-    devices: int
+    """A strategy and its devices (in all, across nodes), or, when nothing fits, no strategy (None) and no
+    devices; then `would_fit` says what would: the sharded strategy's device count, CPU offload, a batch."""
+
+    strategy: str | None
+    devices: int | None
     reasons: list[str] = field(default_factory=list)
+    would_fit: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return {"strategy": self.strategy, "devices": self.devices, "reasons": list(self.reasons)}
+        return {
+            "strategy": self.strategy,
+            "devices": self.devices,
+            "reasons": list(self.reasons),
+            "would_fit": dict(self.would_fit) if self.would_fit is not None else None,
+        }
 
 
 def _first_matching(predicate: Callable[[Traits], bool]) -> str | None:
@@ -63,6 +81,24 @@ def process_per_device() -> str | None:
     return _first_matching(lambda traits: traits.processes == PER_DEVICE and not traits.sharded)
 
 
+def sharded() -> str | None:
+    """The strategy that shards parameters, gradients and optimizer state over its devices (fsdp)."""
+    return _first_matching(lambda traits: traits.sharded)
+
+
+def usable(prediction: Prediction) -> bool:
+    """Fits in memory and runs at the precision asked: the only predictions the advisor may recommend."""
+    return prediction.fits and prediction.runs
+
+
+def _gib(nbytes: float) -> str:
+    return f"{nbytes / 2**30:.1f} GiB"
+
+
+def _devices(count: int, nodes: int) -> str:
+    return f"{count} device{'s' if count != 1 else ''}" + (f" per node ({count * nodes} in all)" if nodes > 1 else "")
+
+
 def _losses(prediction: Prediction) -> str:
     """The phases that grew beyond the one-device step, largest first."""
     parts = sorted(
@@ -80,33 +116,48 @@ def recommend(
     link_name: str = "",
     network_name: str = "",
     what_if: Callable[[str], list[Prediction]] | None = None,
+    sizing: Sizing | None = None,
 ) -> Recommendation:
-    """`what_if(change)` may re-run the plan with "faster-link" or "double-batch" for the last reason."""
+    """`what_if(change)` may re-run the plan with "faster-link" or "double-batch" for the last reason;
+    `sizing` answers what the predictions do not when little or nothing fits (on how many devices the
+    sharded strategy fits, CPU offload, a smaller batch)."""
     one_device = reference()
     dp_name, ddp_name = data_parallel(), process_per_device()
-    fits = [p for p in predictions if not any("does not fit" in n for n in p.notes)]
+    fits = [p for p in predictions if usable(p)]
     multi = [p for p in fits if p.total_devices > 1]
     if not fits:
-        smallest = min(predictions, key=lambda p: max(p.peak_bytes_per_device))
-        return Recommendation(
-            smallest.strategy,
-            smallest.total_devices,
-            [
-                f"nothing fits: {smallest.notes[0]}; "
-                "every strategy here keeps a whole model, its gradients and optimizer "
-                "state on each device, so shard them (FSDP / ZeRO), use a smaller batch, or a larger device"
-            ],
-        )
+        return _nothing_fits(predictions, sizing)
     if not multi:
-        return Recommendation(one_device, 1, ["only one device was asked for (or fits): nothing to compare"])
+        alone = next((p for p in fits if p.strategy == one_device), fits[0])
+        return Recommendation(alone.strategy, 1, ["only one device was asked for (or fits): nothing to compare"])
     largest = max(p.total_devices for p in multi)
     at_largest = [p for p in multi if p.total_devices == largest]
     best = max(at_largest, key=lambda p: p.samples_per_second)
+    if all(strategy_class(p.strategy).traits.sharded for p in fits):
+        return _only_sharded_fits(predictions, fits, best, link_name, network_name, sizing)
     dp = next((p for p in at_largest if p.strategy == dp_name), None)
     ddp = next((p for p in at_largest if p.strategy == ddp_name), None)
     reasons: list[str] = []
-
-    if best.speedup < HELPS_SPEEDUP:
+    sharding: tuple[str, str] | None = None  # (the strategy it speaks for, why sharding is or is not the answer)
+    alone_fits = any(p.strategy == one_device and p.total_devices == 1 for p in fits)
+    whole = [p for p in at_largest if not strategy_class(p.strategy).traits.sharded]
+    best_whole = max(whole, key=lambda p: p.samples_per_second, default=None)
+    if strategy_class(best.strategy).traits.sharded and best_whole is not None:
+        faster = best.samples_per_second / best_whole.samples_per_second - 1
+        if faster < SHARDING_WORTH - 1:
+            sharding = (
+                best_whole.strategy,
+                f"{best.strategy} would be {faster:.1%} faster, too little for sharding: {best_whole.strategy} keeps "
+                "a whole model on each device, with no parameters to gather",
+            )
+            best = best_whole
+        else:
+            sharding = (
+                best.strategy,
+                f"{best.strategy} is {faster:.0%} faster than {best_whole.strategy}: each device steps only its "
+                "shard of the optimizer state",
+            )
+    if best.speedup < HELPS_SPEEDUP and alone_fits:
         choice = Recommendation(one_device, 1)
         reasons.append(
             f"neither helps: the best, {best.strategy} on {largest} devices, reaches {best.speedup:.2f}x one device "
@@ -123,6 +174,7 @@ def recommend(
         choice = Recommendation(best.strategy, largest)
         reasons.append(
             f"{best.strategy} on {largest} devices: {best.speedup:.2f}x one device ({best.efficiency:.0%} efficiency)"
+            + ("" if alone_fits else f" (one device cannot hold the {one_device} step; its time is the yardstick)")
         )
         if dp is not None:
             reasons.append(f"DP reaches only {dp.speedup:.2f}x ({dp.efficiency:.0%}): it loses {_losses(dp)}")
@@ -142,11 +194,23 @@ def recommend(
                 f"({before.speedup:.2f}x, then {after.speedup:.2f}x)"
             )
             break
+    if sharding is not None and sharding[0] == choice.strategy:
+        reasons.insert(1, sharding[1])
     chosen = next((p for p in at_largest if p.strategy == choice.strategy), best)
+    reasons += _limits(chosen, link_name, network_name)
+    reasons += _what_would_change(what_if, largest, dp_name)
+    choice.reasons = reasons
+    return choice
+
+
+def _limits(chosen: Prediction, link_name: str, network_name: str) -> list[str]:
+    """The bottleneck link and host-bound launches of the chosen configuration."""
+    reasons = []
     communication = {name: seconds for name, seconds in chosen.breakdown.items() if name in COMMUNICATION}
     if communication:
         name, seconds = max(communication.items(), key=lambda item: item[1])
-        bound = network_name if (name == "all_reduce" and chosen.nodes > 1 and network_name) else link_name
+        collective = name in ("all_reduce", "all_gather", "reduce_scatter")  # what crosses nodes
+        bound = network_name if (collective and chosen.nodes > 1 and network_name) else link_name
         reasons.append(
             f"bottleneck link: {bound or 'the device link'} carries the {PHASE_WORDS[name]}, "
             f"{seconds * 1e3:.2f} ms of the {chosen.step_seconds * 1e3:.2f} ms step "
@@ -157,24 +221,119 @@ def recommend(
             f"host-bound: kernel launches take {chosen.breakdown['launch'] / chosen.step_seconds:.0%} of the step; "
             "a larger batch per device, CUDA graphs or torch.compile would hide them"
         )
-    if what_if is not None:
-        for change, words in (
-            ("faster-link", "the fastest link"),
-            ("faster-network", "the fastest network"),
-            ("double-batch", "twice the batch per device"),
-        ):
-            changed = what_if(change)
-            if not changed:
-                continue
-            best_changed = max(
-                (p for p in changed if p.total_devices == largest), key=lambda p: p.samples_per_second, default=None
+    return reasons
+
+
+def _what_would_change(
+    what_if: Callable[[str], list[Prediction]] | None, largest: int, dp_name: str | None
+) -> list[str]:
+    """The plan re-run with the fastest link, the fastest network, twice the batch: the best that fits."""
+    reasons: list[str] = []
+    if what_if is None:
+        return reasons
+    for change, words in (
+        ("faster-link", "the fastest link"),
+        ("faster-network", "the fastest network"),
+        ("double-batch", "twice the batch per device"),
+    ):
+        changed = [p for p in what_if(change) if usable(p) and p.total_devices == largest]
+        if not changed:
+            continue
+        best_changed = max(changed, key=lambda p: p.samples_per_second)
+        dp_changed = next((p for p in changed if p.strategy == dp_name), None)
+        text = f"with {words}: best {best_changed.strategy} {best_changed.speedup:.2f}x"
+        if dp_changed is not None:
+            text += f", {dp_changed.strategy} {dp_changed.speedup:.2f}x"
+        reasons.append("what would change the answer: " + text)
+    return reasons
+
+
+def _only_sharded_fits(
+    predictions: list[Prediction],
+    fits: list[Prediction],
+    best: Prediction,
+    link_name: str,
+    network_name: str,
+    sizing: Sizing | None,
+) -> Recommendation:
+    """Only the sharded strategy fits: recommend it on the largest device count asked (more devices, more
+    throughput, and less memory each), and say from how many devices it fits."""
+    name, count, nodes = best.strategy, best.total_devices, best.nodes
+    fitting_counts = sorted({p.devices for p in fits if p.strategy == name})
+    smallest = sizing.smallest_fitting_devices(name) if sizing is not None else None
+    if smallest is None:
+        smallest = fitting_counts[0]
+    unsharded = [p for p in predictions if not strategy_class(p.strategy).traits.sharded and p.runs]
+    reasons = [
+        f"only {name} fits: it shards parameters, gradients and optimizer state over the devices, "
+        f"{_gib(max(best.peak_bytes_per_device))} per device on {count} devices"
+        + (
+            f"; the others need at least {_gib(min(max(p.peak_bytes_per_device) for p in unsharded))}"
+            if unsharded
+            else ""
+        ),
+        f"{name} fits from {_devices(smallest, nodes)} on; recommended on {count} devices, the most asked "
+        f"({best.samples_per_second:,.1f} samples/s)",
+    ]
+    reasons += _limits(best, link_name, network_name)
+    return Recommendation(name, count, reasons)
+
+
+def _nothing_fits(predictions: list[Prediction], sizing: Sizing | None) -> Recommendation:
+    """No strategy fits (or runs): name none, and say what would fit."""
+    candidates = [p for p in predictions if p.runs] or predictions
+    smallest = min(candidates, key=lambda p: max(p.peak_bytes_per_device))
+    largest = max(p.devices for p in predictions)
+    nodes = max(p.nodes for p in predictions)
+    first = f"nothing fits: the least memory is {smallest.strategy} on {_devices(smallest.devices, smallest.nodes)}"
+    reasons = [first + "".join(f"; {note}" for note in smallest.notes)]
+    would_fit: dict[str, Any] = {}
+    shard = sharded()
+    if sizing is not None and shard is not None:
+        notes = []
+        if not any(p.strategy == shard for p in predictions):
+            notes.append("not among the strategies asked")
+        if not runs_at(shard, sizing.precision):
+            notes.append("with precision bf16-mixed: it has no GradScaler for 16-mixed")
+        also = f" ({'; '.join(notes)})" if notes else ""
+        would_fit["strategy"] = shard
+        devices = sizing.smallest_fitting_devices(shard)
+        would_fit["devices"] = devices * nodes if devices is not None else None
+        if devices is not None:
+            reasons.append(
+                f"more devices: {shard} shards parameters, gradients and optimizer state and fits on "
+                f"{_devices(devices, nodes)}, {_gib(sizing.peak_bytes(shard, devices))} each{also}"
             )
-            dp_changed = next((p for p in changed if p.strategy == dp_name and p.total_devices == largest), None)
-            if best_changed is None:
-                continue
-            text = f"with {words}: best {best_changed.strategy} {best_changed.speedup:.2f}x"
-            if dp_changed is not None:
-                text += f", {dp_changed.strategy} {dp_changed.speedup:.2f}x"
-            reasons.append("what would change the answer: " + text)
-    choice.reasons = reasons
-    return choice
+        else:
+            floor = sizing.peak_bytes(shard, 1, offload=True)
+            activations = floor - sizing.peak_bytes(shard, 1, offload=True, batch=0)
+            reasons.append(
+                f"more devices: no device count makes {shard} fit: what it gathers and the activations alone "
+                f"need {_gib(floor)} of the {_gib(sizing.usable_bytes)} usable, {_gib(activations)} of it "
+                f"activations and outputs (shorter inputs would shrink them){also}"
+            )
+        if not sizing.hardware.shared_compute:
+            offloaded = sizing.peak_bytes(shard, largest, offload=True)
+            would_fit["offload"] = offloaded <= sizing.usable_bytes
+            host = (sizing.peak_bytes(shard, largest) - offloaded) * largest
+            reasons.append(
+                f"CPU offload ({shard} with its shards in host memory, about {_gib(host)} of host memory per node): "
+                f"{_gib(offloaded)} per device on {_devices(largest, nodes)}, "
+                + ("which fits" if would_fit["offload"] else "which does not fit either")
+            )
+        batch = sizing.largest_batch(shard, largest)
+        would_fit["batch_size_per_device"] = batch or None
+        if batch >= sizing.batch_per_device:
+            reasons.append(f"{shard} fits the batch asked on {_devices(largest, nodes)}{also}")
+        elif batch > 0:
+            reasons.append(f"a smaller batch: {shard} on {_devices(largest, nodes)} fits {batch} per device")
+        else:
+            reasons.append(f"a smaller batch: not even 1 sample per device fits {shard} on {_devices(largest, nodes)}")
+    else:
+        batch = max(p.max_batch_per_device for p in candidates)
+        reasons.append(
+            "shard the model (FSDP / ZeRO), use a smaller batch"
+            + (f" (up to {batch} per device)" if batch else "")
+            + ", or a larger device"
+        )
+    return Recommendation(None, None, reasons, would_fit or None)

@@ -6,7 +6,8 @@ kernels. The formulas, with their sources, are in docs/cost-model.md; this modul
 
 A strategy's phases and memory follow from its traits (dpkit.strategies.base.Traits), never from its
 name: whether one process drives several replicas, whether they are copied every step or persist,
-where the loss runs, whether it spans nodes. A new strategy is predicted from the traits it declares.
+where the loss runs, whether it spans nodes, whether its state is sharded. A new strategy is predicted
+from the traits it declares.
 
     hardware = Hardware(catalogue.gpu("h100-sxm"), catalogue.link("nvlink4"))
     prediction = predict(profile, hardware, "ddp", devices=8, batch_per_device=32)
@@ -32,6 +33,20 @@ from dpkit.strategies import (
 )
 
 OPTIMIZER_STATE_BYTES_PER_PARAMETER = {"adam": 8, "sgd": 4}  # Adam: two moments; SGD: momentum
+# Parameters and gradients are float32 under every precision (autocast keeps them so; the sharded strategy's
+# shards and their gradients are float32 too): with Adam 4 + 4 + 8 = 16 bytes per parameter, the same 16 as
+# ZeRO's 2 + 2 + 12 for mixed precision (Rajbhandari et al. 2020, section 3.1), which counts the float32
+# master copy with the optimizer state and 16-bit parameters and gradients instead.
+# Under mixed precision autocast also keeps a 16-bit copy of every weight a matmul or convolution uses, from
+# the cast in forward until backward has used it (saved for backward): 2 bytes per parameter, unsharded.
+AUTOCAST_COPY_BYTES_PER_PARAMETER = 2
+# A sharded strategy (fsdp: FSDP2 with MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32) under
+# bf16-mixed) gathers each unit's parameters in 16 bits under mixed precision (4 bytes otherwise), computes the
+# unit's whole gradient in that dtype and reduce-scatters it in float32.
+REDUCE_SCATTER_BYTES_PER_PARAMETER = FP32_BYTES
+PREFETCHED_UNITS = 1  # FSDP2 keeps one more unit's all-gather in flight, in forward and in backward
+SHARDED_KERNELS_PER_COLLECTIVE = 3  # per unit and collective: copy-in, the collective, copy-out
+MOST_DEVICES = 1 << 16  # the most devices `smallest_fitting_devices` looks at
 # bytes an optimizer step reads and writes per fp32 parameter with PyTorch's default (unfused, for-each)
 # implementations, which make one pass over memory per elementwise operation: Adam's lerp, mul, addcmul,
 # sqrt, div, add and addcdiv read 12 and write 7 tensors; SGD with momentum's mul, add, add read 5 and write 3
@@ -46,6 +61,8 @@ PHASE_ORDER = (
     "backward",
     "reduce",
     "all_reduce",
+    "all_gather",
+    "reduce_scatter",
     "optimizer",
     "overhead",
 )
@@ -77,6 +94,9 @@ class CostConstants:
     step_overhead_seconds: float = 1e-3  # the Python of one step outside the kernels
     thread_seconds: float = 60e-6  # handing the replicas' threads their jobs and joining them (dp, replicated)
     bucket_bytes: int = 25 * 2**20  # DDP's default bucket_cap_mb
+    # host time of a sharded unit's hooks, once in forward and once in backward (FSDP2's pre/post-forward and
+    # pre/post-backward: copy-in, waits, copy-out): an estimate, see docs/cost-model.md
+    unit_seconds: float = 100e-6
     memory_headroom: float = 0.9  # usable fraction of device memory (allocator, CUDA context)
     source: str = "defaults (docs/cost-model.md)"
 
@@ -98,6 +118,8 @@ class Prediction:
     speedup: float = 0.0
     efficiency: float = 0.0
     notes: list[str] = field(default_factory=list)
+    fits: bool = True  # the fullest device's peak within the usable memory
+    runs: bool = True  # the strategy supports the precision (16-mixed needs a GradScaler)
 
     @property
     def total_devices(self) -> int:
@@ -115,6 +137,8 @@ class Prediction:
             "efficiency": self.efficiency,
             "peak_bytes_per_device": list(self.peak_bytes_per_device),
             "max_batch_size_per_device": self.max_batch_per_device,
+            "fits": self.fits,
+            "runs": self.runs,
             "breakdown": dict(self.breakdown),
             "notes": list(self.notes),
         }
@@ -145,8 +169,33 @@ def ring_all_reduce_seconds(link: Link, nbytes: float, devices: int, messages: i
     )
 
 
+def ring_all_gather_seconds(link: Link, nbytes: float, devices: int, messages: int = 1) -> float:
+    """Ring all-gather of `nbytes` in all (each device holds 1/N), or its mirror, the reduce-scatter: each
+    device sends and receives (N-1)/N of the bytes in N-1 steps, half an all-reduce."""
+    if devices <= 1:
+        return 0.0
+    return (devices - 1) * messages * link.latency_seconds + (
+        devices - 1
+    ) / devices * nbytes / link.achieved_bytes_per_second
+
+
 def precision_key(precision: str) -> str:
     return {"32": "32", "tf32": "tf32", "bf16-mixed": "bf16-mixed", "16-mixed": "16-mixed"}.get(str(precision), "")
+
+
+def mixed_precision(precision: str) -> bool:
+    """Autocast to a 16-bit dtype: activations halve, weights get 16-bit copies."""
+    return precision_key(precision) in ("bf16-mixed", "16-mixed")
+
+
+def runs_at(strategy: str, precision: str) -> bool:
+    """Whether the strategy trains at this precision: 16-mixed needs a GradScaler, which not all support."""
+    return precision_key(precision) != "16-mixed" or strategy_class(strategy).traits.grad_scaler
+
+
+def gathered_bytes_per_parameter(precision: str) -> int:
+    """What a sharded strategy gathers per parameter: its param_dtype, 16-bit under mixed precision."""
+    return 2 if mixed_precision(precision) else FP32_BYTES
 
 
 def achieved_flops(hardware: Hardware, precision: str, constants: CostConstants) -> float:
@@ -188,8 +237,15 @@ def step_breakdown(
     params_bytes = profile.parameter_bytes
     forward_compute = B * profile.flops_per_sample / rate_per_device
     backward_compute = 2 * forward_compute
-    forward_launch = profile.kernels_per_forward * constants.launch_seconds
-    backward_launch = 2 * forward_launch
+    sharded = traits.sharded and total > 1
+    # a sharded strategy's units run hooks and launch their collectives' kernels: a gather per unit in forward,
+    # a gather and a reduce-scatter per unit in backward
+    units = profile.units if sharded else 0
+    collective_kernels = SHARDED_KERNELS_PER_COLLECTIVE * units
+    forward_launch = (profile.kernels_per_forward + collective_kernels) * constants.launch_seconds
+    forward_launch += units * constants.unit_seconds
+    backward_launch = 2 * (profile.kernels_per_forward + collective_kernels) * constants.launch_seconds
+    backward_launch += units * constants.unit_seconds
     threads = traits.threads_per_step
     per_step = traits.replicas == PER_STEP  # DataParallel: replicas copied from device 0 at every forward
     persistent = traits.replicas == PERSISTENT  # every replica keeps its copy and steps it with the summed gradient
@@ -242,11 +298,17 @@ def step_breakdown(
     shared_weights = traits.shares_host_weights and shared
     if shared_weights and total > 1:
         phases["all_reduce"] = others * 3 * params_bytes / memory_rate
+    elif sharded:
+        phases["all_gather"], phases["reduce_scatter"] = exposed_sharded_seconds(
+            profile, hardware, strategy, devices, precision, phases["forward"], phases["backward"]
+        )
     elif persistent and total > 1:
         phases["all_reduce"] = exposed_all_reduce_seconds(
             profile, hardware, strategy, devices, phases["backward"], constants
         )
     traffic = OPTIMIZER_TRAFFIC_BYTES_PER_PARAMETER[optimizer] * profile.parameters
+    if traits.sharded:
+        traffic /= total  # each process steps its shard
     # one process whose replicas persist steps each replica's copy; a process per device steps its own one
     steps_in_process = local if traits.processes == ONE_PROCESS and persistent and not shared_weights else 1
     if not shared:
@@ -303,7 +365,55 @@ def exposed_all_reduce_seconds(
     return max(last_bucket, whole - hidden_window)
 
 
+def exposed_sharded_seconds(
+    profile: ModelProfile,
+    hardware: Hardware,
+    strategy: str,
+    devices: int,
+    precision: str,
+    forward_seconds: float,
+    backward_seconds: float,
+) -> tuple[float, float]:
+    """(exposed all-gather, exposed reduce-scatter) of a sharded strategy's step (FSDP / ZeRO-3).
+
+    Forward gathers every unit's parameters (16-bit under mixed precision); backward gathers them again (they
+    were dropped after forward, reshard_after_forward=True) and reduce-scatters the gradients in float32: in
+    fp32, 1.5 times the bytes of DDP's all-reduce (Rajbhandari et al. 2020, section 7.2). Each unit's
+    collective is prefetched while the previous unit computes, so, as for DDP's buckets, all but the first
+    unit's are hidden when the compute is long enough: at least the largest unit's share is exposed (the root's,
+    with a tied embedding, is the first gathered in forward and the last reduce-scattered in backward). On
+    virtual CPU devices nothing overlaps."""
+    total = devices * hardware.nodes
+    if total <= 1:
+        return 0.0, 0.0
+    link = all_reduce_link(hardware, strategy)
+    units = profile.units
+    gather = ring_all_gather_seconds(
+        link, profile.parameters * gathered_bytes_per_parameter(precision), total, messages=units
+    )
+    scatter = ring_all_gather_seconds(
+        link, profile.parameters * REDUCE_SCATTER_BYTES_PER_PARAMETER, total, messages=units
+    )
+    if hardware.shared_compute:
+        return 2 * gather, scatter
+    largest_share = profile.unit_parameters / profile.parameters
+    hidden = 1 - largest_share  # the compute the other units' collectives can hide behind
+    forward = max(gather * largest_share, gather - forward_seconds * hidden)
+    backward_comm = gather + scatter
+    backward = max(backward_comm * largest_share, backward_comm - backward_seconds * hidden)
+    return forward + backward * gather / backward_comm, backward * scatter / backward_comm
+
+
 # ---- memory -------------------------------------------------------------------------------------
+
+
+def sharded_unit_bytes(profile: ModelProfile, precision: str = "32") -> int:
+    """What a sharded strategy holds gathered at its peak besides its shards: the largest unit's whole
+    parameters (16-bit under mixed precision), the next unit's too when there is one (prefetched), and the
+    unit's whole gradient before the reduce-scatter (float32, the reduce dtype)."""
+    unit = profile.unit_parameters
+    gathered = (1 + (PREFETCHED_UNITS if profile.units > 1 else 0)) * unit * gathered_bytes_per_parameter(precision)
+    return int(gathered + unit * REDUCE_SCATTER_BYTES_PER_PARAMETER)
 
 
 def memory_per_device(
@@ -314,31 +424,44 @@ def memory_per_device(
     precision: str = "32",
     optimizer: str = "adam",
     shared_weights: bool = False,
+    nodes: int = 1,
+    offload: bool = False,
 ) -> tuple[list[int], list[float]]:
-    """(peak bytes per device, bytes per extra sample per device). Device 0 first.
+    """(peak bytes per device, bytes per extra sample per device). Device 0 first; `devices` per node.
 
     `shared_weights`: the devices are virtual CPU devices, on which a strategy that shares host weights
     (replicated) makes its replicas views of replica 0's weights, stepped once with one optimizer state:
-    the other replicas hold only their gradients until the sum. Other strategies ignore it."""
+    the other replicas hold only their gradients until the sum. Other strategies ignore it.
+    `nodes`: a sharded strategy splits its state over devices x nodes processes.
+    `offload`: a sharded strategy keeps its shards in host memory (CPU offload); the device holds what is
+    gathered and the activations. Other strategies ignore it."""
     traits = strategy_class(strategy).traits
     params = profile.parameter_bytes
     grads = params
     state = OPTIMIZER_STATE_BYTES_PER_PARAMETER[optimizer] * profile.parameters
-    activation_scale = 0.5 if precision in ("bf16-mixed", "16-mixed") else 1.0
+    mixed = mixed_precision(precision)
+    activation_scale = 0.5 if mixed else 1.0
     per_sample = profile.activation_bytes_per_sample * activation_scale + 2 * profile.output_bytes_per_sample
-    replica_fixed = params + grads  # a replica's copy and its gradients, while the step runs
+    # autocast's 16-bit copies of the weights, held from forward until backward used them
+    cast = AUTOCAST_COPY_BYTES_PER_PARAMETER * profile.parameters if mixed else 0
+    replica_fixed = params + grads + cast  # a replica's copy and its gradients, while the step runs
     slope = [per_sample] * devices
-    if traits.replicas == PER_STEP:  # device 0 keeps the model and the optimizer state; the others a copy per step
-        fixed = [params + grads + state] + [replica_fixed] * (devices - 1)
+    if traits.sharded:
+        # ZeRO-3 / FSDP: parameters, gradients and optimizer state split over every process, plus what is
+        # gathered; the gathered units are already 16-bit under mixed precision (no autocast copies)
+        shards = 0 if offload else (params + grads + state) / (devices * nodes)
+        fixed = [shards + sharded_unit_bytes(profile, precision)] * devices
+    elif traits.replicas == PER_STEP:  # device 0 keeps the model and the optimizer state; the others a copy per step
+        fixed = [params + grads + state + cast] + [replica_fixed] * (devices - 1)
         if traits.loss == ON_ROOT and devices > 1:
             # gathered logits and their gradient (one device: DataParallel runs the module directly)
             slope[0] = per_sample + 2 * profile.output_bytes_per_sample * devices
     elif traits.shares_host_weights and shared_weights:
-        fixed = [params + grads + state] + [grads] * (devices - 1)
+        fixed = [params + grads + state + cast] + [grads + cast] * (devices - 1)
     else:
         # DDP's gradient buckets are a second copy of the gradients in every process
-        buckets = grads if traits.processes == PER_DEVICE and devices > 1 else 0
-        fixed = [params + grads + state + buckets] * devices
+        buckets = grads if traits.processes == PER_DEVICE and devices * nodes > 1 else 0
+        fixed = [params + grads + state + buckets + cast] * devices
     peaks = [int(f + s * batch_per_device) for f, s in zip(fixed, slope)]
     return peaks, slope
 
@@ -351,13 +474,82 @@ def largest_batch_per_device(
     precision: str,
     optimizer: str,
     constants: CostConstants,
+    offload: bool = False,
 ) -> int:
     peaks_at_zero, slopes = memory_per_device(
-        profile, strategy, devices, 0, precision, optimizer, shared_weights=hardware.shared_compute
+        profile,
+        strategy,
+        devices,
+        0,
+        precision,
+        optimizer,
+        shared_weights=hardware.shared_compute,
+        nodes=hardware.nodes,
+        offload=offload,
     )
     usable = hardware.gpu.memory_bytes * constants.memory_headroom
     fits = [int((usable - fixed) // slope) if slope > 0 else 10**9 for fixed, slope in zip(peaks_at_zero, slopes)]
     return max(0, min(fits))
+
+
+@dataclass(frozen=True)
+class Sizing:
+    """The memory questions a plan's predictions do not answer, for the advisor when little or nothing fits:
+    on how many devices a strategy would fit, how large a batch fits, what CPU offload leaves on a device.
+
+    Device counts are per node (`hardware.nodes` of them); a sharded strategy splits over them all."""
+
+    profile: ModelProfile
+    hardware: Hardware
+    batch_per_device: int
+    precision: str = "32"
+    optimizer: str = "adam"
+    constants: CostConstants = CostConstants()
+
+    @property
+    def usable_bytes(self) -> float:
+        return self.hardware.gpu.memory_bytes * self.constants.memory_headroom
+
+    def peak_bytes(self, strategy: str, devices: int, offload: bool = False, batch: int | None = None) -> int:
+        """The fullest device's peak."""
+        peaks, _ = memory_per_device(
+            self.profile,
+            strategy,
+            devices,
+            self.batch_per_device if batch is None else batch,
+            self.precision,
+            self.optimizer,
+            shared_weights=self.hardware.shared_compute,
+            nodes=self.hardware.nodes,
+            offload=offload,
+        )
+        return max(peaks)
+
+    def fits(self, strategy: str, devices: int, offload: bool = False) -> bool:
+        return self.hardware.shared_compute or self.peak_bytes(strategy, devices, offload) <= self.usable_bytes
+
+    def smallest_fitting_devices(self, strategy: str, most: int = MOST_DEVICES) -> int | None:
+        """The fewest devices per node on which `strategy` fits at this batch (None: not up to `most`). For a
+        strategy whose fullest device holds less on more devices (a sharded one): doubling, then bisection."""
+        most = min(most, strategy_class(strategy).traits.max_devices or most)
+        if self.fits(strategy, 1):
+            return 1
+        low, high = 1, 2  # low does not fit; look for a high that does
+        while high <= most and not self.fits(strategy, high):
+            low, high = high, high * 2
+        if high > most:
+            if low == most or not self.fits(strategy, most):
+                return None
+            high = most
+        while high - low > 1:
+            middle = (low + high) // 2
+            low, high = (low, middle) if self.fits(strategy, middle) else (middle, high)
+        return high
+
+    def largest_batch(self, strategy: str, devices: int, offload: bool = False) -> int:
+        return largest_batch_per_device(
+            self.profile, self.hardware, strategy, devices, self.precision, self.optimizer, self.constants, offload
+        )
 
 
 # ---- predictions --------------------------------------------------------------------------------
@@ -384,7 +576,14 @@ def predict(
     breakdown = step_breakdown(profile, hardware, strategy, devices, batch_per_device, precision, constants, optimizer)
     step = sum(breakdown.values())
     peaks, _ = memory_per_device(
-        profile, strategy, devices, batch_per_device, precision, optimizer, shared_weights=hardware.shared_compute
+        profile,
+        strategy,
+        devices,
+        batch_per_device,
+        precision,
+        optimizer,
+        shared_weights=hardware.shared_compute,
+        nodes=hardware.nodes,
     )
     largest = largest_batch_per_device(profile, hardware, strategy, devices, precision, optimizer, constants)
     samples = batch_per_device * devices * hardware.nodes
@@ -399,11 +598,16 @@ def predict(
         largest,
         samples_per_second=samples / step,
     )
-    if not hardware.shared_compute and max(peaks) > hardware.gpu.memory_bytes * constants.memory_headroom:
+    usable = hardware.gpu.memory_bytes * constants.memory_headroom
+    if not hardware.shared_compute and max(peaks) > usable:
+        prediction.fits = False
         prediction.notes.append(
             f"does not fit: {max(peaks) / 2**30:.1f} GiB on the fullest device, "
-            f"{hardware.gpu.memory_bytes / 2**30:.0f} GiB on a {hardware.gpu.name}"
+            f"{usable / 2**30:.1f} GiB usable of {hardware.gpu.memory_bytes / 2**30:.0f} GiB on a {hardware.gpu.name}"
         )
+    if not runs_at(strategy, precision):
+        prediction.runs = False
+        prediction.notes.append("cannot run: no GradScaler for precision 16-mixed (bf16-mixed runs)")
     if hardware.link.max_devices is not None and devices > hardware.link.max_devices:
         prediction.notes.append(f"{hardware.link.name} joins at most {hardware.link.max_devices} devices")
     return prediction

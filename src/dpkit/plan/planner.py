@@ -10,7 +10,7 @@ from dpkit.observe.plots import save_scaling_figure
 from dpkit.observe.report import write_json
 from dpkit.plan.advisor import Recommendation, recommend
 from dpkit.plan.catalogue import Link
-from dpkit.plan.cost_model import PHASE_ORDER, CostConstants, Hardware, Prediction, predict_all
+from dpkit.plan.cost_model import PHASE_ORDER, CostConstants, Hardware, Prediction, Sizing, predict_all
 from dpkit.plan.profiles import ModelProfile
 from dpkit.strategies import reference
 
@@ -65,30 +65,43 @@ class Plan:
             ]
             row += [f"{p.breakdown.get(name, 0.0) * 1e3:.2f}" for name in phases]
             row += [
-                f"{max(p.peak_bytes_per_device) / 2**30:.1f}"
-                + ("!" if p.notes and "does not fit" in p.notes[0] else ""),
+                f"{max(p.peak_bytes_per_device) / 2**30:.1f}" + ("" if p.fits else "!"),
                 str(p.max_batch_per_device),
             ]
             rows.append(row)
         widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]
         lines = ["  ".join(h.rjust(w) for h, w in zip(header, widths))]
         lines += ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in rows]
-        lines.append(
-            f"recommendation: {self.recommendation.strategy}"
-            + (f" on {self.recommendation.devices} devices" if self.recommendation.devices > 1 else "")
-        )
-        lines += [f"  - {reason}" for reason in self.recommendation.reasons]
+        if any(not p.fits for p in self.predictions):
+            lines.append("! does not fit in the device's usable memory")
+        cannot = sorted({p.strategy for p in self.predictions if not p.runs})
+        if cannot:
+            lines.append(f"cannot run at precision {self.precision}: {', '.join(cannot)} (no GradScaler)")
+        recommendation = self.recommendation
+        if recommendation.strategy is None:
+            lines.append("recommendation: none (nothing fits; what would:)")
+        else:
+            lines.append(
+                f"recommendation: {recommendation.strategy}"
+                + (f" on {recommendation.devices} devices" if recommendation.devices > 1 else "")
+            )
+        lines += [f"  - {reason}" for reason in recommendation.reasons]
         return "\n".join(lines)
 
     def save_png(self, path: str | Path) -> Path:
-        """Left: predicted samples/s against devices per strategy; right: the step broken into phases."""
+        """Left: predicted samples/s against devices per strategy, for the configurations that fit (all of them
+        when none does); right: the step broken into phases, a "!" on the configurations that do not fit."""
+        fitting = [p for p in self.predictions if p.fits and p.runs] or self.predictions
         throughput: dict[str, list[tuple[int, float]]] = {}
-        for p in self.predictions:
+        for p in fitting:
             throughput.setdefault(p.strategy, []).append((p.total_devices, p.samples_per_second))
         return save_scaling_figure(
             path,
             throughput,
-            [(f"{p.strategy}\n{p.total_devices}", p.breakdown) for p in self.predictions],
+            [
+                (f"{p.strategy}\n{p.total_devices}" + ("" if p.fits and p.runs else " !"), p.breakdown)
+                for p in self.predictions
+            ],
             PHASE_ORDER,
             title=f"{self.profile.name} on {self.hardware.gpu.name} / {self.hardware.link.name}",
             throughput_label="samples/s (predicted)",
@@ -154,7 +167,11 @@ def make_plan(
         return []
 
     recommendation = recommend(
-        predictions, hardware.link.name, hardware.network.name if hardware.network else "", what_if
+        predictions,
+        hardware.link.name,
+        hardware.network.name if hardware.network else "",
+        what_if,
+        Sizing(profile, hardware, batch_per_device, precision, optimizer, constants),
     )
     return Plan(
         profile,

@@ -8,6 +8,11 @@ A profile comes from one of three places:
   machine, scaled to the input size asked for;
 - `ModelProfile(...)` with the numbers given directly (`dpkit plan --params ... --flops-per-sample ...`).
 All FLOP and byte counts are per sample of one forward pass, in fp32 (4-byte) terms.
+
+A sharded strategy (fsdp) gathers the model's parameters one unit at a time; the profile says how many
+units and how many parameters the largest holds (`largest_unit_parameters`, `shard_units`), following the
+strategy's default rule: every block of an nn.ModuleList and every module with at least a million
+parameters of its own is a unit, the root holds the rest (`shard_unit_sizes`).
 """
 
 from __future__ import annotations
@@ -20,7 +25,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from dpkit.strategies.fsdp import DEFAULT_UNIT_PARAMETERS, shard_units
+
 FP32_BYTES = 4
+UNIT_MIN_PARAMETERS = DEFAULT_UNIT_PARAMETERS  # the sharded strategy's default: a module this large is a unit
 
 
 @dataclass(frozen=True)
@@ -34,10 +42,26 @@ class ModelProfile:
     input_bytes_per_sample: float  # what DataParallel scatters from device 0
     parameter_tensors: int = 0  # tensors replicated / bucketed (0: unknown)
     source: str = ""
+    # sharded strategies: the most parameters one unit gathers at once, and how many units there are
+    # (0: unknown; then the whole model counts as one unit, the most a sharded strategy could gather)
+    largest_unit_parameters: int = 0
+    shard_units: int = 0
 
     @property
     def parameter_bytes(self) -> int:
         return self.parameters * FP32_BYTES
+
+    @property
+    def unit_parameters(self) -> int:
+        """Parameters of the largest unit a sharded strategy gathers (the whole model when unknown)."""
+        return min(self.largest_unit_parameters, self.parameters) if self.largest_unit_parameters else self.parameters
+
+    @property
+    def units(self) -> int:
+        """Units a sharded strategy gathers one after another (at least enough to hold every parameter)."""
+        if self.shard_units:
+            return self.shard_units
+        return max(1, -(-self.parameters // self.unit_parameters))
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -62,6 +86,16 @@ class _KernelCounter(torch.utils._python_dispatch.TorchDispatchMode):
         if not func.is_view and func.__name__.split(".")[0] not in ("detach", "alias", "lift_fresh", "_to_copy"):
             self.kernels += 1
         return func(*args, **(kwargs or {}))
+
+
+def shard_unit_sizes(model: nn.Module, min_parameters: int = UNIT_MIN_PARAMETERS) -> list[int]:
+    """Parameters of each unit the sharded strategy's default rule (dpkit.strategies.fsdp.shard_units) makes of
+    `model`, innermost first, the root's remainder last (when it has any)."""
+    units = shard_units(model, min_parameters)
+    sizes = [sum(p.numel() for p in unit.parameters()) for unit in units]
+    taken = {id(p) for unit in units for p in unit.parameters()}
+    root = sum(p.numel() for p in model.parameters() if id(p) not in taken)
+    return sizes + ([root] if root else [])
 
 
 def _tensor_bytes(value: Any) -> int:
@@ -120,6 +154,7 @@ def measure_model(
             saved["bytes"] += tensor.numel() * tensor.element_size()
         return tensor
 
+    units = shard_unit_sizes(model)
     counter = _KernelCounter()
     flops = FlopCounterMode(display=False)
     with flops:
@@ -140,6 +175,8 @@ def measure_model(
         input_bytes_per_sample=x.numel() * x.element_size() / batch,
         parameter_tensors=len(trainable),
         source=f"measured on the {device} device with FlopCounterMode (input {tuple(input_shape)})",
+        largest_unit_parameters=max(units, default=0),
+        shard_units=len(units),
     )
 
 
@@ -147,9 +184,18 @@ def measure_model(
 
 
 def _cnn(
-    name: str, parameters: float, macs_224: float, kernels: int, activation_bytes_224: float, tensors: int, source: str
+    name: str,
+    parameters: float,
+    macs_224: float,
+    kernels: int,
+    activation_bytes_224: float,
+    tensors: int,
+    source: str,
+    largest_unit: int = 0,
+    units: int = 0,
 ) -> Callable[..., ModelProfile]:
-    """A convolutional net whose work and activations scale with the image area."""
+    """A convolutional net whose work and activations scale with the image area; `largest_unit` and `units`
+    as the sharded strategy's default rule cuts it (`shard_unit_sizes` of the torchvision architecture)."""
 
     def build(input_shape: Sequence[int] | None = None, seq_len: int | None = None) -> ModelProfile:
         shape = tuple(input_shape) if input_shape else (3, 224, 224)
@@ -168,17 +214,36 @@ def _cnn(
             math.prod(shape) * FP32_BYTES,
             tensors,
             source + f"; scaled to input {shape}",
+            largest_unit,
+            units,
         )
 
     return build
 
 
 def _transformer(
-    name: str, parameters: float, layers: int, width: int, vocab: int, default_seq: int, heads: int, source: str
+    name: str,
+    parameters: float,
+    layers: int,
+    width: int,
+    vocab: int,
+    default_seq: int,
+    heads: int,
+    source: str,
+    tied: bool = True,
 ) -> Callable[..., ModelProfile]:
     """A transformer: forward FLOPs per token 2N + 2*layers*seq*width (Kaplan et al. 2020, Table 1),
     activations per layer and sample seq*width*(34 + 5*heads*seq/width) bytes in 16-bit (Korthikanti et
-    al. 2022, eq. 1), doubled for fp32; the output is the logits, seq x vocab."""
+    al. 2022, eq. 1), doubled for fp32; the output is the logits, seq x vocab.
+
+    Sharded units (the sharded strategy's default rule): each block of the layer list is one, holding
+    (parameters - embeddings) / layers; the token embedding (vocab x width) is one when the output layer
+    has its own weights (`tied=False`, LLaMA), and so is the output layer; a tied embedding stays with the
+    root. The largest unit is the larger of a block and the embedding."""
+    embedding = vocab * width
+    block = (parameters - embedding * (1 if tied else 2)) / layers
+    largest_unit = int(max(block, embedding))
+    units = layers + (1 if tied else 3)  # the blocks, the root, and untied: the embedding and the output layer
 
     def build(input_shape: Sequence[int] | None = None, seq_len: int | None = None) -> ModelProfile:
         seq = int(seq_len or (input_shape[0] if input_shape else default_seq))
@@ -200,6 +265,8 @@ def _transformer(
             seq * 8.0,
             4 + 12 * layers,
             source + f"; seq_len {seq}",
+            largest_unit,
+            units,
         )
 
     return build
@@ -215,6 +282,8 @@ BUILTIN_PROFILES: dict[str, Callable[..., ModelProfile]] = {
         161,
         "He et al. 2016 (arXiv:1512.03385) and torchvision's model card: 25.6M parameters, 4.09 GMACs at 224x224; "
         "activations ~103 MB/sample fp32 (an estimate from the feature-map sizes)",
+        largest_unit=2_359_296,  # a layer4 3x3 convolution, 512x512x3x3; 17 units and the root
+        units=18,
     ),
     "resnet101": _cnn(
         "resnet101",
@@ -225,6 +294,8 @@ BUILTIN_PROFILES: dict[str, Callable[..., ModelProfile]] = {
         314,
         "He et al. 2016 and torchvision's model card: 44.5M parameters, 7.80 GMACs at 224x224; "
         "activations ~155 MB/sample fp32 (estimated the same way)",
+        largest_unit=2_359_296,
+        units=35,
     ),
     "bert-base": _transformer(
         "bert-base",
@@ -274,7 +345,9 @@ BUILTIN_PROFILES: dict[str, Callable[..., ModelProfile]] = {
         32000,
         2048,
         32,
-        "Touvron et al. 2023 (arXiv:2302.13971): 6.7B parameters, 32 layers, width 4096, 32 heads, context 2048",
+        "Touvron et al. 2023 (arXiv:2302.13971): 6.7B parameters, 32 layers, width 4096, 32 heads, context 2048; "
+        "untied output layer",
+        tied=False,
     ),
 }
 
@@ -297,11 +370,18 @@ def given_profile(
     activation_bytes_per_sample: float | None = None,
     output_bytes_per_sample: float = 4000.0,
     input_bytes_per_sample: float = 3 * 224 * 224 * 4.0,
+    largest_unit_parameters: float | None = None,
 ) -> ModelProfile:
     """A profile from numbers; what is not given is estimated from the parameter count (a transformer-like
-    6N training FLOPs per token at 512 tokens per sample, and 16 activation bytes per parameter)."""
+    6N training FLOPs per token at 512 tokens per sample, and 16 activation bytes per parameter). Without
+    `largest_unit_parameters` a sharded strategy is planned as gathering the whole model at once."""
     if parameters is None or parameters <= 0:
         raise ValueError(f"params: expected a positive parameter count, got {parameters!r}")
+    if largest_unit_parameters is not None and not 0 < largest_unit_parameters <= parameters:
+        raise ValueError(
+            f"largest_unit_params: expected a positive count no larger than the model's {parameters:.4g} "
+            f"parameters, got {largest_unit_parameters!r}"
+        )
     flops = flops_per_sample if flops_per_sample is not None else 2.0 * parameters * 512
     activations = activation_bytes_per_sample if activation_bytes_per_sample is not None else 16.0 * parameters / 8
     return ModelProfile(
@@ -314,6 +394,7 @@ def given_profile(
         float(input_bytes_per_sample),
         0,
         "given on the command line",
+        int(largest_unit_parameters or 0),
     )
 
 
