@@ -168,3 +168,26 @@ def test_ddp_writes_one_report_with_every_rank_and_its_all_reduce(tmp_path):
     # the global batch's loss after three Adam steps equals one device's, as ddp promises
     single = run_profile(tmp_path, "single", *small)
     assert report["last_loss"] == pytest.approx(single["last_loss"], rel=1e-9)
+
+
+def test_fsdp_books_its_shards_and_says_what_ddp_would_keep(tmp_path, capfd):
+    small = ["--devices", "2", "--batch-size", "64", "--warmup", "1", "--dtype", "float64"]
+    ddp = run_profile(tmp_path, "ddp", *small)
+    capfd.readouterr()
+    fsdp = run_profile(tmp_path, "fsdp", *small)
+    printed = capfd.readouterr().out  # printed by rank 0, a process of its own
+    for entry, whole in zip(fsdp["devices"], ddp["devices"]):
+        mine, theirs = entry["peak_bytes_by_category"], whole["peak_bytes_by_category"]
+        # each process books its half of the parameters and of Adam's state (dim 0 padded to a multiple of 2)
+        for category in ("parameters", "optimizer_state"):
+            assert 0.5 * theirs[category] <= mine[category] <= 0.51 * theirs[category], category
+        assert mine["gathered_parameters"] > 0 and theirs["gathered_parameters"] == 0
+    kept = fsdp["kept_bytes"]
+    assert (
+        len(kept) == 2
+        and kept[0]["unsharded"]["parameters"] == ddp["devices"][0]["peak_bytes_by_category"]["parameters"]
+    )
+    assert max(sum(rank["held"].values()) for rank in kept) <= 0.51 * sum(kept[0]["unsharded"].values())
+    assert "kept between steps (params + grads + optim): at most" in printed
+    assert "unsharded" in next(line for line in printed.splitlines() if line.startswith("device"))
+    assert fsdp["last_loss"] == pytest.approx(ddp["last_loss"], rel=1e-9)  # the same steps

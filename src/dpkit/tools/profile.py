@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, RandomSampler, TensorDataset
 
 from dpkit.checks import check_int, check_output_file
@@ -148,6 +149,7 @@ def profile(spec: ProfileSpec) -> tuple[Report | None, float]:
                 for _ in range(spec.steps):
                     last_loss = step()
                     bar.update()
+        kept = engine.gather_object(kept_bytes(engine.model_copies()[0][0], optimizer)) if cls.traits.sharded else None
         reports = engine.gather_object(observer.report())
         writes = engine.is_global_zero
     finally:
@@ -168,7 +170,51 @@ def profile(spec: ProfileSpec) -> tuple[Report | None, float]:
         "seed": spec.seed,
         "last_loss": last_loss,
     }
+    if kept is not None:
+        report.meta["kept_bytes"] = kept  # per rank
     return report, last_loss
+
+
+def kept_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, dict[str, int]]:
+    """What this device keeps between steps of the parameters, their gradients and the optimizer's state
+    ("held": a sharded strategy's shards, each storage once), and what it would keep if nothing were sharded
+    ("unsharded", as under ddp: the whole sizes; a DTensor's numel is the whole one)."""
+    parameters = list(model.parameters())
+    tensors = {
+        "parameters": parameters,
+        "gradients": [p.grad for p in parameters if p.grad is not None],
+        "optimizer_state": [v for state in optimizer.state.values() for v in state.values() if torch.is_tensor(v)],
+    }
+
+    def held(group: list[torch.Tensor]) -> int:
+        storages = {}
+        for tensor in group:
+            storage = (tensor.to_local() if isinstance(tensor, DTensor) else tensor).untyped_storage()
+            storages[storage.data_ptr()] = storage.nbytes()
+        return sum(storages.values())
+
+    return {
+        "held": {name: held(group) for name, group in tensors.items()},
+        "unsharded": {name: sum(t.numel() * t.element_size() for t in group) for name, group in tensors.items()},
+    }
+
+
+def sharding_line(report: Report) -> str | None:
+    """Beside a sharded strategy's table: what each device keeps between steps against the whole sizes every
+    device keeps when nothing is sharded."""
+    kept = report.meta.get("kept_bytes")
+    if not kept:
+        return None
+    mib = 1024 * 1024
+    held = max(sum(rank["held"].values()) for rank in kept)
+    whole = kept[0]["unsharded"]
+    total = sum(whole.values())
+    return (
+        f"kept between steps (params + grads + optim): at most {held / mib:.2f} MiB per device; unsharded, as "
+        f"under ddp (before its gradient buckets), every device keeps {whole['parameters'] / mib:.2f} + "
+        f"{whole['gradients'] / mib:.2f} + {whole['optimizer_state'] / mib:.2f} = {total / mib:.2f} MiB "
+        f"({held / total:.2f}x)"
+    )
 
 
 def run(spec: ProfileSpec) -> Report | None:
@@ -192,6 +238,9 @@ def run(spec: ProfileSpec) -> Report | None:
         f"{spec.dtype}, {spec.steps} observed step(s) after {spec.warmup} warm-up, on {devices}"
     )
     print(report.format_table())
+    line = sharding_line(report)
+    if line:
+        print(line)
     print(f"last loss: {last_loss:.6f}")
     if spec.json:
         print(f"wrote {report.save_json(spec.json)}")
