@@ -8,13 +8,14 @@ On 2 virtual CPU devices with one intra-op thread each and a compute-bound MLP (
     dpkit ddp   vs  that same hand-written DDP loop                           (target >= 0.97x)
     single      vs  a bare PyTorch loop on one device                         (target >= 0.97x)
     dp, dp-balanced: shown for their per-step cost
+    dpkit fsdp  vs  dpkit ddp: its step time against ddp's, shown without a target (see FSDP_NOTE)
 
 Every contender trains the same model on the same global batch with SGD, side by side: two processes
-are started through dpkit's launcher (torchrun underneath); the DDP loops run on both, the one-process
-contenders (bare loops, single, replicated, dp, dp-balanced) on rank 0 while rank 1 waits in a barrier,
-and all contenders time their windows of steps in turn (A B C … A B C …, rotating), so changing machine
-load hits them alike. The medians over the windows are compared. Afterwards `replicated` runs once more
-in this process with a listener on dpkit's hooks seam, which prints where its step time goes per phase.
+are started through dpkit's launcher (torchrun underneath); the DDP loops and fsdp run on both, the
+one-process contenders (bare loops, single, replicated, dp, dp-balanced) on rank 0 while rank 1 waits in a
+barrier, and all contenders time their windows of steps in turn (A B C … A B C …, rotating), so changing
+machine load hits them alike. The medians over the windows are compared. Afterwards `replicated` runs once
+more in this process with a listener on dpkit's hooks seam, which prints where its step time goes per phase.
 
     python benchmarks/strategies_throughput.py            # make bench
     python benchmarks/strategies_throughput.py --windows 15 --batch-size 512
@@ -30,6 +31,7 @@ import os
 import statistics
 import sys
 import tempfile
+import textwrap
 import threading
 import time
 from pathlib import Path
@@ -129,8 +131,8 @@ def torch_ddp_step(args: argparse.Namespace):
 
 
 def worker(args: argparse.Namespace) -> dict[str, list[float]]:
-    """In each of the two launched processes. The DDP loops run on both; the one-process contenders run
-    on rank 0 while rank 1 waits, blocked (not spinning), in a barrier. Windows alternate over all
+    """In each of the two launched processes. The DDP loops and fsdp run on both; the one-process contenders
+    run on rank 0 while rank 1 waits, blocked (not spinning), in a barrier. Windows alternate over all
     contenders, so every contender sees the same machine load."""
     import torch.distributed as dist
 
@@ -140,6 +142,7 @@ def worker(args: argparse.Namespace) -> dict[str, list[float]]:
     steps = {
         TORCH_DDP: torch_ddp_step(args),
         DPKIT_DDP: engine_step(args, "ddp", DEVICES, threads_per_device=THREADS_PER_DEVICE),
+        DPKIT_FSDP: engine_step(args, "fsdp", DEVICES, threads_per_device=THREADS_PER_DEVICE),
     }
     if rank == 0:
         steps.update(
@@ -155,14 +158,14 @@ def worker(args: argparse.Namespace) -> dict[str, list[float]]:
 
     def run(name: str, count: int) -> float | None:
         rate = None
-        if name in (TORCH_DDP, DPKIT_DDP) or rank == 0:
+        if name in ON_EVERY_RANK or rank == 0:
             rate = time_window(
                 steps[name],
                 count,
                 args.batch_size,
                 DEVICES * THREADS_PER_DEVICE if name == BARE_CORES else THREADS_PER_DEVICE,
             )
-        if name not in (TORCH_DDP, DPKIT_DDP):
+        if name not in ON_EVERY_RANK:
             dist.barrier()
         return rate
 
@@ -294,7 +297,9 @@ BARE, SINGLE = "bare torch loop (1 device)", "dpkit single"
 BARE_CORES = f"bare torch loop, {DEVICES} intra-op threads"
 TORCH_DDP, DPKIT_DDP = "torch DDP loop (gloo, 2 procs)", "dpkit ddp (2 procs)"
 REPLICATED, DP, DP_BALANCED = "dpkit replicated (2 devices)", "dpkit dp (2 devices)", "dpkit dp-balanced (2 devices)"
-ORDER = [BARE, BARE_CORES, SINGLE, TORCH_DDP, DPKIT_DDP, REPLICATED, DP, DP_BALANCED]
+DPKIT_FSDP = "dpkit fsdp (2 procs)"
+ORDER = [BARE, BARE_CORES, SINGLE, TORCH_DDP, DPKIT_DDP, DPKIT_FSDP, REPLICATED, DP, DP_BALANCED]
+ON_EVERY_RANK = (TORCH_DDP, DPKIT_DDP, DPKIT_FSDP)  # a process per device: both ranks step together
 
 TARGETS = [  # (contender, reference, at least)
     # the 0.95x target is retired (on virtual CPU devices `single` is the fast choice); this floor keeps
@@ -304,6 +309,15 @@ TARGETS = [  # (contender, reference, at least)
     (DPKIT_DDP, TORCH_DDP, 0.97),
     (SINGLE, BARE, 0.97),
 ]
+
+# fsdp gets no target here: its step is compared with ddp's to be seen, not held to a number
+FSDP_NOTE = (
+    "fsdp's step time / ddp's, medians of windows measured side by side in the same two processes. Each "
+    "step fsdp all-gathers every layer's weights in forward and again in backward, and reduce-scatters the "
+    "gradients, where ddp all-reduces gradients only (in buckets, partly during backward); on CPU/gloo "
+    "nothing overlaps fsdp's collectives (FSDP2 overlaps them with CUDA streams), so above 1 is expected. "
+    "It buys memory (here each device keeps half the weights and gradients; SGD has no state), not speed."
+)
 
 
 def main() -> int:
@@ -360,11 +374,25 @@ def main() -> int:
             {"contender": contender, "reference": reference, "ratio": ratio, "target": at_least, "passed": passed}
         )
         print(f"{contender} / {reference}: {ratio:.3f}x (target >= {at_least}) {'ok' if passed else 'BELOW TARGET'}")
+    fsdp_over_ddp = medians[DPKIT_DDP] / medians[DPKIT_FSDP]  # step times' ratio: the rates' inverted
+    print(
+        f"dpkit fsdp / dpkit ddp step time: {fsdp_over_ddp:.3f}x "
+        f"({1e3 * args.batch_size / medians[DPKIT_FSDP]:.1f} against {1e3 * args.batch_size / medians[DPKIT_DDP]:.1f} "
+        "ms per step; no target)"
+    )
+    print(textwrap.fill(FSDP_NOTE, width=110, initial_indent="  ", subsequent_indent="  "))
     phases = phase_split(args) if args.phase_steps > 0 else None
     if args.json:
         Path(args.json).write_text(
             json.dumps(
-                {"medians": medians, "rates": rates, "ratios": results, "phases": phases, "config": vars(args)},
+                {
+                    "medians": medians,
+                    "rates": rates,
+                    "ratios": results,
+                    "fsdp_over_ddp_step_time": fsdp_over_ddp,
+                    "phases": phases,
+                    "config": vars(args),
+                },
                 indent=2,
             )
         )

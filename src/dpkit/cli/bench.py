@@ -1,6 +1,6 @@
 """`dpkit bench`: one model under several strategies and device counts, in one command.
 
-    dpkit bench --example wide-output --strategies single,dp,dp-balanced,replicated,ddp --devices 1,2,3 \\
+    dpkit bench --example wide-output --strategies single,dp,dp-balanced,replicated,ddp,fsdp --devices 1,2,3 \\
                 --batch-size-per-device 64 --json bench.json --png bench.png
 
 For each configuration: samples/s, speed-up and efficiency against the measured one-device run, and

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from dpkit.examples.digits import DigitsMLP, load_digits
+from dpkit.examples.wide_blocks import WideBlocksNet, make_wide_blocks_data
 from dpkit.examples.wide_output import WideOutputNet, make_wide_output_data
 
 TensorSplits = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
@@ -34,6 +35,12 @@ EXAMPLES: dict[str, Example] = {
         WideOutputNet,
         make_wide_output_data,
         "small trunk, 20,000-class head, synthetic data from a seed",
+    ),
+    "wide-blocks": Example(
+        "wide-blocks",
+        WideBlocksNet,
+        make_wide_blocks_data,
+        "4 residual blocks of 960-wide layers (7.4M parameters: weights dominate memory), synthetic data from a seed",
     ),
 }
 

@@ -9,6 +9,8 @@ from typing import Any
 
 from dpkit.launch.environment import LAUNCH_VARIABLES
 
+_joined = [0]  # process groups this process has joined through rendezvous_store
+
 
 def rendezvous_store(rank: int, world_size: int, *, wait_seconds: float, timeout_seconds: float) -> Any:
     """The store for init_process_group, once every rank has arrived; at most `wait_seconds` of waiting.
@@ -45,8 +47,11 @@ def rendezvous_store(rank: int, world_size: int, *, wait_seconds: float, timeout
                 ) from None
             time.sleep(0.1)
     store.set_timeout(timedelta(seconds=timeout_seconds))
-    # keys of an earlier attempt (torchrun restarts the group on the same store) must not be read as this one's
-    store = dist.PrefixStore(f"dpkit/attempt_{attempt}", store)
+    # keys of an earlier attempt (torchrun restarts the group on the same store), or of an earlier process group
+    # of this process (an Engine closed, then another made), must not be read as this one's: gloo would connect
+    # to the addresses a closed group left there and wait forever. Every rank makes its groups in the same order.
+    _joined[0] += 1
+    store = dist.PrefixStore(f"dpkit/attempt_{attempt}/group_{_joined[0]}", store)
     store.set(f"arrived/{rank}", "1")
     while True:
         missing = [r for r in range(world_size) if not store.check([f"arrived/{r}"])]

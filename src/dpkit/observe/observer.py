@@ -143,7 +143,7 @@ class Observer:
         """This observer's scope in the current thread, if a replica's job runs here."""
         return getattr(self._thread, "scope", None)
 
-    def _phase_stack(self) -> list[tuple[str, str, Any]]:
+    def _phase_stack(self) -> list[tuple[str, str, Any, bool]]:
         stack = getattr(self._thread, "phases", None)
         if stack is None:
             stack = self._thread.phases = []
@@ -151,14 +151,17 @@ class Observer:
 
     def calling_thread_where(self) -> tuple[str, str]:
         """(device, category) of what the calling thread allocates now."""
+        stack = self._phase_stack()
+        if stack and stack[-1][3]:  # a phase opened inside backward (fsdp's gathers) names what it allocates
+            name, device, _, _ = stack[-1]
+            return device, PHASE_CATEGORY[name]
         node = self.backward.current()
         if node is not None:
             return node[0], "gradients"
         if in_backward():  # outside any marked node
             return self.home_device(), "gradients"
-        stack = self._phase_stack()
         if stack:
-            name, device, _ = stack[-1]
+            name, device, _, _ = stack[-1]
             return device, PHASE_CATEGORY[name]
         return self.home_device(), "other"
 
@@ -192,9 +195,9 @@ class Observer:
         key = self.home_device() if key is None else key
         self._note_device(key)
         stack = self._phase_stack()
-        nested = any(open_name == name for open_name, _, _ in stack)  # e.g. optimizer hooks inside a caller's phase
+        nested = any(entry[0] == name for entry in stack)  # e.g. optimizer hooks inside a caller's phase
         token = self.clock.begin(key, name) if self.timing and not nested else None
-        stack.append((name, key, token))
+        stack.append((name, key, token, in_backward()))
         return token
 
     def leave_phase(self, name: str, off_home_before: float | None = None) -> None:
@@ -206,7 +209,7 @@ class Observer:
         stack = self._phase_stack()
         if not stack or stack[-1][0] != name:
             return
-        _, key, token = stack.pop()
+        _, key, token, _ = stack.pop()
         if token is None:
             return
         if name == "backward" and token.start_event is None and off_home_before is not None:

@@ -30,6 +30,8 @@ PHASE_CATEGORY = {
     "backward": "gradients",
     "reduce": "gradients",
     "all_reduce": "gradients",
+    "all_gather": "gathered_parameters",
+    "reduce_scatter": "gradients",
     "optimizer": "optimizer_state",
 }
 

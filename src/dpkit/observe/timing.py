@@ -16,7 +16,19 @@ import torch
 
 # in pipeline order; "reduce" is DataParallel's gradient sum onto device 0, "all_reduce" the exchange among
 # replicas or processes (replicated, ddp)
-PHASES = ("scatter", "replicate", "forward", "gather", "loss", "backward", "reduce", "all_reduce", "optimizer")
+PHASES = (
+    "scatter",
+    "replicate",
+    "forward",
+    "gather",
+    "loss",
+    "backward",
+    "reduce",
+    "all_reduce",
+    "all_gather",  # a sharded strategy gathering a unit's parameters (inside forward or backward)
+    "reduce_scatter",  # and reducing a unit's gradients to each process's shard (inside backward)
+    "optimizer",
+)
 
 # consecutive spans of one device and phase closer than this are drawn as one (backward runs node by node)
 _MERGE_GAP_SECONDS = 50e-6

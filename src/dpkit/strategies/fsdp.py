@@ -29,6 +29,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather, DefaultReduceScatter
 from torch.distributed.tensor import DTensor
 
 from dpkit.checks import check_int
@@ -74,6 +75,39 @@ def shard_units(model: nn.Module, min_parameters: int = DEFAULT_UNIT_PARAMETERS)
 
     visit(model)
     return units
+
+
+class _AnnouncedAllGather(DefaultAllGather):
+    """FSDP2's own all-gather, announced as the "all_gather" phase: what it allocates is gathered parameters,
+    and its time shows (inside forward and backward)."""
+
+    def __init__(self, device: torch.device):
+        super().__init__()
+        self.device = device
+
+    def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        with hooks.phase("all_gather", self.device):
+            return super().allocate(size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any, async_op: bool = False):
+        with hooks.phase("all_gather", self.device):
+            return super().__call__(output_tensor, input_tensor, group, async_op)
+
+
+class _AnnouncedReduceScatter(DefaultReduceScatter):
+    """FSDP2's own reduce-scatter, announced as the "reduce_scatter" phase."""
+
+    def __init__(self, device: torch.device):
+        super().__init__()
+        self.device = device
+
+    def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        with hooks.phase("reduce_scatter", self.device):
+            return super().allocate(size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor, input_tensor, group, op, async_op: bool = False):  # noqa: ANN001
+        with hooks.phase("reduce_scatter", self.device):
+            return super().__call__(output_tensor, input_tensor, group, op, async_op)
 
 
 class FSDP(PerDeviceStrategy):
@@ -152,7 +186,10 @@ class FSDP(PerDeviceStrategy):
         after = dict(model.named_parameters())
         self._sharded_params = {id(before[name]): after[name] for name in before if name in after}
         self.model = self.wrapped = model
+        all_gather, reduce_scatter = _AnnouncedAllGather(self.device), _AnnouncedReduceScatter(self.device)
         for unit in [*units, model]:
+            unit.set_custom_all_gather(all_gather)
+            unit.set_custom_reduce_scatter(reduce_scatter)
             self._tell_gathered_bytes_around(unit)
         return model
 
@@ -168,8 +205,15 @@ class FSDP(PerDeviceStrategy):
         return sum(storages.values())
 
     def _tell_gathered_bytes(self, *_: Any) -> None:
-        if hooks.listening():
-            hooks.memory_level(self.device, "gathered_parameters", self.gathered_bytes())
+        if not hooks.listening():
+            return
+        for parameter in self.model.parameters():
+            if not isinstance(parameter, DTensor) and id(parameter) not in self._told_in_backward:
+                # a gathered parameter (FSDP2 keeps the object from step to step): tell the bytes again when its
+                # gradient arrives in backward, where its unit is gathered once more
+                self._told_in_backward.add(id(parameter))
+                parameter.register_post_accumulate_grad_hook(self._tell_gathered_bytes)
+        hooks.memory_level(self.device, "gathered_parameters", self.gathered_bytes())
 
     def _tell_gathered_bytes_around(self, unit: nn.Module) -> None:
         """Tell the gathered bytes on both sides of the unit's own gather (FSDP2's forward pre-hook, registered
@@ -203,18 +247,8 @@ class FSDP(PerDeviceStrategy):
             self.model.set_requires_gradient_sync(sync)
             self.model.set_reshard_after_backward(sync)
         with hooks.phase("backward", self.device):  # includes the gathers and reduce-scatters it waits for
-            if hooks.listening():
-                self._tell_gathered_bytes_in_backward()
             (loss * scale if scale != 1.0 else loss).backward()
         self._tell_gathered_bytes()
-
-    def _tell_gathered_bytes_in_backward(self) -> None:
-        """While observed, also tell the gathered bytes whenever a gradient reaches a gathered parameter (its
-        unit is gathered then), once per parameter object: FSDP2 keeps them from step to step."""
-        for parameter in self.model.parameters():
-            if not isinstance(parameter, DTensor) and id(parameter) not in self._told_in_backward:
-                self._told_in_backward.add(id(parameter))
-                parameter.register_post_accumulate_grad_hook(self._tell_gathered_bytes)
 
     # --- saving and loading: whole states on rank 0, gathered from every process ---------------------
     def model_state(self, model: nn.Module) -> dict[str, Any] | None:

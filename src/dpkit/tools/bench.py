@@ -120,7 +120,7 @@ class ConfigResult:
     efficiency: float = 0.0
     lost: dict[str, float] = field(default_factory=dict)  # fraction of this step lost to each phase vs one device
     fastest_step_seconds: float = 0.0  # the least disturbed step
-    interleaved: bool = True  # took turns with the others, round by round (ddp runs in its own processes)
+    interleaved: bool = True  # took turns with the others, round by round (ddp, fsdp run in their own processes)
     reference_seconds_samples: list[float] = field(default_factory=list)  # the reference work of each step's round
 
     def summary(self) -> str:
@@ -555,7 +555,8 @@ def machine_description(spec: BenchSpec) -> dict[str, Any]:
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(
-        prog="python -m dpkit.tools.bench", description="dpkit bench's ddp worker (started by the launcher)"
+        prog="python -m dpkit.tools.bench",
+        description="dpkit bench's worker for a strategy with a process per device (started by the launcher)",
     )
     parser.add_argument("--worker", nargs=2, metavar=("SPEC", "OUT"), required=True)
     arguments = parser.parse_args()
