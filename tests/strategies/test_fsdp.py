@@ -16,8 +16,10 @@ TOLERANCE = 1e-5
 def test_the_default_units_are_the_blocks_then_large_modules_never_a_tied_weight():
     model = Blocks()
     assert shard_units(model) == list(model.blocks)  # below the size threshold only the ModuleList's blocks
-    # innermost first: a block's Linear (1056 parameters) is a unit before its block; the head (165) is not
-    assert shard_units(model, min_parameters=600) == [model.embed, *(block[0] for block in model.blocks)]
+    # innermost first; a block is one unit whatever it holds (its Linear of 1056 parameters is not cut out);
+    # the head (165 parameters) stays with the root
+    assert shard_units(model, min_parameters=600) == [model.embed, *model.blocks]
+    assert shard_units(model, min_parameters=100) == [model.embed, *model.blocks, model.head]
 
     class Tied(nn.Module):
         def __init__(self):

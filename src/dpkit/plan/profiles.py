@@ -11,7 +11,7 @@ All FLOP and byte counts are per sample of one forward pass, in fp32 (4-byte) te
 
 A sharded strategy (fsdp) gathers the model's parameters one unit at a time; the profile says how many
 units and how many parameters the largest holds (`largest_unit_parameters`, `shard_units`), following the
-strategy's default rule: every block of an nn.ModuleList and every module with at least a million
+strategy's default rule: every block of an nn.ModuleList (whole) and every other module with at least a million
 parameters of its own is a unit, the root holds the rest (`shard_unit_sizes`).
 """
 

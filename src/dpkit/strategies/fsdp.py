@@ -48,10 +48,10 @@ FULL_EVERYWHERE = StateDictOptions(full_state_dict=True)
 
 def shard_units(model: nn.Module, min_parameters: int = DEFAULT_UNIT_PARAMETERS) -> list[nn.Module]:
     """The modules the default rule shards as units of their own, innermost first (the root comes last,
-    sharded apart from this list): every block of a ModuleList (transformer layers, residual stages), and any
-    other module holding at least `min_parameters` parameters not already in a unit below it. A module
-    whose parameters are also used outside it (tied embeddings) is never a unit: a tied weight must be
-    gathered by one unit, so it stays with the root."""
+    sharded apart from this list): every block of a ModuleList (transformer layers, residual stages) with
+    everything inside it, and outside such blocks any module holding at least `min_parameters` parameters
+    not already in a unit below it. A module whose parameters are also used outside it (tied embeddings) is
+    never a unit: a tied weight must be gathered by one unit, so it stays with the root."""
     holders: dict[int, set[int]] = {}  # id(parameter) -> ids of the modules that register it themselves
     for module in model.modules():
         for parameter in module.parameters(recurse=False):
@@ -60,18 +60,22 @@ def shard_units(model: nn.Module, min_parameters: int = DEFAULT_UNIT_PARAMETERS)
     taken: set[int] = set()
     units: list[nn.Module] = []
 
-    def visit(module: nn.Module) -> None:
-        for child in module.children():
-            visit(child)
-        if module is model:
-            return
+    def unit_if(module: nn.Module, large_enough: Callable[[int], bool]) -> bool:
         own = [p for p in module.parameters() if id(p) not in taken]
-        count = sum(p.numel() for p in own)
         inside = {id(m) for m in module.modules()}
-        tied_outside = any(holders[id(p)] - inside for p in own)
-        if count and not tied_outside and (id(module) in in_list or count >= min_parameters):
+        if own and large_enough(sum(p.numel() for p in own)) and not any(holders[id(p)] - inside for p in own):
             units.append(module)
             taken.update(id(p) for p in own)
+            return True
+        return False
+
+    def visit(module: nn.Module) -> None:
+        if module is not model and id(module) in in_list and unit_if(module, lambda count: True):
+            return  # a block is one unit, whatever it holds: one gather and one reduce-scatter per block
+        for child in module.children():
+            visit(child)
+        if module is not model:
+            unit_if(module, lambda count: count >= min_parameters)
 
     visit(model)
     return units
