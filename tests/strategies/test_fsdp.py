@@ -203,3 +203,44 @@ def test_on_cuda_over_nccl_with_cpu_offload_and_bf16_it_trains_like_one_device(t
     offloaded, bf16 = launched_runs(specs, 1, tmp_path, "cuda")[0]
     assert max_difference(offloaded["weights"], single["weights"]) <= 1e-4  # CUDA kernels may differ in rounding
     assert 0 < max_difference(bf16["weights"], single["weights"]) < 0.05
+
+
+GPT2 = """
+import sys, torch
+from torch.utils.data import DataLoader, RandomSampler, TensorDataset
+from transformers import GPT2Config, GPT2LMHeadModel
+import dpkit
+
+strategy, out = sys.argv[1], sys.argv[2]
+engine = dpkit.Engine(strategy=strategy, accelerator="cpu", devices=1 if strategy == "single" else 2, progress=False)
+torch.manual_seed(0)
+config = GPT2Config(n_layer=3, n_embd=64, n_head=4, vocab_size=500, n_positions=32, resid_pdrop=0.0,
+                    embd_pdrop=0.0, attn_pdrop=0.0)
+model, optimizer = engine.setup(model := GPT2LMHeadModel(config), torch.optim.AdamW(model.parameters(), lr=1e-3))
+tokens = torch.randint(0, 500, (40, 16), generator=torch.Generator().manual_seed(1))
+order = RandomSampler(range(40), generator=torch.Generator().manual_seed(2))
+for (x,) in engine.setup_dataloader(DataLoader(TensorDataset(tokens), batch_size=10, sampler=order)):
+    optimizer.zero_grad()
+    engine.backward(model(input_ids=x, labels=x).loss)
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    optimizer.step()
+engine.save(model, out)
+engine.close()
+"""
+
+
+def test_a_transformers_gpt2_with_tied_embeddings_trains_like_one_device(tmp_path):
+    pytest.importorskip("transformers")
+    import subprocess
+    import sys
+
+    from dpkit.launch import launch
+
+    script = tmp_path / "gpt2.py"
+    script.write_text(GPT2)
+    subprocess.run([sys.executable, str(script), "single", str(tmp_path / "single.pt")], check=True)
+    launch(str(script), ["fsdp", str(tmp_path / "fsdp.pt")], nproc_per_node=2)
+    single, sharded = (torch.load(tmp_path / f"{name}.pt", weights_only=True) for name in ("single", "fsdp"))
+    assert sorted(single) == sorted(sharded)
+    # the blocks are units, the tied wte / lm_head weight stays with the root; AdamW and clipping, 4 steps
+    assert max((single[k] - sharded[k]).abs().max().item() for k in single) <= 1e-5
