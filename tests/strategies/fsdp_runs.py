@@ -201,3 +201,24 @@ def plain_save_and_load_refused(path: str) -> list[str]:
         except ValueError as error:
             messages.append(str(error))
     return messages
+
+
+def mismatched_resume(state: str) -> dict:
+    """fsdp asked to resume a state into a wider model: refused before any shard is read, nothing changed."""
+    from dpkit.training.checkpoint import CheckpointMismatchError
+
+    engine = Engine(strategy="fsdp", accelerator="cpu", devices=2, progress=False)
+    torch.manual_seed(3)
+    model = Blocks(width=48)
+    model, optimizer = engine.setup(model, torch.optim.Adam(model.parameters(), lr=0.01))
+    bare = engine.model_copies()[0][0]
+    before = {name: p.detach().to_local().clone() for name, p in bare.named_parameters()}
+    try:
+        engine.load_state(state)
+        message = None
+    except CheckpointMismatchError as error:
+        message = str(error)
+    unchanged = all(torch.equal(p.detach().to_local(), before[n]) for n, p in bare.named_parameters())
+    fresh = not any(optimizer.state.values())
+    engine.close()
+    return {"message": message, "unchanged": unchanged, "optimizer_fresh": fresh, "step": engine.step}

@@ -11,13 +11,15 @@ import torch
 from strategy_runs import STEPS, load_metrics, load_state, max_abs_diff
 
 from dpkit.examples.digits import DigitsMLP
+from dpkit.strategies import available_strategies, strategy_class
 
 TOLERANCE = 1e-5
+MULTI_DEVICE = [name for name in available_strategies() if strategy_class(name).traits.max_devices != 1]
 
 
 @pytest.mark.parametrize("batch_size", [64, 67])
 @pytest.mark.parametrize("devices", [2, 3])
-@pytest.mark.parametrize("strategy", ["dp", "dp-balanced", "replicated", "ddp"])
+@pytest.mark.parametrize("strategy", MULTI_DEVICE)
 def test_strategy_equals_single(train_run, strategy, devices, batch_size):
     reference = train_run("single", 1, batch_size)
     run = train_run(strategy, devices, batch_size)
@@ -49,9 +51,10 @@ def test_training_moves_the_weights(train_run):
     assert loss[-1] < loss[0]
 
 
-@pytest.mark.parametrize("strategy,devices", [("replicated", 3), ("ddp", 2)])
+@pytest.mark.parametrize("strategy,devices", [("replicated", 3), ("ddp", 2), ("fsdp", 3)])
 def test_gradient_accumulation_equals_single(train_run, strategy, devices):
-    """accumulate=2 with momentum: no_sync (ddp) / no sum (replicated) on the first micro-batch, then one step."""
+    """accumulate=2 with momentum: no_sync (ddp) / no sum (replicated) / no reduce-scatter (fsdp) on the first
+    micro-batch, then one step."""
     extra = ("--accumulate", "2", "--momentum", "0.9")
     reference = train_run("single", 1, 33, *extra)
     run = train_run(strategy, devices, 33, *extra)

@@ -141,6 +141,33 @@ def test_a_sharded_state_resumes_bitwise_reshards_and_reads_back_whole_anywhere(
     assert max_difference(dict(fresh.named_parameters()), stopped_one["weights"]) <= TOLERANCE
 
 
+MISMATCH = """
+import os, sys, torch
+sys.path.insert(0, {here!r})
+from fsdp_runs import mismatched_resume
+torch.save(mismatched_resume({state!r}), {out!r} + "-" + os.environ["RANK"] + ".pt")
+"""
+
+
+def test_a_sharded_state_of_another_model_is_refused_before_anything_changes(tmp_path):
+    from pathlib import Path
+
+    from dpkit.launch import launch
+
+    state = str(tmp_path / "state")
+    launched_runs([RunSpec(strategy="fsdp", devices=2, steps=2, save_at=2, state=state, optimizer="adam")], 2, tmp_path)
+    script, out = tmp_path / "mismatch.py", tmp_path / "mismatch"
+    script.write_text(MISMATCH.format(here=str(Path(__file__).parent), state=state, out=str(out)))
+    launch(str(script), nproc_per_node=2)
+    for rank in range(2):
+        result = torch.load(f"{out}-{rank}.pt", weights_only=True)
+        assert (
+            "shape mismatches" in result["message"]
+            and "embed.weight: checkpoint (32, 20) vs model (48, 20)" in (result["message"])
+        )
+        assert result["unchanged"] and result["optimizer_fresh"] and result["step"] == 0
+
+
 def test_a_damaged_shard_is_named_by_every_process(tmp_path):
     state = str(tmp_path / "state")
     launched_runs([RunSpec(strategy="fsdp", devices=2, steps=2, save_at=2, state=state)], 2, tmp_path)

@@ -1,4 +1,5 @@
-"""Two nodes over loopback: two `dpkit launch --nnodes 2` processes train together, like ddp on 2 devices."""
+"""Two nodes over loopback: two `dpkit launch --nnodes 2` processes train together, like the same strategy on 2
+devices of one node, for every strategy with a process per device (ddp, fsdp)."""
 
 from __future__ import annotations
 
@@ -9,9 +10,11 @@ import pytest
 from strategy_runs import load_metrics, load_state, max_abs_diff, train_args
 
 from dpkit.launch import free_port
+from dpkit.strategies import PER_DEVICE, matching
 
 
-def test_two_nodes_over_loopback_equal_ddp_on_two_devices(train_run, tmp_path):
+@pytest.mark.parametrize("strategy", matching(lambda traits: traits.processes == PER_DEVICE))
+def test_two_nodes_over_loopback_equal_two_devices_of_one(strategy, train_run, tmp_path):
     port = free_port("127.0.0.1")
     out = tmp_path / "two-nodes"
 
@@ -33,7 +36,7 @@ def test_two_nodes_over_loopback_equal_ddp_on_two_devices(train_run, tmp_path):
             str(port),
             "-m",
             "dpkit.cli.main",
-            *train_args("ddp", 1, 64, out),
+            *train_args(strategy, 1, 64, out),
         ]
         return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
@@ -52,7 +55,7 @@ def test_two_nodes_over_loopback_equal_ddp_on_two_devices(train_run, tmp_path):
     metrics = load_metrics(out)
     assert metrics["world_size"] == 2
     assert metrics["test_samples"] == 360
-    reference = train_run("ddp", 2, 64)
+    reference = train_run(strategy, 2, 64)
     assert max_abs_diff(load_state(out), load_state(reference)) <= 1e-6
     # Two nodes and one node sum the same float32 values in a different order (gloo's ring over two hosts vs
     # one), so the per-step losses agree to float32 rounding, not bit for bit; bit-equality is promised only
