@@ -14,6 +14,8 @@ from dpkit.parallel import Broadcast, DataParallel, split_sizes
 from dpkit.training.checkpoint import (
     CheckpointCorruptError,
     CheckpointMismatchError,
+    CheckpointRefusedError,
+    CheckpointWriteError,
     load_model,
     save_model,
     strip_prefixes,
@@ -27,6 +29,8 @@ __all__ = [
     "Broadcast",
     "CheckpointCorruptError",
     "CheckpointMismatchError",
+    "CheckpointRefusedError",
+    "CheckpointWriteError",
     "DataParallel",
     "DpkitError",
     "Engine",

@@ -2,7 +2,7 @@
 
 dpkit ckpt inspect runs/train/model.pt       # keys, shapes, dtypes, sizes; checksum verified
 dpkit ckpt inspect runs/train/state          # a training state: step, strategy, data position, …
-dpkit ckpt convert ddp_checkpoint.pth model.pt [--safetensors]
+dpkit ckpt convert ddp_checkpoint.pth model.pt [--safetensors] [--overwrite]
 dpkit ckpt convert runs/train/state model.pt  # a training state's model (a sharded one joined) as one file
 """
 
@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from dpkit.training.checkpoint import (
+    CheckpointCorruptError,
     CheckpointMismatchError,
     _is_safetensors,
     atomic_save,
@@ -28,7 +29,14 @@ from dpkit.training.checkpoint import (
     write_safetensors,
 )
 from dpkit.training.shards import read_whole, saved_model_tensors, verify_shards
-from dpkit.training.state import STATE_FILE, STATE_FORMAT, find_state
+from dpkit.training.state import (
+    STATE_FILE,
+    STATE_FORMAT,
+    check_state_files,
+    find_state,
+    read_state_directory,
+    short_kind,
+)
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -50,6 +58,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     )
     convert.add_argument("out", help="the file to write")
     convert.add_argument("--safetensors", action="store_true", help="write safetensors instead of a torch file")
+    convert.add_argument("--overwrite", action="store_true", help="replace OUT if it exists (refused otherwise)")
     return parser
 
 
@@ -131,31 +140,77 @@ def _describe_state(shared: dict, folder: Path | None) -> list[str]:
         )
     if shared.get("scaler"):
         lines.append(f"grad scaler: scale {shared['scaler'].get('scale')}")
-    for index, position in enumerate(shared.get("loaders", [])):
+    for index, position in enumerate(shared.get("loaders") or []):
         lines.append(
-            f"loader {index}: epoch {position['epoch']}, "
-            f"next batch {position['next_batch']} of {position['batches_per_epoch']}"
+            f"loader {index}: epoch {position.get('epoch')}, "
+            f"next batch {position.get('next_batch')} of {position.get('batches_per_epoch')}"
         )
-    extras = shared.get("extra", {})
+    extras = shared.get("extra") or {}
     if extras:
-        lines.append("extras: " + ", ".join(f"{k} ({v['kind'].replace('_', ' ')})" for k, v in extras.items()))
+        lines.append(
+            "extras: "
+            + ", ".join(
+                f"{k} ({v.get('kind', '?').replace('_', ' ')}"
+                + (f", a {short_kind(v['class'])}" if v.get("class") else "")
+                + ")"
+                for k, v in extras.items()
+            )
+        )
     lines.append("model:" + (" (whole shapes, from the shards' metadata)" if shards is not None else ""))
     lines += _tensor_table(saved_model_tensors(shards) if shards is not None else shared.get("model") or {})
     return lines
 
 
+def _warn(message: str) -> None:
+    print(f"dpkit ckpt inspect: warning: {message}", file=sys.stderr)
+
+
+def _unknown_format(loaded: Any) -> str | None:
+    """The 'format' a file declares when it is not the one this dpkit writes (None: no format, or ours)."""
+    found = loaded.get("format") if isinstance(loaded, Mapping) else None
+    return None if found is None or found == STATE_FORMAT else str(found)
+
+
+def _print_state(shared: dict, folder: Path | None, unknown: str | None) -> None:
+    try:
+        print("\n".join(_describe_state(shared, folder)))
+    except (KeyError, TypeError, AttributeError, ValueError) as error:
+        if unknown is None:
+            raise
+        print(f"(the rest is laid out in a way this dpkit does not know: {type(error).__name__} {error})")
+
+
 def inspect(path: Path) -> int:
     if path.is_dir():
         folder = find_state(path)
+        if not (folder / STATE_FILE).is_file():
+            raise CheckpointCorruptError(
+                f"{folder / STATE_FILE}: missing, so {folder} is not a complete state; restore it from a backup, or "
+                "inspect an earlier state by passing its step directory"
+            )
         shared = read_checked(folder / STATE_FILE)
+        unknown = _unknown_format(shared) if isinstance(shared, Mapping) else type(shared).__name__
+        if unknown is not None:
+            _warn(
+                f"{folder / STATE_FILE}: format {unknown!r}, not the {STATE_FORMAT!r} this dpkit writes and reads; "
+                "what follows may be incomplete, and engine.load_state refuses it"
+            )
+        else:
+            check_state_files(folder, shared)
         print(f"{folder}")
-        print("\n".join(_describe_state(shared, folder)))
+        _print_state(shared if isinstance(shared, dict) else {}, folder, unknown)
         return 0
     integrity = _integrity(path)
     loaded = read_checked(path)
     print(f"{path}: {_bytes(path.stat().st_size)}, {integrity}")
-    if isinstance(loaded, dict) and loaded.get("format") == STATE_FORMAT:
-        print("\n".join(_describe_state(loaded, None)))
+    unknown = _unknown_format(loaded)
+    if unknown is not None:
+        _warn(
+            f"{path}: format {unknown!r} is not one this dpkit knows (it writes training states in "
+            f"{STATE_FORMAT!r}); what follows may be incomplete"
+        )
+    if isinstance(loaded, dict) and str(loaded.get("format", "")).startswith(STATE_FORMAT.split("/")[0] + "/"):
+        _print_state(loaded, None, unknown)
         return 0
     state = unpack_state_dict(loaded, path)
     if isinstance(loaded, dict) and state is not loaded and set(loaded) - set(state):
@@ -167,15 +222,14 @@ def inspect(path: Path) -> int:
 
 def _model_of_state(path: Path) -> dict[str, Any]:
     """The whole model of a training state (the latest in a folder, or a step directory), its shards joined."""
-    folder = find_state(path)
-    shared = read_checked(folder / STATE_FILE)
+    folder, shared, _ = read_state_directory(path, 0)  # every file there, in the format this dpkit reads
     if not shared.get("shards"):
         return shared.get("model") or {}
     verify_shards(folder / shared["shards"], shared.get("shard_digests") or {})
     return read_whole(folder / shared["shards"]).get("model", {})
 
 
-def convert(source: Path, out: Path, to_safetensors: bool) -> int:
+def convert(source: Path, out: Path, to_safetensors: bool, overwrite: bool = False) -> int:
     if out.is_dir():
         raise ValueError(
             f"OUT: {out} is a directory; give a file name such as "
@@ -183,6 +237,8 @@ def convert(source: Path, out: Path, to_safetensors: bool) -> int:
         )
     if out.resolve() == source.resolve():
         raise ValueError(f"OUT: {out} is the source file; write the converted checkpoint to another file")
+    if (out.exists() or out.is_symlink()) and not overwrite:
+        raise ValueError(f"OUT: {out} exists; give --overwrite to replace it, or another file name")
     state = _model_of_state(source) if source.is_dir() else unpack_state_dict(read_checked(source), source)
     clean = strip_prefixes(state)
     removed = len(set(state) - set(clean))
@@ -211,4 +267,4 @@ def convert(source: Path, out: Path, to_safetensors: bool) -> int:
 def run(args: argparse.Namespace) -> int:
     if args.action == "inspect":
         return inspect(Path(args.path))
-    return convert(Path(args.source), Path(args.out), args.safetensors)
+    return convert(Path(args.source), Path(args.out), args.safetensors, args.overwrite)

@@ -35,14 +35,16 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         type=int,
         default=0,
         help="restart the worker group this many times after a failure (default 0); "
-        "with `dpkit train --checkpoint-every K` the restarted group resumes from the last saved state",
+        "with `dpkit train --checkpoint-every K` the restarted group resumes from the last saved state; "
+        "a worker exiting with 2 (bad input) or 3 (training diverged) is not retried: the launch exits with its code",
     )
     parser.add_argument(
         "--hang-timeout",
         type=float,
         default=None,
         metavar="SECONDS",
-        help="stop and name a ddp rank that stays behind the others (no collective) for this long (default: off)",
+        help="stop and name a ddp rank that stays behind the others (no collective) for this long (default: off); "
+        "a rank inside dpkit.launch.busy() (saving the state) is working, not hung",
     )
     parser.add_argument(
         "--force", action="store_true", help=f"start more than {PROCESSES_PER_CORE} processes per CPU core anyway"

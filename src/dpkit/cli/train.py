@@ -63,10 +63,16 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         type=int,
         default=None,
         metavar="K",
-        help="save the resumable state in OUT/state every K steps and when stopped by SIGINT/SIGTERM",
+        help="save the resumable state in OUT/state every K steps, at the last step, and when stopped by "
+        "SIGINT/SIGTERM/SIGHUP",
     )
     parser.add_argument("--keep", type=int, default=2, help="saved states to keep (default 2)")
-    parser.add_argument("--resume", action="store_true", help="continue the run saved in --out up to --steps in total")
+    parser.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue the run saved in --out up to --steps in total (a run stopped at its end is completed, "
+        "a finished one left as it is)",
+    )
     parser.add_argument("--overwrite", action="store_true", help="replace the run already in --out")
     parser.add_argument(
         "--max-restarts",

@@ -12,7 +12,10 @@ summary, and three guards against faults torchrun leaves open:
   starts each worker in a session of its own, out of reach of the terminal and of the launcher's group);
 - a rank that stops making progress is named: with hang_timeout_seconds, every ddp worker publishes the
   sequence number of its last collective in the rendezvous store, and the launcher stops a rank that
-  has stayed behind the others for that long, naming it (not the ranks that were waiting for it);
+  has stayed behind the others for that long, naming it (not the ranks that were waiting for it); a rank
+  that works alone for long (rank 0 saving the state) says so with `busy(reason)`;
+- restarts (max_restarts) never retry what cannot succeed: a worker exiting with 2 (bad input) or 3 (the
+  training diverged) ends the launch;
 - a worker's rendezvous is bounded and Ctrl-C works while it waits (`rendezvous_store`).
 
 The failure summary names the worker that failed first: torchrun's failure timestamps count whole seconds,
@@ -23,6 +26,7 @@ collective lost its peer) can look as early as the culprit; `ExitWatch` notes wh
 from dpkit.launch.agent import launch
 from dpkit.launch.environment import LAUNCH_VARIABLES, launched, restart_count
 from dpkit.launch.failures import LaunchError, StoppedBySignal
+from dpkit.launch.heartbeat import busy
 from dpkit.launch.network import free_port, loopback_interface, port_in_use
 from dpkit.launch.relaunch import Command, relaunch, relaunched
 
@@ -31,6 +35,7 @@ __all__ = [
     "Command",
     "LaunchError",
     "StoppedBySignal",
+    "busy",
     "free_port",
     "launch",
     "launched",

@@ -1,4 +1,15 @@
-"""The launcher's side: `launch()` runs a script once per device through torchrun's elastic agent."""
+"""The launcher's side: `launch()` runs a script once per device through torchrun's elastic agent.
+
+Restarts never retry what cannot succeed. torchrun's agent (SimpleElasticAgent._invoke_run) restarts the
+group whenever `_monitor_workers` reports it FAILED and `_remaining_restarts > 0`, whatever the failure. A
+worker that exits with 2 (bad input) or 3 (the training diverged) would fail the same way again, so dpkit's
+agent, a LocalElasticAgent whose `_monitor_workers` sets the restarts left to 0 for such a failure
+(`deterministic_failure`), sends the agent down its own no-restarts path: stop the group, return the failure.
+Nothing of torch's loop is copied; torchrun's `launch_agent` builds the agent by the name LocalElasticAgent
+in torch.distributed.launcher.api, which `_dpkit_agent` points at dpkit's class for the length of a launch.
+Each node's agent decides from its own workers: under ddp every rank stops at the same step with the same
+code (the recipe agrees on a diverged loss in a collective), so every node ends.
+"""
 
 from __future__ import annotations
 
@@ -9,11 +20,12 @@ import signal
 import sys
 import threading
 from collections.abc import Iterator, Sequence
+from typing import Any
 
 from dpkit.checks import check_int, check_number
 from dpkit.devices import check_process_count, cpu_threads_per_device
 from dpkit.launch.environment import HANG_TIMEOUT_VARIABLE, LAUNCHER_PID_VARIABLE
-from dpkit.launch.failures import ExitWatch, LaunchError, StoppedBySignal, failure_summary
+from dpkit.launch.failures import ExitWatch, LaunchError, StoppedBySignal, deterministic_failure, failure_summary
 from dpkit.launch.hang_watch import HangWatch
 from dpkit.launch.network import free_port, is_loopback, loopback_interface, port_in_use
 
@@ -72,9 +84,11 @@ def launch(
 
     Returns when every worker has exited with 0; raises LaunchError naming the first failed worker (or
     the rank that stopped making progress for hang_timeout_seconds), StoppedBySignal when SIGTERM stopped
-    the launcher, and KeyboardInterrupt on SIGINT (Ctrl-C), after the workers were stopped. More than
-    PROCESSES_PER_CORE processes per core are refused unless force=True. `worker_environment`: variables set
-    for the workers only.
+    the launcher, and KeyboardInterrupt on SIGINT (Ctrl-C), after the workers were stopped. With
+    max_restarts the group is restarted after a failure, except one a restart would only repeat: a worker
+    exiting with 2 (bad input) or 3 (training diverged) ends the launch, and LaunchError.exit_code is that
+    code (else 2). More than PROCESSES_PER_CORE processes per core are refused unless force=True.
+    `worker_environment`: variables set for the workers only.
     """
     check_int(nproc_per_node, "nproc_per_node")
     check_process_count(nproc_per_node, argument="nproc_per_node", force=force)
@@ -148,13 +162,20 @@ def launch(
             watch.start()
         exits = ExitWatch(nproc_per_node)
         exits.start()
+        not_retried: list[int] = []  # the exit code of a failure the agent did not restart for
         try:
-            elastic_launch(config=config, entrypoint=sys.executable)(*entry_args)
+            with _dpkit_agent(not_retried):
+                elastic_launch(config=config, entrypoint=sys.executable)(*entry_args)
         except ChildFailedError as error:
-            exit_codes = {rank: failure.exitcode for rank, failure in (getattr(error, "failures", {}) or {}).items()}
+            failures = getattr(error, "failures", {}) or {}
+            exit_codes = {rank: failure.exitcode for rank, failure in failures.items()}
             exits.stop()
+            hung = watch.hung if watch else None
+            code = None if hung else deterministic_failure(failures, exits.exit_times)
             raise LaunchError(
-                failure_summary(error, watch.hung if watch else None, exits.exit_times), exit_codes
+                failure_summary(error, hung, exits.exit_times, not_retried=bool(not_retried)),
+                exit_codes,
+                exit_code=code or 2,
             ) from None
         except SignalException as error:
             if error.sigval == signal.SIGINT:
@@ -166,6 +187,61 @@ def launch(
             exits.stop()
             if watch is not None:
                 watch.stop()
+
+
+_agent_state = threading.local()  # the launch in this thread: its `not_retried` list (the agent runs in it)
+_agent_lock = threading.Lock()
+_agent_users = 0  # launches under way in this process; the first installs dpkit's agent, the last takes it out
+_agent_saved: Any = None
+_agent_cls: Any = None
+
+
+def _agent_class() -> type:
+    """torchrun's LocalElasticAgent, except that a failure a restart would only repeat (exit 2 or 3,
+    `deterministic_failure`) is not retried; its code goes to the launching thread's `not_retried` list."""
+    global _agent_cls
+    if _agent_cls is not None:
+        return _agent_cls
+    from torch.distributed.elastic.agent.server.api import WorkerState
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+
+    class NoPointlessRestartAgent(LocalElasticAgent):
+        def _monitor_workers(self, worker_group: Any) -> Any:
+            result = super()._monitor_workers(worker_group)
+            if result.state == WorkerState.FAILED and self._remaining_restarts > 0:
+                code = deterministic_failure(result.failures)
+                if code is not None:
+                    # _invoke_run restarts only while restarts are left: without, it stops the group and returns
+                    self._remaining_restarts = 0
+                    getattr(_agent_state, "not_retried", []).append(code)
+                    log.debug("launch: a worker exited with %d; not restarting the group", code)
+            return result
+
+    _agent_cls = NoPointlessRestartAgent
+    return _agent_cls
+
+
+@contextlib.contextmanager
+def _dpkit_agent(not_retried: list[int]) -> Iterator[None]:
+    """Make torchrun's launch_agent build dpkit's agent (`_agent_class`) for the length of the block; the
+    codes of failures it did not retry are appended to `not_retried`."""
+    global _agent_users, _agent_saved
+    import torch.distributed.launcher.api as launcher_api
+
+    with _agent_lock:
+        if _agent_users == 0:
+            _agent_saved = launcher_api.LocalElasticAgent
+            launcher_api.LocalElasticAgent = _agent_class()
+        _agent_users += 1
+    _agent_state.not_retried = not_retried
+    try:
+        yield
+    finally:
+        _agent_state.not_retried = []
+        with _agent_lock:
+            _agent_users -= 1
+            if _agent_users == 0:
+                launcher_api.LocalElasticAgent = _agent_saved
 
 
 @contextlib.contextmanager

@@ -3,6 +3,9 @@
 torchrun's failure timestamps count whole seconds, and the agent polls its workers every monitor interval,
 so a worker that died of another's failure (its collective lost its peer) can look as early as the culprit;
 `ExitWatch` notes when each worker exited, and the summary puts the first to fail first.
+
+A worker that exits with 2 (bad input: dpkit's one-line refusals) or 3 (the training diverged) would fail the
+same way again: `deterministic_failure` tells the agent not to restart the group for it (agent.py).
 """
 
 from __future__ import annotations
@@ -21,14 +24,23 @@ from dpkit.errors import DpkitError
 
 log = logging.getLogger("dpkit")
 
+# exit codes of a failure that a restart would only repeat, and what they mean: dpkit's one-line refusals of
+# bad input (also argparse's), and a run whose loss became nan/inf (dpkit.training.recipe.TrainingDiverged)
+DETERMINISTIC_EXIT_CODES = {2: "bad input", 3: "training diverged"}
+# how a worker ends when torchrun's agent stops it (SIGTERM) because another failed: the signal, or 128 + it
+# from dpkit's own handler (a step boundary, as Ctrl-C)
+_STOPPED_BY_AGENT = {-int(signal.SIGTERM), 128 + int(signal.SIGTERM)}
+
 
 class LaunchError(DpkitError):
     """A worker process failed; the message names its rank, exit code and error. `exit_codes` maps each
     failed worker's rank to its exit code (negative: killed by that signal)."""
 
-    def __init__(self, message: str, exit_codes: dict[int, int] | None = None):
+    def __init__(self, message: str, exit_codes: dict[int, int] | None = None, exit_code: int = 2):
         super().__init__(message)
         self.exit_codes = dict(exit_codes or {})
+        # what `dpkit launch` exits with: the worker's own 2 or 3 when that failure was deterministic, else 2
+        self.exit_code = exit_code
 
 
 class StoppedBySignal(DpkitError):
@@ -60,11 +72,35 @@ def failure_order(failures: dict[int, Any], exit_times: dict[int, float] | None 
     return sorted(failures, key=key)
 
 
+def deterministic_failure(failures: dict[int, Any], exit_times: dict[int, float] | None = None) -> int | None:
+    """The exit code (2 or 3, DETERMINISTIC_EXIT_CODES) when a restart would only repeat this failure, else None.
+
+    That is when some worker exited with 2 or 3 and every other failed worker either did too or was stopped by
+    the agent because of it (SIGTERM, or 143 from dpkit's handler). A crash, an exit 1 or another signal
+    anywhere (SIGKILL, out of memory, the hang watch) may be the cause of it all: that is retried. With 2 and 3
+    both there, the first to fail decides.
+    """
+    codes = [failure.exitcode for failure in failures.values()]
+    if not any(code in DETERMINISTIC_EXIT_CODES for code in codes):
+        return None
+    if not all(code in DETERMINISTIC_EXIT_CODES or code in _STOPPED_BY_AGENT for code in codes):
+        return None
+    for rank in failure_order(failures, exit_times):
+        if failures[rank].exitcode in DETERMINISTIC_EXIT_CODES:
+            return failures[rank].exitcode
+    return None
+
+
 def failure_summary(
-    error: BaseException, hung: dict[int, str] | None = None, exit_times: dict[int, float] | None = None
+    error: BaseException,
+    hung: dict[int, str] | None = None,
+    exit_times: dict[int, float] | None = None,
+    not_retried: bool = False,
 ) -> str:
     """The failed workers first, the first to fail first (a rank the hang watch stopped, named with why),
-    then the ones the agent stopped (SIGTERM) because of them. `exit_times`: pid -> monotonic exit time."""
+    then the ones the agent stopped (SIGTERM) because of them. `exit_times`: pid -> monotonic exit time.
+    `not_retried`: the agent did not restart the group although restarts were left, as the failure would only
+    repeat (exit 2 or 3): the summary says what the code means and that it was not retried."""
     failures = getattr(error, "failures", {}) or {}
     hung = hung or {}
     failed, stopped = [hung[rank] for rank in sorted(hung)], []
@@ -72,7 +108,11 @@ def failure_summary(
         failure = failures[rank]
         if rank in hung:
             continue
-        if (failure.exitcode is not None and failure.exitcode == -signal.SIGTERM) or hung:
+        if (
+            (failure.exitcode is not None and failure.exitcode == -signal.SIGTERM)
+            or hung
+            or (not_retried and failure.exitcode in _STOPPED_BY_AGENT)
+        ):
             stopped.append(str(rank))  # with a hung rank found, the others failed because of it
             continue
         how = (
@@ -80,6 +120,8 @@ def failure_summary(
             if failure.exitcode is not None and failure.exitcode < 0
             else f"exited with code {failure.exitcode}"
         )
+        if not_retried and failure.exitcode in DETERMINISTIC_EXIT_CODES:
+            how += f" ({DETERMINISTIC_EXIT_CODES[failure.exitcode]}, not retried)"
         message = failure.message if isinstance(failure.message, str) else (failure.message or {}).get("message", "")
         detail = "" if not message or "elastic/errors.html" in str(message) else str(message).strip().splitlines()[-1]
         failed.append(

@@ -1,5 +1,6 @@
 """The launcher's side of the hang watch: a rank that stays behind the others for the hang timeout is
-stopped and named (not the ranks that waited for it)."""
+stopped and named (not the ranks that waited for it). A rank inside `busy()` (heartbeat.py) is working, not
+hung, for up to its limit."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from datetime import timedelta
 from typing import Any
 
 from dpkit.launch.environment import heartbeat_key
+from dpkit.launch.heartbeat import BUSY_LIMIT_FACTOR, parse_heartbeat
 
 log = logging.getLogger("dpkit")
 
@@ -23,14 +25,22 @@ class _RankProgress:
     count: int
     pid: int
     node: int
-    since: float  # monotonic time the count last changed, by the launcher's clock
+    since: float  # monotonic time of its last progress (its count changed, busy), by the launcher's clock
     behind_since: float | None = None  # when another rank first got past this count
+    busy_block: int = 0  # the busy() block it is in (0: none), as the rank numbers them
+    busy_since: float = 0.0  # when the launcher first saw it in that block
+    busy_limit: float = 0.0  # how long that block counts as progress
+    busy_reason: str = ""
 
 
 class HangWatch:
     """The launcher's side: a rank whose collective count stays below another rank's for hang_timeout
     seconds is the culprit; the launcher on the culprit's node kills it, so the agent ends the group
-    (or restarts it, with max_restarts) and the summary names it."""
+    (or restarts it, with max_restarts) and the summary names it.
+
+    A rank inside `busy()` makes progress all the while, for at most its limit (by default
+    BUSY_LIMIT_FACTOR times the hang timeout), and again when the block ends; times are the launcher's own,
+    so the workers' clocks (other hosts) do not matter, nor does a worker too busy to publish on time."""
 
     def __init__(self, host: str, port: int, world_size: int, node_rank: int, hang_timeout_seconds: float):
         self.host, self.port, self.world_size, self.node_rank = host, port, world_size, node_rank
@@ -73,17 +83,29 @@ class HangWatch:
                 for rank in range(self.world_size):
                     key = heartbeat_key(str(attempt), rank)
                     if store.check([key]):
-                        count, pid, node = store.get(key).decode().split()
-                        values[rank] = (int(count), int(pid), int(node))
+                        values[rank] = parse_heartbeat(store.get(key).decode())
             except Exception:  # the agent closed the store: the run is over
                 return
             self._check(progress, values, time.monotonic())
 
-    def _check(self, progress: dict[int, _RankProgress], values: dict[int, tuple[int, int, int]], now: float) -> None:
-        for rank, (count, pid, node) in values.items():
+    def _check(self, progress: dict[int, _RankProgress], values: dict[int, tuple], now: float) -> None:
+        """One look at every rank's heartbeat: (count, pid, node) or (count, pid, node, busy block, busy limit,
+        reason), as `parse_heartbeat` reads them."""
+        for rank, value in values.items():
+            count, pid, node = value[:3]
+            block, limit, reason = (*value[3:6], 0, 0.0, "")[:3]
             seen = progress.get(rank)
-            if seen is None or seen.count != count or seen.pid != pid:
-                progress[rank] = _RankProgress(count, pid, node, now)
+            if seen is None or seen.pid != pid:
+                seen = progress[rank] = _RankProgress(count, pid, node, now)
+            elif seen.count != count:
+                seen.count, seen.since = count, now
+            if block != seen.busy_block:
+                if seen.busy_block:
+                    seen.since = now  # a busy block ended: that is progress
+                seen.busy_block, seen.busy_since, seen.busy_reason = block, now, reason
+                seen.busy_limit = limit if limit > 0 else BUSY_LIMIT_FACTOR * self.hang_timeout_seconds
+            if seen.busy_block:
+                seen.since = max(seen.since, min(now, seen.busy_since + seen.busy_limit))
         live = {rank: p for rank, p in progress.items() if p.count >= 0}
         if len(live) < 2:
             return
@@ -104,6 +126,11 @@ class HangWatch:
                 f"(hang_timeout_seconds={self.hang_timeout_seconds:g}): it is at collective {p.count} while rank(s) "
                 f"{', '.join(map(str, waiting))} waited at collective {ahead}"
             )
+            if p.busy_block:
+                message += (
+                    f"; it has been busy ({p.busy_reason or 'no reason given'}) for {now - p.busy_since:.0f} s, "
+                    f"past the {p.busy_limit:g} s a busy block counts as progress"
+                )
             self.hung[rank] = message + ("; it was stopped" if p.node == self.node_rank else "")
             log.warning("launch: %s", message)
             if p.node == self.node_rank:

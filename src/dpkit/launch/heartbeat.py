@@ -1,20 +1,110 @@
-"""The worker's side of the hang watch: how far this rank is, published for the launcher."""
+"""The worker's side of the hang watch: how far this rank is, published for the launcher, and `busy()`, with
+which a rank says it is working (saving a state, say) rather than hung."""
 
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import threading
+from collections.abc import Iterator
 from datetime import timedelta
 
+from dpkit.checks import check_number
 from dpkit.launch.environment import heartbeat_key
+
+# busy() counts as progress for at most this many times the launcher's hang timeout, unless it says otherwise
+BUSY_LIMIT_FACTOR = 10
+
+
+class _Busy:
+    """This process's busy state (one rank per process): nesting depth, which block (a number that grows with
+    every outermost entry, 0: not busy), its reason and limit (0: the launcher's default)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.depth = 0
+        self.block = 0
+        self.blocks = 0
+        self.reason = ""
+        self.limit_seconds = 0.0
+
+
+_BUSY = _Busy()
+_ACTIVE: ProgressHeartbeat | None = None  # the running heartbeat of this process, if any
+
+
+@contextlib.contextmanager
+def busy(reason: str, *, limit_seconds: float | None = None) -> Iterator[None]:
+    """While entered, this rank is working, not hung: the launcher's hang watch (`--hang-timeout`) does not
+    stop it for staying behind the others' collectives, e.g. rank 0 writing the training state while the
+    other ranks wait for it in a barrier.
+
+    For at most `limit_seconds` (default: BUSY_LIMIT_FACTOR times the hang timeout), so a rank stuck inside
+    (a dead file system) is still caught: past the limit the hang timeout runs as usual, and the summary says
+    what it was busy with. The end of a block counts as progress. Nested blocks count as the outermost one.
+    Costs nothing without a hang watch (no launcher, or no `--hang-timeout`).
+
+        with busy("saving the training state"):
+            write_everything()
+    """
+    if not isinstance(reason, str):
+        raise TypeError(f"reason: expected a str, got {type(reason).__name__}")
+    if limit_seconds is not None:
+        check_number(limit_seconds, "limit_seconds", positive=True)
+    with _BUSY.lock:
+        _BUSY.depth += 1
+        outermost = _BUSY.depth == 1
+        if outermost:
+            _BUSY.blocks += 1
+            _BUSY.block = _BUSY.blocks
+            _BUSY.reason = " ".join(reason.split())  # one line, no tabs: it travels in a space-separated value
+            _BUSY.limit_seconds = float(limit_seconds or 0.0)
+    if outermost:
+        _publish_now()
+    try:
+        yield
+    finally:
+        with _BUSY.lock:
+            _BUSY.depth -= 1
+            ended = _BUSY.depth == 0
+            if ended:
+                _BUSY.block, _BUSY.reason, _BUSY.limit_seconds = 0, "", 0.0
+        if ended:
+            _publish_now()
+
+
+def _publish_now() -> None:
+    """Tell the launcher at once (from the calling thread), so that the heartbeat's thread, however late it
+    runs, cannot leave the launcher a stale picture."""
+    heartbeat = _ACTIVE
+    if heartbeat is not None:
+        with contextlib.suppress(Exception):  # the store went away: the run is ending
+            heartbeat.publish()
+
+
+def heartbeat_value(count: int, pid: int, node: str | int, block: int = 0, limit: float = 0.0, reason: str = "") -> str:
+    """What a rank publishes: `count pid node block limit reason` (block 0: not busy; limit 0: the default)."""
+    return f"{count} {pid} {node} {block} {limit!r} {reason}"
+
+
+def parse_heartbeat(value: str) -> tuple[int, int, int, int, float, str]:
+    """(count, pid, node, busy block, busy limit, reason) from `heartbeat_value` (a bare `count pid node` too)."""
+    fields = value.split(" ", 5)
+    count, pid, node = int(fields[0]), int(fields[1]), int(fields[2])
+    if len(fields) < 6:
+        return count, pid, node, 0, 0.0, ""
+    limit = float(fields[4])
+    return count, pid, node, int(fields[3]), limit if math.isfinite(limit) else 0.0, fields[5]
 
 
 class ProgressHeartbeat:
-    """A worker's side of the hang watch: publishes (collectives issued, pid, node) to the launcher's store.
+    """A worker's side of the hang watch: publishes (collectives issued, pid, node, busy state) to the
+    launcher's store.
 
     The count comes from the process group's own sequence number, so it moves exactly when this rank
-    issues a collective; a rank stuck anywhere (Python loop, sleep, C code) leaves it where it is.
+    issues a collective; a rank stuck anywhere (Python loop, sleep, C code) leaves it where it is, unless it
+    said it is `busy`.
     """
 
     def __init__(self, rank: int, interval_seconds: float):
@@ -32,28 +122,42 @@ class ProgressHeartbeat:
             wait_for_workers=False,
             timeout=timedelta(seconds=10),
         )
+        self._publish_lock = threading.Lock()  # a value read and written as one: no older one lands last
+        self._done = False
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="dpkit-heartbeat", daemon=True)
 
     def start(self) -> ProgressHeartbeat:
-        self._publish()
+        global _ACTIVE
+        self.publish()
         self._thread.start()
+        _ACTIVE = self
         return self
 
-    def _publish(self, done: bool = False) -> None:
-        count = -1 if done else self.group._get_sequence_number_for_group()
-        self.store.set(heartbeat_key(self.attempt, self.rank), f"{count} {os.getpid()} {self.node}")
+    def publish(self, done: bool = False) -> None:
+        with self._publish_lock:
+            if self._done:
+                return
+            self._done = done
+            count = -1 if done else self.group._get_sequence_number_for_group()
+            with _BUSY.lock:
+                block, limit, reason = _BUSY.block, _BUSY.limit_seconds, _BUSY.reason
+            value = heartbeat_value(count, os.getpid(), self.node, block, limit, reason)
+            self.store.set(heartbeat_key(self.attempt, self.rank), value)
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval_seconds):
             try:
-                self._publish()
+                self.publish()
             except Exception:  # the store went away: the launcher is gone or the run is ending
                 return
 
     def stop(self) -> None:
         """Mark this rank finished (the watch stops looking at it) and end the thread."""
+        global _ACTIVE
+        if _ACTIVE is self:
+            _ACTIVE = None
         self._stop.set()
         self._thread.join(timeout=5)
         with contextlib.suppress(Exception):
-            self._publish(done=True)
+            self.publish(done=True)

@@ -219,13 +219,14 @@ class PerDeviceStrategy(Strategy):
         dist.barrier()
 
     def teardown(self) -> None:
-        if self._heartbeat is not None:
-            self._heartbeat.stop()
-            self._heartbeat = None
         if dist.is_initialized():
             # every rank arrives before any closes its connections: a rank that tears gloo down while a
-            # peer is still finishing its last collective can abort at exit ("terminate called ...")
-            dist.barrier()
+            # peer is still finishing its last collective can abort at exit ("terminate called ...");
+            # the heartbeat runs until every rank arrived, so a rank that hangs before it is still caught
+            try:
+                dist.barrier()
+            finally:
+                self._stop_heartbeat()
             if self.wrapped is not None:
                 # Freeing DDP's Reducer right away frees the gloo process group, whose destructor joins gloo's
                 # worker thread while holding the GIL; if that thread is still freeing a finished work that
@@ -240,4 +241,10 @@ class PerDeviceStrategy(Strategy):
             # C++ that is std::terminate: "terminate called without an active exception", SIGABRT at exit.
             # Giving the GIL away for a moment lets them finish first.
             time.sleep(_GLOO_RELEASE_SECONDS)
+        self._stop_heartbeat()
         self.wrapped = None
+
+    def _stop_heartbeat(self) -> None:
+        if self._heartbeat is not None:
+            self._heartbeat.stop()
+            self._heartbeat = None

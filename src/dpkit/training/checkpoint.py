@@ -14,6 +14,7 @@ leaves the previous file; the next save removes the temporary files such kills l
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import logging
@@ -53,6 +54,17 @@ class CheckpointMismatchError(DpkitError):
 
 class CheckpointCorruptError(DpkitError):
     """A checkpoint file is empty, truncated, damaged or not a checkpoint at all."""
+
+
+class CheckpointRefusedError(CheckpointCorruptError):
+    """A checkpoint file is intact but holds a Python object that weights-only loading refuses to unpickle.
+
+    A CheckpointCorruptError too (the file cannot be loaded as it is), for code that catches that."""
+
+
+class CheckpointWriteError(DpkitError, OSError):
+    """A checkpoint or training state could not be written (a full disk, a failing device); what was there
+    before is intact. An OSError too, with the errno of the failure (errno.ENOSPC for a full disk)."""
 
 
 # --- wrappers and prefixes --------------------------------------------------------------------------
@@ -186,6 +198,7 @@ def atomic_write(path: str | os.PathLike, write: Any) -> Path:
         raise IsADirectoryError(f"path: {path} is a directory; give a file name such as {path / 'model.pt'}")
     path.parent.mkdir(parents=True, exist_ok=True)
     remove_stale_temporaries(path)
+    existed = path.exists()
     fd, temporary = _create_temporary(path)
     try:
         with os.fdopen(fd, "w+b") as handle:
@@ -193,11 +206,41 @@ def atomic_write(path: str | os.PathLike, write: Any) -> Path:
             handle.flush()
             os.fsync(handle.fileno())
         os.replace(temporary, path)
-    except BaseException:
+    except BaseException as error:
         temporary.unlink(missing_ok=True)
-        raise
+        failure = os_error_in(error)
+        if failure is None or isinstance(error, CheckpointWriteError):
+            raise
+        raise write_error(failure, path, "the previous file is intact" if existed else "nothing was written") from error
     fsync_directory(path.parent)
     return path
+
+
+def os_error_in(error: BaseException) -> OSError | None:
+    """The OSError behind `error`: itself, or one it was raised from or while handling (torch.save turns a
+    failed write into a RuntimeError about stream positions, raised while handling the OSError)."""
+    seen: set[int] = set()
+    while error is not None and id(error) not in seen:
+        if isinstance(error, OSError):
+            return error
+        if not isinstance(error, RuntimeError):  # a TypeError (an unpicklable value) is no write failure
+            return None
+        seen.add(id(error))
+        error = error.__cause__ or error.__context__
+    return None
+
+
+def write_error(failure: OSError, path: Any, intact: str) -> CheckpointWriteError:
+    """One line for a write that failed: what happened, where, and that what was there before is intact."""
+    if failure.errno == errno.ENOSPC:
+        what = "no space left on device"
+    elif getattr(errno, "EDQUOT", None) is not None and failure.errno == errno.EDQUOT:
+        what = "disk quota exceeded"
+    else:
+        what = failure.strerror or str(failure) or type(failure).__name__
+    error = CheckpointWriteError(f"{what} while writing {path}; {intact}")
+    error.errno = failure.errno
+    return error
 
 
 def atomic_save(obj: Any, path: str | os.PathLike) -> Path:
@@ -273,21 +316,46 @@ def read_checked(path: str | os.PathLike, *, map_location: Any = "cpu") -> Any:
         return torch.load(path, map_location=map_location, weights_only=True)
     except Exception as error:
         text = str(error)
+        if "Weights only load failed" in text:  # the bytes are fine: torch refuses what they hold
+            raise refused_error(path, text, checked) from error
         unpickler = text.split("WeightsUnpickler error:", 1)[-1].strip().splitlines()
         detail = unpickler[0].strip() if unpickler and unpickler[0].strip() else type(error).__name__
-        global_name = re.search(r"GLOBAL (\S+) was not an allowed global", text)
-        if global_name:
-            raise CheckpointCorruptError(
-                f"{path}: holds a Python object ({global_name.group(1)}) that dpkit does not unpickle "
-                "(it loads with weights_only=True). "
-                "If you trust the file, load it with torch.load(path, weights_only=False) and save its state dict"
-            ) from error
         if checked:
             raise _corrupt(path, f"torch cannot read it ({detail})") from error
         raise CheckpointCorruptError(
             f"{path}: not a PyTorch checkpoint (torch cannot read it: {detail}); "
             "give a file written by torch.save or dpkit"
         ) from error
+
+
+_TRUST = "and save its state dict (or the plain values you need) to load it here"
+
+
+def refused_error(path: Path, text: str, checked: bool) -> CheckpointRefusedError:
+    """What torch.load(weights_only=True) refused, said as what it is: an object in an intact file, not damage."""
+    intact = "the file is not damaged (its checksum verified)" if checked else "this is no sign of damage"
+    blocked = re.search(r"GLOBAL (\S+) whose module (\S+) is blocked", text)
+    if blocked:
+        return CheckpointRefusedError(
+            f"{path}: holds a Python object ({blocked.group(1)}) that weights-only loading never allows: module "
+            f"{blocked.group(2)} could run code while the file loads ({intact}). Only if you trust "
+            f"the file, load it with torch.load(path, weights_only=False) {_TRUST}"
+        )
+    name = re.search(r"GLOBAL (\S+) was not an allowed global", text)
+    if name:
+        return CheckpointRefusedError(
+            f"{path}: holds a Python object ({name.group(1)}) that weights-only loading refuses (dpkit reads every "
+            f"file with torch.load(weights_only=True)); {intact}. If you trust the file, allow it "
+            f"with torch.serialization.add_safe_globals([{name.group(1)}]) before loading, or load it with "
+            f"torch.load(path, weights_only=False) {_TRUST}"
+        )
+    found = re.search(r"(Can only [^\n]*|Trying to [^\n]*|Unsupported [^\n]*|[^\n]*must be imported[^\n]*)", text)
+    detail = found.group(1).strip() if found else "an object it does not know"
+    return CheckpointRefusedError(
+        f"{path}: holds something weights-only loading refuses ({detail}); {intact}. If you trust "
+        "the file, allow its classes with torch.serialization.add_safe_globals([...]) before loading, or load it "
+        f"with torch.load(path, weights_only=False) {_TRUST}"
+    )
 
 
 # --- safetensors ----------------------------------------------------------------------------------------

@@ -23,26 +23,31 @@ loop `while engine.step < steps: for x, y in loader: ...` resumes where it stopp
 
 from __future__ import annotations
 
+import copy
 import logging
 import os
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_map_only
 from torch.utils.data import DataLoader
 from tqdm import tqdm
 
 from dpkit.checks import check_int
 from dpkit.devices import DeviceLike, keep_freed_host_memory, resolve_devices
+from dpkit.launch.heartbeat import busy
 from dpkit.parallel import hooks
 from dpkit.parallel.nested import map_leaves
 from dpkit.precision import Precision
 from dpkit.strategies import PER_DEVICE, DeferredOutput, Strategy, create_strategy, matching, strategy_class
+from dpkit.strategies.replica_optimizers import ELEMENTWISE
 from dpkit.training.checkpoint import (
     CheckpointCorruptError,
+    CheckpointMismatchError,
     check_state_dict,
     detached_on_cpu,
     read_model_file,
@@ -64,10 +69,13 @@ from dpkit.training.state import (
     capture_rng,
     check_keep,
     check_rng,
+    kind_of,
     pack_extras,
     read_state_directory,
     restore_rng,
     resumable,
+    same_kind,
+    short_kind,
     write_state_directory,
 )
 
@@ -395,6 +403,10 @@ class Engine:
 
     def save(self, model: nn.Module, path: str | os.PathLike) -> None:
         """Rank 0 writes the clean state dict (as dpkit.save_model); every process calls it and waits for it."""
+        with busy("saving the model"):  # rank 0 writes while the others wait: progress, not a hang
+            self._save(model, path)
+
+    def _save(self, model: nn.Module, path: str | os.PathLike) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
         state = self.strategy.model_state(unwrap_model(model))
@@ -404,6 +416,10 @@ class Engine:
 
     def load(self, path: str | os.PathLike) -> nn.Module:
         """Load a checkpoint (clean or prefixed) into the set-up model, in every process and every replica."""
+        with busy("loading the model"):
+            return self._load(path)
+
+    def _load(self, path: str | os.PathLike) -> nn.Module:
         if self._bare_model is None:
             raise RuntimeError("engine.load: call engine.setup(model, optimizer) first")
         bare = unwrap_model(self._bare_model)
@@ -421,6 +437,10 @@ class Engine:
         Every process must call it (under ddp it is a collective); call it between optimizer steps.
         Returns the step directory written.
         """
+        with busy("saving the training state"):  # a slow save is progress, not a hang (dpkit.launch.busy)
+            return self._save_state(directory, keep=keep, **extra)
+
+    def _save_state(self, directory: str | os.PathLike, *, keep: int | None = 3, **extra: Any) -> Path:
         keep = check_keep(keep)
         if self._model is None:
             raise RuntimeError("engine.save_state: call engine.setup(model, optimizer) first")
@@ -458,6 +478,8 @@ class Engine:
                 # with shards: the optimizers' param group sizes, checked before a load reads any shard
                 "optimizer_groups": [[len(group["params"]) for group in opt.param_groups] for opt in optimizers],
                 "optimizers_in_shards": sorted(stepped) if shards is not None else None,
+                # each optimizer's class: a load refuses another class's state (Adam's moments into SGD)
+                "optimizer_classes": [kind_of(getattr(opt, "user", opt)) for opt in optimizers],
                 "scaler": self.precision.scaler.state_dict() if self.precision.scaler is not None else None,
                 "loaders": [loader.position() for loader in self._loaders],
                 # what a strategy learned that decides its arithmetic (dp-balanced: its chunk sizes)
@@ -465,8 +487,18 @@ class Engine:
                 "extra": pack_extras(extra),
             }
         mine = {"rank": self.rank, "rng": capture_rng(), "loaders": [loader.order_state() for loader in self._loaders]}
+        # all or nothing in every process: a failure anywhere (a full disk) raises everywhere and leaves the
+        # previous states and `latest` as they were
         written = write_state_directory(
-            directory, self.step, shared, mine, rank=self.rank, keep=keep, barrier=self.barrier, shards=shards
+            directory,
+            self.step,
+            shared,
+            mine,
+            rank=self.rank,
+            keep=keep,
+            barrier=self.barrier,
+            shards=shards,
+            gather=self.strategy.all_gather_object,
         )
         if self.is_global_zero:
             log.info("saved the training state at step %d to %s", self.step, written)
@@ -476,10 +508,18 @@ class Engine:
         """Restore what save_state saved (from `directory`/latest, or a step directory); returns the extras.
 
         Objects passed by name (e.g. scheduler=scheduler) get their saved state through load_state_dict.
-        Everything is read and checked before anything changes. A state saved under another strategy or
-        world size loads too: the data position counts global batches, which every strategy shares.
+        All or nothing: everything is read and checked first (the model's keys and shapes, every optimizer's
+        class, param groups and per-parameter state, every named object's kind, the loaders), and if a
+        load_state_dict still fails, what was already loaded is put back, so a failed load leaves the model,
+        optimizers, objects, engine.step, loaders and generators as they were. A state saved under another
+        strategy or world size loads too: the data position counts global batches, which every strategy shares.
         After it, iterating the Engine's loaders continues the saved epoch from the saved batch.
+        FileNotFoundError means that `directory` holds no state; a damaged one is a CheckpointCorruptError.
         """
+        with busy("loading the training state"):
+            return self._load_state(directory, **objects)
+
+    def _load_state(self, directory: str | os.PathLike, **objects: Any) -> dict[str, Any]:
         if self._model is None:
             raise RuntimeError("engine.load_state: call engine.setup(model, optimizer) first")
         # read onto the CPU: load_state_dict moves weights and optimizer state to their parameters' devices
@@ -515,6 +555,7 @@ class Engine:
                 f"this engine set up {len(self._optimizers)}; "
                 "set up the same model and optimizer(s) before engine.load_state"
             )
+        saved_classes = list(shared.get("optimizer_classes") or [])  # absent from states saved before it was recorded
         for index, (optimizer, saved) in enumerate(zip(self._optimizers, saved_optimizers)):
             groups = [len(group["params"]) for group in optimizer.param_groups]
             saved_groups = (
@@ -524,11 +565,16 @@ class Engine:
             )
             if sharded_load:
                 saved_groups = list(shared["optimizer_groups"][index])
+            check_optimizer_class(
+                index, optimizer.optimizer, saved_classes[index] if index < len(saved_classes) else None
+            )
             if groups != saved_groups:
                 raise ValueError(
                     f"optimizer {index}: the state has param groups of sizes {saved_groups}, this optimizer {groups}; "
                     "build the optimizer as in the saved run"
                 )
+            if not sharded_load:
+                check_optimizer_state(index, optimizer.optimizer, saved)
         positions = shared.get("loaders", [])
         order_states = mine.get("loaders", [])
         for index, (loader, position) in enumerate(zip(self._loaders, positions)):
@@ -539,14 +585,11 @@ class Engine:
                     "but the state holds no generator states for that epoch's order"
                 )
         check_rng(mine.get("rng"), chosen)
+        if not isinstance(shared.get("step"), int) or isinstance(shared["step"], bool) or shared["step"] < 0:
+            raise CheckpointCorruptError(f"{source}: its step ({shared.get('step')!r}) is not a step count")
         extras = shared.get("extra", {})
         for name, target in objects.items():
-            if name not in extras:
-                raise KeyError(f"{name}: not in the saved state's extras ({', '.join(sorted(extras)) or 'none'})")
-            if extras[name]["kind"] != "state_dict" or not callable(getattr(target, "load_state_dict", None)):
-                raise TypeError(
-                    f"{name}: saved as a plain value; it comes back in load_state's result, not through load_state_dict"
-                )
+            check_named_object(name, target, extras, source)
         if shared.get("world_size") != self.world_size or shared.get("strategy") != self.strategy.name:
             log.info(
                 "resuming a state saved by strategy %s on %s process(es) under strategy %s on %d",
@@ -555,22 +598,36 @@ class Engine:
                 self.strategy.name,
                 self.world_size,
             )
-        # --- then change everything ---
-        if sharded_load:
-            self._load_shards(bare, optimizers, shared["optimizers_in_shards"], shards)
-        else:
-            self.strategy.load_model_state(bare, model_state)
-            for optimizer, saved in zip(optimizers, saved_optimizers):
-                self.strategy.load_optimizer_state(optimizer, saved)
-        if self.precision.scaler is not None and shared.get("scaler"):
-            self.precision.scaler.load_state_dict(shared["scaler"])
-        strategy_state = shared.get("strategy_state")
-        if (
-            strategy_state
-            and shared.get("strategy") == self.strategy.name
-            and shared.get("world_size") == self.world_size
-        ):
-            self.strategy.load_state_dict(strategy_state)
+        # --- then change everything: the steps a load_state_dict could still refuse first, each undone on a
+        # failure; the model last (its keys, shapes and types are checked); the step, loaders and generators,
+        # which cannot fail, once everything else is in
+        undo = _Undo()
+        try:
+            for name, target in objects.items():
+                undo.keep(name, target, copy.deepcopy(target.state_dict()))
+                target.load_state_dict(extras[name]["value"])
+            if self.precision.scaler is not None and shared.get("scaler"):
+                undo.keep("the GradScaler", self.precision.scaler, self.precision.scaler.state_dict())
+                self.precision.scaler.load_state_dict(shared["scaler"])
+            strategy_state = shared.get("strategy_state")
+            if (
+                strategy_state
+                and shared.get("strategy") == self.strategy.name
+                and shared.get("world_size") == self.world_size
+            ):
+                undo.keep(f"strategy {self.strategy.name}", self.strategy, copy.deepcopy(self.strategy.state_dict()))
+                self.strategy.load_state_dict(strategy_state)
+            if sharded_load:
+                undo.step = "the sharded model and optimizers"
+                self._load_shards(bare, optimizers, shared["optimizers_in_shards"], shards)
+            else:
+                for index, (optimizer, saved) in enumerate(zip(optimizers, saved_optimizers)):
+                    undo.keep(f"optimizer {index}", optimizer, optimizer_snapshot(optimizer))
+                    self.strategy.load_optimizer_state(optimizer, saved)
+                undo.step = "the model"
+                self.strategy.load_model_state(bare, model_state)
+        except Exception as error:
+            raise undo.back(error, chosen) from error
         self._accumulation.steps, self._accumulation.micro_batches, self._accumulation.stepped = (
             int(shared["step"]),
             0,
@@ -580,8 +637,6 @@ class Engine:
         self._pending_loaders = list(zip(positions, padded))
         for loader, (position, order_state) in zip(self._loaders, self._pending_loaders):
             loader.resume_from(position, order_state)
-        for name, target in objects.items():
-            target.load_state_dict(extras[name]["value"])
         restore_rng(mine["rng"])
         log.info("resumed from %s at step %d", chosen, self.step)
         return {name: entry["value"] for name, entry in extras.items()}
@@ -591,7 +646,7 @@ class Engine:
         names = sorted(digests)
         mine = {name: digests[name] for name in names[self.rank :: self.world_size]}
         try:
-            verify_shards(folder, mine)
+            verify_shards(folder, mine, every=names)
             problem = None
         except CheckpointCorruptError as error:
             problem = str(error)
@@ -619,3 +674,123 @@ class Engine:
     def close(self) -> None:
         """Release the strategy's resources (the process group under ddp)."""
         self.strategy.teardown()
+
+
+# --- loading a state: the checks made before anything changes, and the undo of what changed --------------
+
+
+def check_optimizer_class(index: int, optimizer: Any, saved_class: str | None) -> None:
+    """Refuse the state of another optimizer class (Adam's moments into SGD) before anything changes."""
+    here = kind_of(getattr(optimizer, "user", optimizer))
+    if saved_class is not None and same_kind(saved_class, here) is False:
+        raise CheckpointMismatchError(
+            f"optimizer {index}: the state was saved from {short_kind(saved_class)}, this engine set up "
+            f"{short_kind(here)}; build the optimizer as in the saved run. Nothing was loaded"
+        )
+
+
+def check_optimizer_state(index: int, optimizer: Any, saved: dict[str, Any]) -> None:
+    """Refuse per-parameter state that does not fit the optimizer's parameters, before anything changes: an
+    entry for a parameter it does not have, or (for an elementwise optimizer such as SGD or Adam) a state
+    tensor of another shape than its parameter."""
+    params = [param for group in optimizer.param_groups for param in group["params"]]
+    state = saved.get("state", {})
+    if not isinstance(state, Mapping):
+        raise CheckpointCorruptError(f"optimizer {index}: its saved state is a {type(state).__name__}, not a dict")
+    elementwise = isinstance(getattr(optimizer, "user", optimizer), ELEMENTWISE)
+    wrong = []
+    for key, entry in state.items():
+        if not isinstance(key, int) or not 0 <= key < len(params) or not isinstance(entry, Mapping):
+            wrong.append(f"an entry {key!r} for none of its {len(params)} parameters")
+            continue
+        shape = tuple(params[key].shape)
+        for name, value in entry.items():
+            if (
+                elementwise
+                and isinstance(value, torch.Tensor)
+                and value.dim() > 0
+                and value.numel() > 1
+                and tuple(value.shape) != shape
+            ):
+                wrong.append(f"parameter {key}'s {name}: state {tuple(value.shape)} vs parameter {shape}")
+    if wrong:
+        shown = "; ".join(wrong[:8]) + (f"; and {len(wrong) - 8} more" if len(wrong) > 8 else "")
+        raise CheckpointMismatchError(
+            f"optimizer {index}: its saved state does not fit this optimizer's parameters ({shown}); build the "
+            "model and optimizer as in the saved run. Nothing was loaded"
+        )
+
+
+def check_named_object(name: str, target: Any, extras: Mapping[str, Any], source: Any) -> None:
+    """Refuse an object passed to load_state by name that the state does not hold, or holds for another kind
+    of object (a StepLR's state given to a CosineAnnealingLR), before anything changes."""
+    if name not in extras:
+        raise CheckpointMismatchError(
+            f"{name}: not in the saved state's extras ({', '.join(sorted(extras)) or 'none'}); pass by name only the "
+            f"objects saved with engine.save_state(..., {name}=...). Nothing was loaded"
+        )
+    entry = extras[name]
+    if entry.get("kind") != "state_dict" or not callable(getattr(target, "load_state_dict", None)):
+        raise TypeError(
+            f"{name}: saved as a plain value; it comes back in load_state's result, not through load_state_dict"
+        )
+    saved_class, here = entry.get("class"), kind_of(target)
+    if saved_class is not None and same_kind(saved_class, here) is False:
+        raise CheckpointMismatchError(
+            f"{name}: the state was saved from {short_kind(saved_class)}, given {short_kind(here)}; pass the same "
+            "kind of object as in the saved run. Nothing was loaded"
+        )
+    if isinstance(target, nn.Module):
+        check_state_dict(target, entry["value"], f"{name} (saved in {source})")
+
+
+def optimizer_snapshot(optimizer: Any) -> dict[str, Any]:
+    """A copy of the optimizer's state dict to put back with load_state_dict: plain tensors copied to the CPU
+    (load_state_dict moves them to their parameters' devices), so that a copy costs no device memory."""
+
+    def copy_tensor(tensor: torch.Tensor) -> torch.Tensor:
+        if type(tensor) is torch.Tensor:
+            return tensor.detach().to("cpu", copy=True)
+        return tensor.detach().clone()  # a DTensor: its local shard, where it is
+
+    return tree_map_only(torch.Tensor, copy_tensor, optimizer.state_dict())
+
+
+class _Undo:
+    """What load_state changed so far, each with its state from before, put back when a later step fails."""
+
+    def __init__(self) -> None:
+        self.changed: list[tuple[str, Any, Any]] = []
+        self.step = "the state"  # what is being loaded now, for the message
+
+    def keep(self, what: str, target: Any, before: Any) -> None:
+        self.changed.append((what, target, before))
+        self.step = what
+
+    def back(self, error: Exception, chosen: Path) -> Exception:
+        """Put everything back; the error to raise (the same one unless it is a refusal of the saved state)."""
+        not_back = []
+        for what, target, before in reversed(self.changed):
+            try:
+                target.load_state_dict(before)
+            except Exception as undo_error:  # noqa: BLE001 - say it, and go on putting back the others
+                not_back.append(f"{what} ({undo_error})")
+        partly = self.step in ("the model", "the sharded model and optimizers")
+        if not_back or partly:
+            held = ", ".join(not_back) if not_back else self.step
+            log.error("engine.load_state: %s may now hold part of the saved state from %s", held, chosen)
+        if isinstance(error, torch.cuda.OutOfMemoryError) or not isinstance(
+            error, (ValueError, TypeError, KeyError, IndexError, AttributeError, RuntimeError)
+        ):
+            return error
+        if partly or not_back:
+            outcome = f"{', '.join(not_back) if not_back else self.step} may hold part of it"
+        else:
+            outcome = (
+                "nothing was loaded: the model, optimizers, objects, engine.step, loaders and generators are as "
+                "they were"
+            )
+        return CheckpointMismatchError(
+            f"{self.step}: loading its saved state from {chosen} failed ({type(error).__name__}: {error}); "
+            f"{outcome}. Pass the same kind of object, built as in the saved run"
+        )

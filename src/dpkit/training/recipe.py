@@ -11,9 +11,12 @@ starts them itself when the config says how to run this same training again (`re
 train` fills in with its own command line), and waits for them.
 
 Faults: every setting is checked before any work starts, a folder holding a run is never overwritten
-without overwrite=True, checkpoint_every=K saves the resumable state every K steps and when SIGINT/SIGTERM
-arrives, resume=True continues from it, a loss that becomes nan/inf stops the run (TrainingDiverged), and
-under `dpkit launch --max-restarts` a restarted worker group resumes from the last state by itself.
+without overwrite=True (and only once every process passed its checks), one run writes a folder at a time
+(a lock in the folder), checkpoint_every=K saves the resumable state every K steps and when SIGINT, SIGTERM
+or SIGHUP arrives, resume=True continues from it (or completes a run stopped at its end, or says that a
+finished run is finished), a loss that becomes nan/inf stops the run (TrainingDiverged), and under
+`dpkit launch --max-restarts` a restarted worker group checks everything the first attempt checked and
+resumes only the run its own job created.
 """
 
 from __future__ import annotations
@@ -24,9 +27,12 @@ import logging
 import os
 import shutil
 import signal
+import socket
 import sys
+import tempfile
 import threading
 import time
+import uuid
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -40,26 +46,50 @@ from dpkit.checks import check_int, check_number, check_output_folder, check_see
 from dpkit.devices import check_process_count, resolve_devices
 from dpkit.errors import DpkitError
 from dpkit.launch import Command, LaunchError, StoppedBySignal, launched, relaunch, relaunched, restart_count
-from dpkit.precision import PRECISIONS
+from dpkit.launch.environment import LAUNCHER_PID_VARIABLE
+from dpkit.precision import PRECISIONS, Precision
 from dpkit.strategies import PER_DEVICE, strategy_class
+from dpkit.training.checkpoint import atomic_write
 from dpkit.training.engine import Engine
 from dpkit.training.sources import check_model_fits, model_source
+from dpkit.training.state import read_state_directory, step_directories, step_of
+
+try:  # one writer per run folder: flock (Linux, macOS); without it the folder is not locked
+    import fcntl
+except ImportError:  # pragma: no cover - Windows
+    fcntl = None
 
 log = logging.getLogger("dpkit")
 
 # what a run leaves in its folder; any of them there means the folder holds a run
 RUN_SETTINGS = "run.json"
-RUN_FILES = ("model.pt", "metrics.json", RUN_SETTINGS)
+METRICS = "metrics.json"
+MODEL = "model.pt"
+RUN_FILES = (MODEL, METRICS, RUN_SETTINGS)
 STATE_FOLDER = "state"
+# held by the one run writing the folder (flock); not part of a run, never removed by overwrite
+LOCK_FILE = ".dpkit-train.lock"
 # settings a resumed run must share with the run it continues (the saved optimizer brings its own lr back)
 RESUME_MUST_MATCH = ("example", "model", "data", "seed", "batch_size", "accumulate", "lr", "momentum")
 DIVERGED_EXIT_CODE = 3
+BAD_INPUT_EXIT_CODE = 2
+# set by `run` for the processes it starts: the job's id (its restarted groups continue the run it created), and
+# the run folder whose lock `run` holds for them
+JOB_VARIABLE = "DPKIT_TRAIN_JOB"
+LOCKED_VARIABLE = "DPKIT_TRAIN_LOCKED"
+STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, name))
 
 
 class TrainingDiverged(DpkitError):
     """The loss became nan or inf; training stopped before writing anything from it."""
 
     exit_code = DIVERGED_EXIT_CODE
+
+
+class FolderInUse(DpkitError):
+    """Another run holds the run folder's lock: one run writes a folder at a time."""
+
+    exit_code = BAD_INPUT_EXIT_CODE
 
 
 @dataclass
@@ -107,22 +137,198 @@ class TrainConfig:
         }
 
 
+@dataclass(frozen=True)
+class Plan:
+    """What the run does with its folder, decided once by the process that checks the folder (the only one,
+    or rank 0 under a launcher) and told to the others."""
+
+    job: str  # who is running: recorded in run.json by the run that creates it
+    resume: bool = False  # continue from the newest state in OUT/state
+    remove: bool = False  # overwrite: remove the old run once every process has passed every check
+    finished: bool = False  # resume=True on a run that is already finished: nothing to do
+
+
 @dataclass
 class Prepared:
-    """What the checks produced, so nothing is built twice: the model, the data and how the run starts."""
+    """What the checks produced, so nothing is built twice: the model, the data, the plan for the folder (None
+    in a process that leaves the folder to rank 0) and the folder's lock (held by one process of a run)."""
 
     model: nn.Module
     data: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
-    resume: bool
+    plan: Plan | None
+    lock: FolderLock | None = None
+
+    def release(self) -> None:
+        if self.lock is not None:
+            self.lock.release()
+            self.lock = None
 
 
 def run(config: TrainConfig) -> dict[str, Any] | None:
     """Check, then train (starting one process per device first where the strategy needs it). Returns the
-    metrics written (None on the ranks other than 0)."""
+    metrics written (None on the ranks other than 0); for a finished run given resume=True, its metrics."""
     prepared = prepare(config)
-    if strategy_class(config.strategy).needs_launcher():
-        return run_processes(config)
-    return train(config, prepared)
+    try:
+        if prepared.plan is not None and prepared.plan.finished and not launched():
+            return _say_finished(config)
+        if strategy_class(config.strategy).needs_launcher():
+            return run_processes(config, prepared)
+        return train(config, prepared)
+    finally:
+        prepared.release()
+
+
+# --- one writer per run folder ------------------------------------------------------------------------
+
+
+class FolderLock:
+    """An exclusive flock on OUT/.dpkit-train.lock, which holds the holder's pid and host. The kernel releases
+    it when the holder dies, however it dies; the next run takes it then. Folders this lock created to hold the
+    file are removed on release if they are still empty (a refused run leaves nothing behind)."""
+
+    def __init__(self, out: Path):
+        self.out = out
+        self.path = out / LOCK_FILE
+        self.fd: int | None = None
+        self.created: list[Path] = []
+
+    def take(self) -> FolderLock:
+        missing = []
+        for folder in (self.out, *self.out.parents):
+            if folder.exists():
+                break
+            missing.append(folder)
+        for folder in reversed(missing):
+            try:
+                folder.mkdir()
+                self.created.append(folder)
+            except FileExistsError:
+                pass
+            except OSError as error:
+                self._undo_folders()
+                raise _not_writable(self.out, error) from None
+        try:
+            for _ in range(100):
+                try:
+                    fd = os.open(self.path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o644)
+                except OSError as error:
+                    raise _not_writable(self.out, error) from None
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    holder = os.read(fd, 200).decode(errors="replace").strip()
+                    os.close(fd)
+                    raise FolderInUse(
+                        f"out: {str(self.out)!r} is in use by another run ({holder or 'its pid is not written yet'}); "
+                        "one run writes a folder at a time: wait for it to end, or choose another folder"
+                    ) from None
+                except OSError as error:  # a filesystem without locks (some network and FUSE mounts)
+                    log.warning("%s: cannot lock (%s); nothing keeps a second run out of this folder", self.path, error)
+                    os.close(fd)
+                    self._forget()
+                    return self
+                # the last holder removes the file as it releases it: lock the file that is there now
+                try:
+                    here, there = os.fstat(fd), os.stat(self.path)
+                    same = (here.st_dev, here.st_ino) == (there.st_dev, there.st_ino)
+                except FileNotFoundError:
+                    same = False
+                if same:
+                    self.fd = fd
+                    break
+                os.close(fd)
+            else:  # pragma: no cover - a folder whose lock file is replaced a hundred times in a row
+                raise FolderInUse(f"out: {str(self.out)!r}: could not lock {LOCK_FILE}; try again")
+            os.ftruncate(fd, 0)
+            os.write(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode())
+        except BaseException:
+            self._undo_folders()
+            raise
+        return self
+
+    def _forget(self) -> None:
+        """Not locked after all: remove the file this lock made, keep the folders (the run writes there)."""
+        with contextlib.suppress(OSError):
+            if self.path.stat().st_size == 0:
+                self.path.unlink()
+        self.created = []
+
+    def release(self) -> None:
+        if self.fd is None:
+            self._undo_folders()
+            return
+        with contextlib.suppress(OSError):
+            os.unlink(self.path)  # while holding it: a run that opened it meanwhile sees it is gone and retries
+        os.close(self.fd)
+        self.fd = None
+        self._undo_folders()
+
+    def _undo_folders(self) -> None:
+        for folder in reversed(self.created):
+            try:
+                folder.rmdir()
+            except OSError:
+                break
+        self.created = []
+
+
+def _not_writable(out: Path, error: OSError) -> ValueError:
+    return ValueError(
+        f"out: {str(out)!r} is not writable ({error.strerror or error}); choose a folder you can write to"
+    )
+
+
+def _check_writable(folder: Path, out: Path, what: str) -> None:
+    """Write and remove a file in `folder`: permissions, a read-only mount and an immutable folder all show."""
+    try:
+        fd, name = tempfile.mkstemp(prefix=".dpkit-write-test.", dir=folder)
+    except OSError as error:
+        raise ValueError(
+            f"out: {str(folder)!r} is not writable ({error.strerror or error}); the run writes {what} there: make "
+            f"it writable, or choose another folder than {str(out)!r}"
+        ) from None
+    os.close(fd)
+    os.unlink(name)
+
+
+def _lock_holder(config: TrainConfig) -> bool:
+    """Whether this process takes the run folder's lock: a process on its own, or rank 0 of launched workers
+    unless the process that started them (`run`) holds it for them."""
+    if fcntl is None:
+        return False
+    if not launched():
+        return True
+    if os.environ.get(LOCKED_VARIABLE) == str(Path(config.out).absolute()):
+        return False
+    return os.environ.get("RANK") == "0"
+
+
+# --- who is running: a restarted worker group continues only its own job's run --------------------------
+
+
+def _process_start(pid: int) -> str:
+    """When process `pid` started (boot id and clock ticks since boot): with the pid, it names the process."""
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return f"{boot}:{fields[19]}"
+    except (OSError, IndexError):
+        return "unknown"
+
+
+def job_id() -> str:
+    """The same string in every attempt of one job, another in the next job.
+
+    The process that started the workers sets it for them (`run` does: DPKIT_TRAIN_JOB); else, under a
+    launcher, the launcher process names the job: host, pid and start time (restarts keep it, a new launch
+    changes it). A process on its own gets a fresh id (it is never restarted)."""
+    given = os.environ.get(JOB_VARIABLE)
+    if given:
+        return given
+    if launched():
+        pid = int(os.environ.get(LAUNCHER_PID_VARIABLE) or os.getppid())
+        return f"launcher on {socket.gethostname()}, pid {pid}, started {_process_start(pid)}"
+    return f"process {uuid.uuid4().hex}"
 
 
 # --- checks, all before any work ----------------------------------------------------------------------
@@ -130,47 +336,148 @@ def run(config: TrainConfig) -> dict[str, Any] | None:
 
 def saved_states(out: Path) -> list[Path]:
     """The saved states under OUT/state, oldest first."""
-    return sorted(path for path in (out / STATE_FOLDER).glob("step-*") if path.is_dir())
+    folder = out / STATE_FOLDER
+    if not folder.is_dir():
+        return []
+    return step_directories(folder)  # stray entries (a .bak copy, an empty step folder) ignored with a warning
 
 
-def _check_out(config: TrainConfig) -> bool:
-    """Whether the run resumes; refuses a folder holding a run that is neither resumed nor overwritten."""
-    out = check_output_folder(config.out, "out")
-    if config.resume and config.overwrite:
+def _read_settings(out: Path) -> dict[str, Any] | None:
+    """run.json (None when there is none); a damaged one is an error naming it."""
+    path = out / RUN_SETTINGS
+    if not path.exists():
+        return None
+    try:
+        saved = json.loads(path.read_text())
+    except (OSError, ValueError) as error:
         raise ValueError(
-            "resume/overwrite: give one: resume=True continues the run in the folder, overwrite=True replaces it"
+            f"out: {str(path)!r} is damaged ({error}); restore it, or delete it and the settings are checked "
+            "against the saved state"
+        ) from None
+    if not isinstance(saved, dict):
+        raise ValueError(
+            f"out: {str(path)!r} is damaged (it holds a {type(saved).__name__}, expected the run's settings as a "
+            "JSON object); restore it, or delete it and the settings are checked against the saved state"
         )
+    return saved
+
+
+def _read_metrics(out: Path) -> dict[str, Any] | None:
+    path = out / METRICS
+    if not path.is_file():
+        return None
+    try:
+        metrics = json.loads(path.read_text())
+    except (OSError, ValueError) as error:
+        log.warning("%s is damaged (%s); the run counts as not finished", path, error)
+        return None
+    return metrics if isinstance(metrics, dict) else None
+
+
+def _finished(config: TrainConfig, out: Path, taken: int | None) -> bool:
+    """Whether the run in `out` is finished as `config` asks: model and metrics written, its steps reached (and
+    no state past them)."""
+    metrics = _read_metrics(out)
+    return (
+        metrics is not None
+        and (out / MODEL).is_file()
+        and metrics.get("steps") == config.steps
+        and len(metrics.get("loss") or ()) == config.steps
+        and (taken is None or taken == config.steps)
+    )
+
+
+def _check_settings(config: TrainConfig, out: Path, saved: dict[str, Any] | None, state: Path | None) -> None:
+    """A continued run uses the settings the run was trained with: checked against run.json and against the
+    saved state itself (its recorded settings, its optimizer's lr and momentum, its accumulation), which is
+    what a resumed run continues from whatever run.json says."""
+    given = config.settings()
+    for key in RESUME_MUST_MATCH:
+        if saved is not None and key in saved and saved[key] != given[key]:
+            raise ValueError(
+                f"{key}: the run in {str(out)!r} was trained with {saved[key]!r}, got {given[key]!r}; "
+                "resume with the same value"
+            )
+    if state is None:
+        return
+    chosen, shared, _ = read_state_directory(state, 0)
+    recorded = (shared.get("extra") or {}).get("settings", {}).get("value")
+    recorded = recorded if isinstance(recorded, dict) else {}
+    for key in RESUME_MUST_MATCH:
+        if key in recorded and recorded[key] != given[key]:
+            raise ValueError(
+                f"{key}: the run in {str(out)!r} was trained with {recorded[key]!r} (its state {str(chosen)!r} says "
+                f"so), got {given[key]!r}; resume with the same value"
+            )
+    optimizers = shared.get("optimizers") or []
+    for group in optimizers[0].get("param_groups", []) if optimizers and isinstance(optimizers[0], dict) else []:
+        for key in ("lr", "momentum"):
+            if key in group and group[key] != given[key]:
+                raise ValueError(
+                    f"{key}: the optimizer saved in {str(chosen)!r} has {key} {group[key]!r}, got {given[key]!r}; "
+                    "resume with the same value (a resumed optimizer continues with its saved one)"
+                )
+    if shared.get("accumulate") not in (None, config.accumulate):
+        raise ValueError(
+            f"accumulate: the run in {str(out)!r} was trained with {shared['accumulate']!r} (its state "
+            f"{str(chosen)!r} says so), got {config.accumulate!r}; resume with the same value"
+        )
+    if saved is None and not recorded:
+        unchecked = ["seed", "batch_size"] + (["lr", "momentum"] if not optimizers else [])
+        log.warning(
+            "%s: no %s and a state without recorded settings; %s cannot be checked (the model's shapes and the "
+            "data's size are checked as the state loads)",
+            out,
+            RUN_SETTINGS,
+            ", ".join(unchecked),
+        )
+
+
+def _check_out(config: TrainConfig) -> Plan:
+    """What the run does with its folder; refuses a folder holding a run that is neither resumed nor
+    overwritten. A restarted worker group checks the same as the first attempt: the only difference a restart
+    makes is that the run its own job created (run.json names the job) is continued, not refused."""
+    out = Path(config.out)
+    job = job_id()
     holds = [name for name in (*RUN_FILES, STATE_FOLDER) if (out / name).exists()]
-    if restart_count() > 0:
-        return bool(saved_states(out))  # a restarted group picks up where the last state left off
-    if config.resume:
-        if not saved_states(out):
+    states = saved_states(out)
+    taken = step_of(states[-1]) if states else None
+    saved = _read_settings(out) if config.resume else None
+    ours = False
+    if restart_count() > 0:  # a run.json that does not name this job (or no run.json) is another run's
+        with contextlib.suppress(ValueError):
+            saved = _read_settings(out)
+            ours = saved is not None and saved.get("job") == job
+    if (out / STATE_FOLDER).is_dir() and (config.checkpoint_every or (config.overwrite and not ours)):
+        _check_writable(out / STATE_FOLDER, out, "the training state")
+    if config.resume or ours:
+        _check_settings(config, out, saved, out / STATE_FOLDER if states else None)
+        if _finished(config, out, taken):
+            return Plan(job, finished=True)
+        if taken is None:
+            if ours:
+                return Plan(job)  # this job saved no state yet: it starts again
             raise ValueError(
                 f"resume: no saved state in {str(out / STATE_FOLDER)!r}; a run saves one with checkpoint_every=K"
             )
-        taken = max(int(path.name.split("-")[1]) for path in saved_states(out))
-        if taken >= config.steps:
+        if taken > config.steps:
             raise ValueError(
-                f"steps: the run in {str(out)!r} has already taken {taken} steps; give more than {taken} to continue it"
+                f"steps: the run in {str(out)!r} has already taken {taken} steps; give {taken} to finish it or more "
+                "to continue it"
             )
-        saved = json.loads((out / RUN_SETTINGS).read_text()) if (out / RUN_SETTINGS).exists() else {}
-        for key in RESUME_MUST_MATCH:
-            if key in saved and saved[key] != config.settings()[key]:
-                raise ValueError(
-                    f"{key}: the run in {str(out)!r} was trained with {saved[key]!r}, got "
-                    f"{config.settings()[key]!r}; resume with the same value"
-                )
-        return True
+        return Plan(job, resume=True)
     if holds and not config.overwrite:
         raise ValueError(
             f"out: {str(out)!r} already holds a run ({', '.join(holds)}); resume it (resume=True), replace it "
             "(overwrite=True), or choose another folder"
         )
-    return False
+    return Plan(job, remove=bool(holds))
 
 
 def prepare(config: TrainConfig) -> Prepared:
-    """Check every setting, build the model and load the data; raise one line on the first bad value."""
+    """Check every setting, take the run folder's lock, decide what to do with the folder, build the model and
+    load the data; raise one line on the first bad value (releasing the lock). The caller releases
+    `Prepared.lock` when the run ends."""
     for name in ("steps", "batch_size", "accumulate", "keep"):
         check_int(getattr(config, name), name)
     if config.checkpoint_every is not None:
@@ -192,28 +499,46 @@ def prepare(config: TrainConfig) -> Prepared:
             f"devices: strategy '{config.strategy}' runs on {traits.max_devices} device(s), got {len(devices)}; "
             f"pass devices={traits.max_devices} or choose a strategy for several devices"
         )
+    Precision(config.precision, devices[0].type)  # what the devices cannot do, refused here, not in each process
     if strategy_class(config.strategy).needs_launcher():
         check_process_count(len(devices), argument="devices", force=config.force)
-    resume = _check_out(config)
+    out = check_output_folder(config.out, "out")
+    if config.resume and config.overwrite:
+        raise ValueError(
+            "resume/overwrite: give one: resume=True continues the run in the folder, overwrite=True replaces it"
+        )
+    # the folder is decided by one process (under a launcher rank 0, which tells the others), under its lock
+    decides = not launched() or os.environ.get("RANK") == "0"
+    lock = FolderLock(out).take() if _lock_holder(config) else None
+    try:
+        plan = _check_out(config) if decides else None
+        if plan is not None and plan.finished:
+            return Prepared(nn.Identity(), (torch.empty(0),) * 4, plan, lock)
 
-    source = model_source(config.example, config.model, config.data)
-    torch.manual_seed(config.seed)  # same initial weights in every process and for every strategy
-    model = source.build_model()
-    data = source.load_classification_data(config.seed)
-    check_model_fits(model, data[0], data[1], "model" if config.model else "data")
-    rows = len(data[0])
-    if config.batch_size > rows:
-        raise ValueError(f"batch_size: {config.batch_size} is larger than the {rows} training rows; use at most {rows}")
-    if traits.processes == PER_DEVICE:
-        processes = int(os.environ["WORLD_SIZE"]) if launched() else len(devices)
-        smallest = rows % config.batch_size or config.batch_size
-        if smallest < processes:
+        source = model_source(config.example, config.model, config.data)
+        torch.manual_seed(config.seed)  # same initial weights in every process and for every strategy
+        model = source.build_model()
+        data = source.load_classification_data(config.seed)
+        check_model_fits(model, data[0], data[1], "model" if config.model else "data")
+        rows = len(data[0])
+        if config.batch_size > rows:
             raise ValueError(
-                f"batch_size: {config.batch_size} leaves a last batch of {smallest} row(s) for {processes} "
-                f"processes; each needs at least one (choose a batch size whose last batch of {rows} rows "
-                f"has >= {processes})"
+                f"batch_size: {config.batch_size} is larger than the {rows} training rows; use at most {rows}"
             )
-    return Prepared(model, data, resume)
+        if traits.processes == PER_DEVICE:
+            processes = int(os.environ["WORLD_SIZE"]) if launched() else len(devices)
+            smallest = rows % config.batch_size or config.batch_size
+            if smallest < processes:
+                raise ValueError(
+                    f"batch_size: {config.batch_size} leaves a last batch of {smallest} row(s) for {processes} "
+                    f"processes; each needs at least one (choose a batch size whose last batch of {rows} rows "
+                    f"has >= {processes})"
+                )
+    except BaseException:
+        if lock is not None:
+            lock.release()
+        raise
+    return Prepared(model, data, plan, lock)
 
 
 def _remove_run(out: Path) -> None:
@@ -223,11 +548,58 @@ def _remove_run(out: Path) -> None:
     shutil.rmtree(out / STATE_FOLDER, ignore_errors=True)
 
 
+def _say_finished(config: TrainConfig) -> dict[str, Any] | None:
+    out = Path(config.out)
+    print(
+        f"dpkit train: the run in {out} is already finished ({config.steps} steps; {out / MODEL} and "
+        f"{out / METRICS} are written); nothing to do",
+        flush=True,
+    )
+    return _read_metrics(out)
+
+
+def _write_json(path: Path, value: Any) -> None:
+    """JSON written whole or not at all (a temporary file renamed over `path`); allow_nan=False: a nan that
+    slipped through is an error here, never invalid JSON on disk."""
+    text = json.dumps(value, indent=2, allow_nan=False) + "\n"
+    atomic_write(path, lambda handle: handle.write(text.encode()))
+
+
 # --- one process per device: start them, and report for them ------------------------------------------
 
 
-def run_processes(config: TrainConfig) -> dict[str, Any]:
-    """Run this same training once per device under the launcher (config.relaunch says how), and report."""
+@contextlib.contextmanager
+def _environment(values: dict[str, str | None]) -> Iterator[None]:
+    """os.environ with `values` set (None: unset) for the processes started inside, restored afterwards."""
+    saved = {name: os.environ.get(name) for name in values}
+    try:
+        for name, value in values.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+def _only_refusals(exit_codes: dict[int, int]) -> bool:
+    """Every failed worker refused bad input (exit 2, and said why) or was stopped because another did."""
+    stopped = {-int(signal.SIGTERM), 128 + int(signal.SIGTERM)}
+    codes = set(exit_codes.values())
+    return BAD_INPUT_EXIT_CODE in codes and codes <= {BAD_INPUT_EXIT_CODE, *stopped}
+
+
+def run_processes(config: TrainConfig, prepared: Prepared | None = None) -> dict[str, Any]:
+    """Run this same training once per device under the launcher (config.relaunch says how), and report.
+
+    The processes check everything again and rank 0 of them acts on the folder (removes an overwritten run
+    once all of them have passed their checks); this process holds the folder's lock for the whole job, its
+    restarts included."""
     if config.relaunch is None:
         raise RuntimeError(
             f"strategy: '{config.strategy}' runs one process per device "
@@ -237,29 +609,31 @@ def run_processes(config: TrainConfig) -> dict[str, Any]:
         )
     n_devices = len(resolve_devices(config.accelerator, config.devices))
     out = Path(config.out)
-    if config.overwrite:
-        _remove_run(out)
+    before = _newest_state(out)
+    job = prepared.plan.job if prepared is not None and prepared.plan is not None else f"process {uuid.uuid4().hex}"
+    held = prepared is not None and prepared.lock is not None
+    workers = {JOB_VARIABLE: job, LOCKED_VARIABLE: str(out.absolute()) if held else None}
     try:
-        relaunch(
-            config.relaunch,
-            n_devices,
-            max_restarts=config.max_restarts,
-            hang_timeout_seconds=config.hang_timeout_seconds,
-            force=config.force,
-        )
+        with _environment(workers):
+            relaunch(
+                config.relaunch,
+                n_devices,
+                max_restarts=config.max_restarts,
+                hang_timeout_seconds=config.hang_timeout_seconds,
+                force=config.force,
+            )
     except KeyboardInterrupt:
-        raise StoppedBySignal(
-            _stopped_message(config, signal.SIGINT, None, saved_states(out)[-1:]), signal.SIGINT
-        ) from None
+        raise StoppedBySignal(_stopped_message_after(config, signal.SIGINT, before), signal.SIGINT) from None
     except StoppedBySignal as stopped:
-        raise StoppedBySignal(
-            _stopped_message(config, stopped.signum, None, saved_states(out)[-1:]), stopped.signum
-        ) from None
+        raise StoppedBySignal(_stopped_message_after(config, stopped.signum, before), stopped.signum) from None
     except LaunchError as error:
         if DIVERGED_EXIT_CODE in error.exit_codes.values():
             raise TrainingDiverged("") from None  # rank 0 said why in one line
+        if _only_refusals(error.exit_codes):
+            bad_input = ValueError("")  # the worker that refused said why in one line
+            raise bad_input from None
         raise
-    metrics = json.loads((out / "metrics.json").read_text())
+    metrics = json.loads((out / METRICS).read_text())
     print(
         f"dpkit train: {config.strategy} over {n_devices} processes done; final loss {metrics['loss'][-1]:.4f}, "
         f"{metrics['samples_per_second']:.0f} samples/s, test accuracy {metrics['test_accuracy']:.4f}"
@@ -267,26 +641,43 @@ def run_processes(config: TrainConfig) -> dict[str, Any]:
     return metrics
 
 
-def _stopped_message(config: TrainConfig, signum: int, step: int | None, state: list[Path]) -> str:
+def _newest_state(out: Path) -> Path | None:
+    states = saved_states(out)
+    return states[-1] if states else None
+
+
+def _stopped_message_after(config: TrainConfig, signum: int, before: Path | None) -> str:
+    """The stop line of the process that started the workers: a state newer than `before` is theirs."""
+    newest = _newest_state(Path(config.out))
+    saved = newest if newest is not None and newest != before else None
+    return _stopped_message(config, signum, None, saved, newest)
+
+
+def _stopped_message(
+    config: TrainConfig, signum: int, step: int | None, saved: Path | None, newest: Path | None, during: str = ""
+) -> str:
     name = "Ctrl-C (SIGINT)" if signum == signal.SIGINT else signal.Signals(signum).name
     at = f" at step {step} of {config.steps}" if step is not None else ""
-    if not state:
-        how = (
-            "checkpoint_every=K"
-            if config.checkpoint_every is None
-            else f"a state every {config.checkpoint_every} steps"
-        )
-        return f"stopped by {name}{at}; nothing saved yet ({how} saves state to resume from)"
+    at += f", {during}" if during else ""
     resume = config.resume_command or "the same training with resume=True"
-    return f"stopped by {name}{at}; state saved in {state[-1]}; resume with: {resume}"
+    if saved is not None:
+        return f"stopped by {name}{at}; state saved in {saved}; resume with: {resume}"
+    how = "checkpoint_every=K" if config.checkpoint_every is None else f"a state every {config.checkpoint_every} steps"
+    if newest is not None:  # a state from before this run (a resumed run without checkpoint_every saves none)
+        unsaved = f"this run saved no state ({how} saves state to resume from); " if not config.checkpoint_every else ""
+        return (
+            f"stopped by {name}{at}; {unsaved}the newest state is {newest} (step {step_of(newest)}); resume from it "
+            f"with: {resume}"
+        )
+    return f"stopped by {name}{at}; nothing saved yet ({how} saves state to resume from)"
 
 
 # --- stopping at a step boundary --------------------------------------------------------------------
 
 
 class StopRequest:
-    """SIGINT/SIGTERM ask the loop to stop after the current step (and save, with checkpoint_every); a
-    second Ctrl-C stops at once."""
+    """SIGINT/SIGTERM/SIGHUP ask the run to stop at the next boundary (after the current step, or in the final
+    evaluation) and save, with checkpoint_every; a second Ctrl-C stops at once."""
 
     def __init__(self) -> None:
         self.signum: int | None = None
@@ -301,7 +692,7 @@ class StopRequest:
         if threading.current_thread() is not threading.main_thread():
             yield self
             return
-        saved = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM)}
+        saved = {signum: signal.getsignal(signum) for signum in STOP_SIGNALS}
         for signum in saved:
             signal.signal(signum, self._handle)
         try:
@@ -339,7 +730,16 @@ class LossLog:
 
 def train(config: TrainConfig, prepared: Prepared | None = None) -> dict[str, Any] | None:
     """Train in this process (one of the strategy's processes under a launcher); the metrics on rank 0."""
-    prepared = prepared or prepare(config)
+    if prepared is not None:
+        return _train(config, prepared)
+    prepared = prepare(config)
+    try:
+        return _train(config, prepared)
+    finally:
+        prepared.release()
+
+
+def _train(config: TrainConfig, prepared: Prepared) -> dict[str, Any] | None:
     out = Path(config.out)
     engine = Engine(
         strategy=config.strategy,
@@ -349,14 +749,11 @@ def train(config: TrainConfig, prepared: Prepared | None = None) -> dict[str, An
         accumulate=config.accumulate,
         progress=config.progress,
     )
-    if engine.is_global_zero and not prepared.resume and config.overwrite and restart_count() == 0:
-        _remove_run(out)
-
-    def write_settings() -> None:
-        # with the first saved state or the final model: a run that wrote nothing else leaves nothing behind
-        if engine.is_global_zero and not (out / RUN_SETTINGS).exists():
-            out.mkdir(parents=True, exist_ok=True)
-            (out / RUN_SETTINGS).write_text(json.dumps(config.settings(), indent=2) + "\n")
+    # rank 0 decided what to do with the folder; the others learn it here
+    plan: Plan = engine.gather_object(prepared.plan)[0]
+    if plan.finished:
+        engine.close()
+        return _say_finished(config) if engine.is_global_zero else None
 
     model, (x_train, y_train, x_test, y_test) = prepared.model, prepared.data
     optimizer = torch.optim.SGD(model.parameters(), lr=config.lr, momentum=config.momentum)
@@ -367,18 +764,30 @@ def train(config: TrainConfig, prepared: Prepared | None = None) -> dict[str, An
     order = RandomSampler(train_data, generator=torch.Generator().manual_seed(config.seed))
     loader = engine.setup_dataloader(DataLoader(train_data, batch_size=config.batch_size, sampler=order))
 
+    def write_settings() -> None:
+        # with the first saved state or the final model: a run that wrote nothing else leaves nothing behind
+        if engine.is_global_zero and not (out / RUN_SETTINGS).exists():
+            _write_json(out / RUN_SETTINGS, {**config.settings(), "job": plan.job})
+
     losses = LossLog(engine)
     step_seconds: list[float] = []
     seconds_before = 0.0
-    if prepared.resume:
+    if plan.resume:
         extras = engine.load_state(out / STATE_FOLDER)
         losses = LossLog(engine, extras["losses"], extras["rows"])
         step_seconds, seconds_before = list(extras["step_seconds"]), float(extras["seconds"])
-        if engine.step >= config.steps:
+        if engine.step > config.steps:
             raise ValueError(
-                f"steps: the run in {str(out)!r} has already taken {engine.step} steps; give more than "
-                f"{engine.step} to continue it"
+                f"steps: the run in {str(out)!r} has already taken {engine.step} steps; give {engine.step} to "
+                "finish it or more to continue it"
             )
+    if plan.remove:
+        # every process is here, so every process passed every check (its own, the Engine's, the setup's): only
+        # now does the old run go
+        engine.barrier()
+        if engine.is_global_zero:
+            _remove_run(out)
+        engine.barrier()
 
     micro_losses, micro_rows = [], 0
     steps_done = len(losses.losses)
@@ -395,16 +804,32 @@ def train(config: TrainConfig, prepared: Prepared | None = None) -> dict[str, An
             rows=list(losses.rows),
             step_seconds=list(step_seconds),
             seconds=seconds,
+            settings={**config.settings(), "job": plan.job},
         )
+
+    def agreed(*flags: bool) -> list[bool]:
+        """Whether any process raised each flag: every process stops at the same point."""
+        tensor = torch.tensor([float(flag) for flag in flags])
+        if engine.world_size > 1:
+            tensor = engine.reduce(tensor, "sum")
+        return [bool(value > 0) for value in tensor]
+
+    def stopped(during: str = "") -> StoppedBySignal:
+        signum = stop.signum if stop.signum is not None else signal.SIGTERM  # a peer was stopped
+        quiet = not engine.is_global_zero or relaunched()
+        newest = saved_path or _newest_state(out)
+        message = _stopped_message(config, signum, steps_done, saved_path, newest, during)
+        return StoppedBySignal("" if quiet else message, signum)
 
     try:
         with stop.installed():
-            # said once the stop request is listening: a signal after this line stops at a step boundary
+            # said once the stop request is listening: a signal after this line stops at a boundary
             engine.print(
                 f"dpkit train: {config.model or config.example} with strategy {config.strategy} on "
                 f"{engine.world_size} process(es), devices {', '.join(map(str, engine.devices))}, global batch "
                 f"{config.batch_size}, precision {config.precision}"
-                + (f", resuming at step {steps_done}" if prepared.resume else ""),
+                + (f", resuming at step {steps_done}" if plan.resume else "")
+                + (" (all steps taken: evaluating and writing the final files)" if steps_done >= config.steps else ""),
                 flush=True,
             )
             bar = engine.progress(total=config.steps, initial=steps_done, desc="training", unit="step")
@@ -430,77 +855,74 @@ def train(config: TrainConfig, prepared: Prepared | None = None) -> dict[str, An
                         step_started = now
                         bar.update()
                         # every process stops at the same step: a signal or a non-finite loss on any one counts
-                        flags = torch.tensor([float(stop.signum is not None), float(not torch.isfinite(step_loss))])
-                        if engine.world_size > 1:
-                            flags = engine.reduce(flags, "sum")
-                        if flags[1] > 0:
+                        stopping, diverged = agreed(stop.signum is not None, not torch.isfinite(step_loss))
+                        if diverged:
                             raise TrainingDiverged(
                                 f"lr: the loss became {float(step_loss):g} at step {steps_done} with "
                                 f"lr={config.lr:g}; training stopped and wrote nothing from it; try a "
                                 "smaller lr"
+                                if engine.is_global_zero
+                                else ""  # rank 0 says it once
                             )
                         seconds = seconds_before + time.perf_counter() - started
                         if config.checkpoint_every and (
-                            steps_done % config.checkpoint_every == 0 or flags[0] > 0 or steps_done == config.steps
+                            steps_done % config.checkpoint_every == 0 or stopping or steps_done == config.steps
                         ):
                             saved_path = save_state(seconds)
-                        if flags[0] > 0:
-                            signum = stop.signum if stop.signum is not None else signal.SIGTERM  # a peer was stopped
-                            quiet = not engine.is_global_zero or relaunched()
-                            message = _stopped_message(config, signum, steps_done, [saved_path] if saved_path else [])
-                            raise StoppedBySignal("" if quiet else message, signum)
+                        if stopping:
+                            raise stopped()
                         if steps_done == config.steps:
                             break
             finally:
                 bar.close()
+            seconds = seconds_before + time.perf_counter() - started
+            losses.reduce()
+            samples_per_second = sum(losses.rows) / seconds if seconds > 0 else 0.0
+
+            model.eval()
+            test_loader = engine.setup_dataloader(DataLoader(TensorDataset(x_test, y_test), batch_size=256))
+            correct = []
+            with torch.no_grad():
+                for x, y in test_loader:
+                    correct.append(engine.gather(model(x).argmax(dim=1) == y))
+                    if agreed(stop.signum is not None)[0]:
+                        raise stopped("in the final evaluation")
+            correct = torch.cat(correct)
+
+            # the final files: a stop that arrives now lets them be written (each whole or not at all)
+            write_settings()
+            engine.save(model, out / MODEL)
+            metrics = None
+            if engine.is_global_zero:
+                metrics = {
+                    "strategy": config.strategy,
+                    "devices": [str(d) for d in engine.devices],
+                    "world_size": engine.world_size,
+                    "precision": config.precision,
+                    "accumulate": config.accumulate,
+                    "steps": config.steps,
+                    "batch_size": config.batch_size,
+                    "seed": config.seed,
+                    "lr": config.lr,
+                    "loss": losses.losses,
+                    "samples_per_second": samples_per_second,
+                    "seconds": seconds,
+                    "median_step_seconds": sorted(step_seconds)[len(step_seconds) // 2] if step_seconds else 0.0,
+                    "test_accuracy": float(correct.float().mean()),
+                    "test_samples": int(correct.numel()),
+                    "resumed": plan.resume,
+                }
+                _write_json(out / METRICS, metrics)
+                print(
+                    f"final loss {losses.losses[-1]:.4f}, {samples_per_second:.0f} samples/s, test accuracy "
+                    f"{metrics['test_accuracy']:.4f}; wrote {out / MODEL} and {out / METRICS}",
+                    file=sys.stdout,
+                )
     except (StoppedBySignal, TrainingDiverged, KeyboardInterrupt):
         raise
     except Exception:
-        if (
-            stop.signum is not None
-        ):  # a peer stopped first and its collective broke: the stop, not the error, is the news
+        if stop.signum is not None:  # a peer stopped first and its collective broke: the stop, not the error, is news
             raise StoppedBySignal("", stop.signum) from None
         raise
-    seconds = seconds_before + time.perf_counter() - started
-    losses.reduce()
-    samples_per_second = sum(losses.rows) / seconds if seconds > 0 else 0.0
-
-    model.eval()
-    test_loader = engine.setup_dataloader(DataLoader(TensorDataset(x_test, y_test), batch_size=256))
-    correct = []
-    with torch.no_grad():
-        for x, y in test_loader:
-            correct.append(engine.gather(model(x).argmax(dim=1) == y))
-    correct = torch.cat(correct)
-
-    write_settings()
-    engine.save(model, out / "model.pt")
-    metrics = None
-    if engine.is_global_zero:
-        metrics = {
-            "strategy": config.strategy,
-            "devices": [str(d) for d in engine.devices],
-            "world_size": engine.world_size,
-            "precision": config.precision,
-            "accumulate": config.accumulate,
-            "steps": config.steps,
-            "batch_size": config.batch_size,
-            "seed": config.seed,
-            "lr": config.lr,
-            "loss": losses.losses,
-            "samples_per_second": samples_per_second,
-            "seconds": seconds,
-            "median_step_seconds": sorted(step_seconds)[len(step_seconds) // 2],
-            "test_accuracy": float(correct.float().mean()),
-            "test_samples": int(correct.numel()),
-            "resumed": prepared.resume,
-        }
-        # allow_nan=False: a nan that slipped through is an error here, never invalid JSON on disk
-        (out / "metrics.json").write_text(json.dumps(metrics, indent=2, allow_nan=False) + "\n")
-        print(
-            f"final loss {losses.losses[-1]:.4f}, {samples_per_second:.0f} samples/s, test accuracy "
-            f"{metrics['test_accuracy']:.4f}; wrote {out / 'model.pt'} and {out / 'metrics.json'}",
-            file=sys.stdout,
-        )
     engine.close()
     return metrics

@@ -13,7 +13,7 @@ and how `dpkit ckpt` inspects and converts one.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +30,16 @@ from dpkit.strategies.named_state import numbered_optimizer_state  # noqa: F401 
 from dpkit.training.checkpoint import CheckpointCorruptError, check_state_dict
 
 SHARDS = "shards"  # the folder of a state directory holding DCP's files
+# files a folder browser or a network filesystem may put into any folder: never part of a state, never an error
+_IGNORED_NAMES = frozenset({".DS_Store", "Thumbs.db", "desktop.ini"})
+_IGNORED_PREFIXES = ("._", ".nfs")  # macOS's AppleDouble files; NFS's renamed open files
+
+
+def ignored_name(name: str) -> bool:
+    """Whether a file of this name in a state directory is the operating system's, not a stray file."""
+    return name in _IGNORED_NAMES or name.startswith(_IGNORED_PREFIXES)
+
+
 _CHUNK_BYTES = 1 << 20
 
 
@@ -51,14 +61,35 @@ def shard_digests(folder: Path) -> dict[str, str]:
     return {path.name: _digest(path) for path in sorted(folder.iterdir()) if path.is_file()}
 
 
-def verify_shards(folder: Path, digests: Mapping[str, str]) -> None:
-    """Raise CheckpointCorruptError naming the first shard file that is missing or whose bytes changed."""
+def verify_shards(folder: Path, digests: Mapping[str, str], *, every: Iterable[str] | None = None) -> None:
+    """Raise CheckpointCorruptError naming the first shard file that is missing or whose bytes changed, or a file
+    the state does not list. `every` names all of the state's shard files when `digests` holds a share of them
+    (each process checks its share); by default `digests` lists them all."""
     if not folder.is_dir():
-        raise CheckpointCorruptError(f"{folder}: the state's shards are missing (the folder is gone)")
+        raise CheckpointCorruptError(
+            f"{folder}: the state's shards are missing (the folder is gone); restore it from a backup, or load an "
+            "earlier state by passing its step directory"
+        )
+    listed = set(digests if every is None else every)
+    present = {path.name for path in folder.iterdir()}
+    missing = sorted(listed - present)
+    if missing:
+        raise CheckpointCorruptError(
+            f"{folder / missing[0]}: a shard file of this state is missing"
+            + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else "")
+            + "; restore it from a backup, or load an earlier state by passing its step directory"
+        )
+    extra = sorted(name for name in present - listed if not ignored_name(name))
+    if extra:
+        raise CheckpointCorruptError(
+            f"{folder}: holds {', '.join(extra)}, which this state did not write (its shard files are listed with "
+            "their checksums in state.pt); the folder was changed since the save: remove what you put there, or "
+            "load an earlier state"
+        )
     for name, expected in digests.items():
         path = folder / name
         if not path.is_file():
-            raise CheckpointCorruptError(f"{path}: a shard file of this state is missing")
+            raise CheckpointCorruptError(f"{path}: a shard file of this state is not a file")
         if _digest(path) != expected:
             raise CheckpointCorruptError(f"{path}: checksum mismatch; the shard file is damaged")
 

@@ -16,7 +16,13 @@ process shares: model, optimizers, scaler, step, data position, extras; written 
 `rank-R.pt` (each process's generators); a sharded strategy's model and optimizers are in `shards/`
 instead, each process's part written by itself (training/shards.py). It is written into a temporary
 sibling, every file fsynced, renamed into place, and then the folder's `latest` pointer is replaced
-atomically.
+atomically. A save that fails in any process raises in every process and leaves the previous states and
+`latest` as they were.
+
+Reading tells no state from a damaged one: FileNotFoundError only when the folder holds no state at all;
+a state missing a file or holding one its save did not write, or a `latest` naming a state that is gone,
+is a CheckpointCorruptError. Stray `step-*` entries (step-00000005.bak, a file, an empty folder) are
+never states: ignored with a warning, never counted or removed by `keep`.
 """
 
 from __future__ import annotations
@@ -42,12 +48,15 @@ from torch.utils.data import DataLoader, IterableDataset, Sampler
 from dpkit.checks import check_int
 from dpkit.training.checkpoint import (
     CheckpointCorruptError,
+    CheckpointWriteError,
     atomic_write,
     fsync_directory,
+    os_error_in,
     read_checked,
     write_checked,
+    write_error,
 )
-from dpkit.training.shards import SHARDS, shard_digests, write_shards
+from dpkit.training.shards import SHARDS, ignored_name, shard_digests, write_shards
 
 log = logging.getLogger("dpkit")
 
@@ -352,6 +361,12 @@ def step_directory_name(step: int) -> str:
     return f"step-{step:08d}"
 
 
+def step_of(path: Path) -> int | None:
+    """The step a state directory's name gives (None for any other name)."""
+    match = _STEP_DIR.match(path.name)
+    return int(match.group(1)) if match else None
+
+
 def _pointer_text(name: str) -> str:
     return f"{name} sha256:{hashlib.sha256(name.encode()).hexdigest()}\n"
 
@@ -371,10 +386,35 @@ def read_latest(root: Path) -> Path | None:
     return root / name
 
 
+_warned: set[tuple[str, str]] = set()
+
+
+def _ignore_stray(path: Path, why: str) -> None:
+    key = (str(path), why)
+    if key not in _warned:  # once per entry: every save lists the folder
+        _warned.add(key)
+        log.warning("%s: %s, not a saved state; ignoring it (keep never counts or removes it)", path, why)
+
+
 def step_directories(root: Path) -> list[Path]:
-    """Complete state directories under `root`, oldest first."""
-    found = [(int(m.group(1)), p) for p in root.iterdir() if p.is_dir() and (m := _STEP_DIR.match(p.name))]
-    return [p for _, p in sorted(found)]
+    """The state directories under `root`, oldest first: folders named step-NNNNNNNN that hold something.
+
+    Stray entries are never taken for states, each ignored with a warning: another name starting with
+    `step-` (a copy such as step-00000005.bak), a file with a state's name, an empty step folder."""
+    found = []
+    for path in root.iterdir():
+        if not path.name.startswith("step-"):
+            continue
+        step = step_of(path)
+        if step is None:
+            _ignore_stray(path, "named unlike a state directory (step-NNNNNNNN)")
+        elif not path.is_dir():
+            _ignore_stray(path, "a file")
+        elif not any(path.iterdir()):
+            _ignore_stray(path, "an empty folder")
+        else:
+            found.append((step, path))
+    return [path for _, path in sorted(found)]
 
 
 def _aside(root: Path, name: str) -> Path:
@@ -382,31 +422,61 @@ def _aside(root: Path, name: str) -> Path:
     return root / f".{name}.old.tmp"
 
 
+def _is_one_state(path: Path) -> bool:
+    """Whether `path` is one state directory given directly (not a folder of states), complete or not."""
+    if not path.is_dir():
+        return False
+    if (path / STATE_FILE).exists() or (path / SHARDS).exists() or any(path.glob("rank-*.pt")):
+        return True
+    return step_of(path) is not None
+
+
 def find_state(directory: str | os.PathLike) -> Path:
-    """The step directory to load: `directory` itself if it is one, else the one `latest` names (or the newest)."""
+    """The step directory to load: `directory` itself if it is one, else the one `latest` names (without a
+    pointer, the newest step directory). FileNotFoundError only when `directory` holds no state at all: a
+    state that is damaged, or a pointer naming a state that is gone, is a CheckpointCorruptError."""
     directory = Path(directory)
-    if (directory / STATE_FILE).is_file():
-        return directory
+    if _is_one_state(directory):
+        return directory  # read_state_directory checks that every file is there
     if not directory.is_dir():
         raise FileNotFoundError(f"directory: no saved state at {directory}")
     chosen = read_latest(directory)
-    if chosen is not None and not (chosen / STATE_FILE).is_file():
-        # a save of the same step was killed between its two renames: the previous copy waits aside
+    if chosen is not None:
+        if (chosen / STATE_FILE).is_file():
+            return chosen
         if (_aside(directory, chosen.name) / STATE_FILE).is_file():
+            # a save of the same step was killed between its two renames: the previous copy waits aside
             log.warning(
                 "%s: %s was being replaced when a save stopped; loading its previous copy", directory, chosen.name
             )
             return _aside(directory, chosen.name)
-        log.warning("%s: %s names %s, which is gone; loading the newest step directory", directory, LATEST, chosen.name)
-        chosen = None
-    if chosen is None:
-        candidates = [p for p in step_directories(directory) if (p / STATE_FILE).is_file()]
-        if not candidates:
-            raise FileNotFoundError(
-                f"directory: {directory} holds no saved state (no {LATEST} pointer, no step-* directory)"
+        if chosen.is_dir() and any(chosen.iterdir()):
+            return chosen  # a damaged state: reading it names what is missing
+        left = step_directories(directory)
+        raise CheckpointCorruptError(
+            f"{directory / LATEST} names {chosen.name}, which is "
+            f"{'empty' if chosen.is_dir() else 'gone'}: the newest state was removed or lost, so this folder "
+            "does not hold what the last save wrote. "
+            + (
+                f"To resume from the newest state left, pass {left[-1]} or delete {directory / LATEST} "
+                f"(then {left[-1].name} loads)"
+                if left
+                else f"No other state is left; delete {directory} to start afresh"
             )
-        chosen = candidates[-1]
-    return chosen
+        )
+    states = step_directories(directory)
+    if not states:
+        raise FileNotFoundError(
+            f"directory: {directory} holds no saved state (no {LATEST} pointer, no step-* directory)"
+        )
+    return states[-1]
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
 
 
 def remove_stale_state_temporaries(root: Path) -> None:
@@ -416,8 +486,55 @@ def remove_stale_state_temporaries(root: Path) -> None:
             os.rename(aside, final)
             log.info("restored %s, which an interrupted save had moved aside", final)
     for stale in itertools.chain(root.glob(".step-*.tmp"), root.glob(f".{LATEST}.*.tmp")):
-        shutil.rmtree(stale, ignore_errors=True) if stale.is_dir() else stale.unlink(missing_ok=True)
+        _remove(stale)
         log.debug("removed %s, left by an interrupted save", stale)
+
+
+def _complete_at_a_glance(path: Path) -> bool:
+    return (path / STATE_FILE).is_file() and (path / "rank-0.pt").is_file()
+
+
+def remove_old_states(root: Path, written: Path, keep: int) -> None:
+    """Keep the newest `keep` complete states up to `written` (itself included); remove the older ones.
+
+    Stray entries are never counted or removed, a damaged state (a file missing) is not counted, and states
+    newer than `written` (left from before the run went back to an earlier state) are left alone."""
+    step = step_of(written)
+    older = [path for path in step_directories(root) if path != written and step_of(path) < step]
+    complete = [path for path in older if _complete_at_a_glance(path)]
+    kept = complete[max(0, len(complete) - (keep - 1)) :] if keep > 1 else []
+    oldest_kept = step_of(kept[0]) if kept else step
+    for path in older:
+        if step_of(path) < oldest_kept:
+            _remove(path)
+            log.debug("removed %s (keep=%d)", path, keep)
+
+
+def _raise_write_failure(error: BaseException, path: Path) -> None:
+    """Raise a write's failure in one line when it is the storage's (a full disk), else the error itself."""
+    failure = os_error_in(error)
+    if failure is None or isinstance(error, CheckpointWriteError):
+        raise error
+    raise write_error(failure, path, "the previous state is intact") from error
+
+
+def _together(agree: Callable[[Any], list[Any]], action: Callable[[], None]) -> None:
+    """Run this process's part of a step of the save; then every process learns whether every part succeeded,
+    and all raise if one failed (none waits for a process that gave up)."""
+    failed: BaseException | None = None
+    try:
+        action()
+    except Exception as error:  # noqa: BLE001 - every failure is told to the other processes, then raised
+        failed = error
+    said = agree(None if failed is None else str(failed) or type(failed).__name__)
+    if failed is not None:
+        raise failed
+    intact = "; the previous state is intact"
+    for rank, message in enumerate(said):
+        if message:
+            raise CheckpointWriteError(
+                f"process {rank} could not write its part of the state: {message.removesuffix(intact)}{intact}"
+            )
 
 
 def write_state_directory(
@@ -430,64 +547,136 @@ def write_state_directory(
     keep: int | None,
     barrier: Callable[[], None],
     shards: dict[str, Any] | None = None,
+    gather: Callable[[Any], list[Any]] | None = None,
 ) -> Path:
     """Write one state directory; every process calls this (rank 0 passes `shared`). With `shards` (a sharded
     strategy's state, on every process) each process writes its shards into the folder SHARDS through
-    torch.distributed.checkpoint, and rank 0 records every shard file's SHA-256 in `shared`."""
+    torch.distributed.checkpoint, and rank 0 records every shard file's SHA-256 in `shared`.
+
+    All or nothing: a save that fails in any process (a full disk, a write error) raises in every process
+    (given `gather`, an all_gather_object; with `barrier` alone only in the process that failed), removes
+    what it wrote and leaves the previous states and `latest` as they were."""
     root = Path(root)
     name = step_directory_name(step)
     final, temporary = root / name, root / f".{name}.tmp"
     if root.exists() and not root.is_dir():  # every process checks, so none waits for a rank 0 that failed here
         raise NotADirectoryError(f"directory: {root} is a file; give a folder for the training state")
-    if rank == 0:
-        root.mkdir(parents=True, exist_ok=True)
-        remove_stale_state_temporaries(root)
-        temporary.mkdir()
-    barrier()
-    if shards is not None:
-        write_shards(shards, temporary / SHARDS)
-        barrier()
+    agree = gather if gather is not None else (lambda message: (barrier(), [message])[1])
+    done = {"replaced": None, "placed": False, "pointed": False}
+
+    def begin() -> None:
         if rank == 0:
+            root.mkdir(parents=True, exist_ok=True)
+            remove_stale_state_temporaries(root)
+            temporary.mkdir()
+
+    def write_files() -> None:
+        if rank == 0 and shards is not None:
             shared["shards"], shared["shard_digests"] = SHARDS, shard_digests(temporary / SHARDS)
-    with open(temporary / f"rank-{rank}.pt", "wb") as handle:
-        write_checked(mine, handle)
-    if rank == 0:
-        with open(temporary / STATE_FILE, "wb") as handle:
-            write_checked(shared, handle)
-    barrier()
-    if rank == 0:
+        files = [(f"rank-{rank}.pt", mine)] + ([(STATE_FILE, shared)] if rank == 0 else [])
+        for file_name, content in files:
+            try:
+                with open(temporary / file_name, "wb") as handle:
+                    write_checked(content, handle)
+            except BaseException as error:
+                _raise_write_failure(error, final / file_name)
+
+    def place() -> None:
+        if rank != 0:
+            return
         if (temporary / SHARDS).is_dir():
             fsync_directory(temporary / SHARDS)
         fsync_directory(temporary)
-        replaced = None
-        if final.exists():  # the same step saved again: move the old one aside, then drop it
-            replaced = _aside(root, name)
-            os.rename(final, replaced)
+        if final.exists() or final.is_symlink():  # the same step saved again: move the old one aside, then drop it
+            done["replaced"] = _aside(root, name)
+            os.rename(final, done["replaced"])
         os.rename(temporary, final)
+        done["placed"] = True
         fsync_directory(root)
-        atomic_write(root / LATEST, lambda handle: handle.write(_pointer_text(name).encode()))
-        if replaced is not None:
-            shutil.rmtree(replaced, ignore_errors=True)
+        try:
+            atomic_write(root / LATEST, lambda handle: handle.write(_pointer_text(name).encode()))
+        except BaseException as error:
+            _raise_write_failure(error, root / LATEST)
+        done["pointed"] = True
+        if done["replaced"] is not None:
+            _remove(done["replaced"])
         if keep is not None:
-            for old in step_directories(root)[:-keep]:
-                if old != final:
-                    shutil.rmtree(old, ignore_errors=True)
-    barrier()
+            remove_old_states(root, final, keep)
+
+    try:
+        _together(agree, begin)
+        if shards is not None:
+            try:  # DCP's save is a collective that raises in every process when one fails
+                write_shards(shards, temporary / SHARDS)
+            except BaseException as error:
+                _raise_write_failure(error, final / SHARDS)
+        _together(agree, write_files)
+        _together(agree, place)
+    except BaseException:
+        if rank == 0 and not done["pointed"]:
+            _undo_save(temporary, final, done["replaced"], placed=done["placed"])
+        raise
     return final
+
+
+def _undo_save(temporary: Path, final: Path, replaced: Path | None, *, placed: bool) -> None:
+    """After a failed save: its files removed, the state it was replacing back in place (latest never moved)."""
+    try:
+        if placed:
+            _remove(final)
+        if replaced is not None and replaced.exists() and not final.exists():
+            os.rename(replaced, final)
+        _remove(temporary)
+    except OSError as error:  # the failure being raised matters more; the next save removes what is left
+        log.warning("could not remove what the failed save left in %s: %s", temporary.parent, error)
+
+
+def check_state_files(folder: Path, shared: dict[str, Any]) -> None:
+    """Raise CheckpointCorruptError unless `folder` holds exactly the files its state.pt says it was saved with:
+    state.pt, one rank-R.pt per process, and the shards folder of a sharded state."""
+    world = shared.get("world_size")
+    if not isinstance(world, int) or isinstance(world, bool) or world < 1:
+        raise CheckpointCorruptError(f"{folder / STATE_FILE}: its world size ({world!r}) is not a process count")
+    expected = {STATE_FILE: "file", **{f"rank-{r}.pt": "file" for r in range(world)}}
+    if shared.get("shards"):
+        expected[shared["shards"]] = "folder"
+    present = {path.name: path for path in folder.iterdir() if not ignored_name(path.name)}
+    missing = [name for name in expected if name not in present]
+    if missing:
+        listing = f"{STATE_FILE}, rank-0.pt" + (f" … rank-{world - 1}.pt" if world > 1 else "")
+        raise CheckpointCorruptError(
+            f"{folder}: this state is incomplete: {', '.join(missing)} "
+            f"{'is' if len(missing) == 1 else 'are'} missing (saved by {world} process(es), it holds {listing}"
+            + (f" and {shared['shards']}/" if shared.get("shards") else "")
+            + "); restore it from a backup, or load an earlier state by passing its step directory"
+        )
+    extra = sorted(set(present) - set(expected))
+    if extra:
+        raise CheckpointCorruptError(
+            f"{folder}: holds {', '.join(extra)}, which this state's save did not write; the folder was changed since "
+            "(files mixed in from another state?): remove what you put there, or load an earlier state"
+        )
+    for name, kind in expected.items():
+        if (kind == "file") != present[name].is_file() or (kind == "folder") != present[name].is_dir():
+            raise CheckpointCorruptError(f"{present[name]}: expected a {kind}; this state is damaged")
 
 
 def read_state_directory(
     directory: str | os.PathLike, rank: int, *, map_location: Any = "cpu"
 ) -> tuple[Path, dict[str, Any], dict[str, Any]]:
-    """(step directory, shared state, this rank's state); a rank the saved run did not have reads rank 0's."""
+    """(step directory, shared state, this rank's state); a rank the saved run did not have reads rank 0's.
+
+    A state missing a file, or holding one its save did not write, is a CheckpointCorruptError naming it
+    (never a FileNotFoundError, which means that no state was saved)."""
     chosen = find_state(directory)
-    shared = read_checked(chosen / STATE_FILE, map_location=map_location)
-    if not isinstance(shared, dict) or shared.get("format") != STATE_FORMAT:
+    if not (chosen / STATE_FILE).is_file():
         raise CheckpointCorruptError(
-            f"{chosen / STATE_FILE}: not a dpkit training state "
-            f"(format {shared.get('format') if isinstance(shared, dict) else type(shared).__name__!r}, "
-            f"expected {STATE_FORMAT!r})"
+            f"{chosen / STATE_FILE}: missing, so {chosen} is not a complete state; restore it from a backup, or load "
+            "an earlier state by passing its step directory"
         )
+    shared = read_checked(chosen / STATE_FILE, map_location=map_location)
+    check_state_format(shared, chosen / STATE_FILE)
+    check_state_files(chosen, shared)
     own = chosen / f"rank-{rank}.pt"
     if not own.is_file():
         own = chosen / "rank-0.pt"
@@ -503,6 +692,22 @@ def read_state_directory(
     return chosen, shared, mine
 
 
+def check_state_format(shared: Any, source: Any) -> None:
+    """Raise CheckpointCorruptError unless `shared` is a training state in the format this dpkit reads."""
+    found = shared.get("format") if isinstance(shared, dict) else None
+    if found == STATE_FORMAT:
+        return
+    if isinstance(found, str) and found.startswith(STATE_FORMAT.split("/")[0] + "/"):
+        raise CheckpointCorruptError(
+            f"{source}: a training state in format {found!r}, which this dpkit does not read (it reads and writes "
+            f"{STATE_FORMAT!r}); load it with the dpkit version that saved it"
+        )
+    raise CheckpointCorruptError(
+        f"{source}: not a dpkit training state "
+        f"(format {found if isinstance(shared, dict) else type(shared).__name__!r}, expected {STATE_FORMAT!r})"
+    )
+
+
 def check_keep(keep: Any) -> int | None:
     if keep is not None:
         check_int(keep, "keep", meaning="states to keep, or None for all")
@@ -514,7 +719,8 @@ def pack_extras(extra: dict[str, Any]) -> dict[str, dict[str, Any]]:
     packed = {}
     for key, value in extra.items():
         if callable(getattr(value, "state_dict", None)) and callable(getattr(value, "load_state_dict", None)):
-            packed[key] = {"kind": "state_dict", "value": value.state_dict()}
+            # with its class, so that a load refuses to give it to another kind of object
+            packed[key] = {"kind": "state_dict", "value": value.state_dict(), "class": kind_of(value)}
         else:
             packed[key] = {"kind": "value", "value": value}
         buffer = io.BytesIO()
@@ -528,3 +734,21 @@ def pack_extras(extra: dict[str, Any]) -> dict[str, dict[str, Any]]:
                 "weights_only=True); pass numbers, strings, lists, dicts and tensors, or an object with state_dict()"
             ) from error
     return packed
+
+
+def kind_of(obj: Any) -> str:
+    """An object's class as the state records it ('torch.optim.sgd.SGD')."""
+    return f"{type(obj).__module__}.{type(obj).__qualname__}"
+
+
+def short_kind(kind: str) -> str:
+    """The class name of a recorded kind ('SGD')."""
+    return kind.rsplit(".", 1)[-1]
+
+
+def same_kind(saved: Any, here: str) -> bool | None:
+    """Whether a recorded kind is `here`'s class, by class name (a class that moved to another module, or ran as
+    __main__ when saved, is the same); None when nothing usable was recorded."""
+    if not isinstance(saved, str) or not saved:
+        return None
+    return saved.rsplit(".", 1)[-1] == here.rsplit(".", 1)[-1]
