@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.metadata
 import logging
 import sys
+
+import torch
 
 from dpkit.cli.flags import Flags
 from dpkit.errors import DpkitError
@@ -30,24 +33,48 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="dpkit", description="Data-parallel training for PyTorch on GPUs and virtual CPU devices."
     )
-    parser.add_argument("-v", "--verbose", action="store_true", help="log at DEBUG level")
+    parser.add_argument("--version", action="version", version=f"dpkit {_version()} (torch {torch.__version__})")
+    add_log_level(parser, argparse_default=False)
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
-    subparsers.required = True
     for module_name in COMMANDS.values():
         module = importlib.import_module(module_name)
         sub = module.add_parser(subparsers)
+        add_log_level(sub, argparse_default=argparse.SUPPRESS)  # -v / -q after the verb too
         sub.set_defaults(_run=module.run, _flags=Flags.of(sub, getattr(module, "SPELLED", None)))
     return parser
+
+
+def _version() -> str:
+    try:
+        return importlib.metadata.version("dpkit")
+    except importlib.metadata.PackageNotFoundError:  # run from a checkout without installing it
+        return "(not installed)"
+
+
+def add_log_level(parser: argparse.ArgumentParser, *, argparse_default: object) -> None:
+    """-v / -q, before or after the verb and its action (`ckpt inspect`): the copies leave the overview's value
+    unless given."""
+    level = parser.add_mutually_exclusive_group()
+    level.add_argument("-v", "--verbose", action="store_true", default=argparse_default, help="log at DEBUG level")
+    level.add_argument("-q", "--quiet", action="store_true", default=argparse_default, help="log warnings only")
+    for action in parser._subparsers._group_actions if parser._subparsers else ():
+        for nested in getattr(action, "choices", {}).values():
+            if isinstance(nested, argparse.ArgumentParser):
+                add_log_level(nested, argparse_default=argparse.SUPPRESS)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.command is None:  # plain `dpkit`: the overview
+        parser.print_help()
+        return 0
     args.argv = list(
         sys.argv[1:] if argv is None else argv
     )  # a command that relaunches itself reuses its own command line
     logging.basicConfig(
-        level=logging.DEBUG if args.verbose else logging.INFO, format="%(levelname)s %(name)s: %(message)s"
+        level=logging.DEBUG if args.verbose else logging.WARNING if args.quiet else logging.INFO,
+        format="%(levelname)s %(name)s: %(message)s",
     )
     try:
         return int(args._run(args) or 0)

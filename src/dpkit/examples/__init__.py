@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import importlib
+import os
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -56,11 +58,15 @@ def load_factory(spec: str) -> Callable[[], nn.Module]:
     if not isinstance(spec, str) or spec.count(":") != 1:
         raise ValueError(f"model factory: expected 'package.module:factory', got {spec!r}")
     module_name, attribute = spec.split(":")
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        # like `python -m`: a module in the folder the command runs in is found without PYTHONPATH=.
+        sys.path.insert(0, os.getcwd())
     try:
         module = importlib.import_module(module_name)
     except ImportError as error:
         raise ValueError(
-            f"model factory {spec!r}: cannot import {module_name!r} ({error}); is it on PYTHONPATH?"
+            f"model factory {spec!r}: cannot import {module_name!r} ({error}); run from the folder that holds it, "
+            "or add its folder to PYTHONPATH"
         ) from error
     factory = getattr(module, attribute, None)
     if not callable(factory):
