@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_state import train_steps
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -42,16 +43,6 @@ def make_engine(optimizer="adam", *, seed=0):
         DataLoader(TensorDataset(x, x.sum(1, keepdim=True).repeat(1, 2)), batch_size=4, shuffle=True)
     )
     return engine, model, built, loader
-
-
-def train_steps(engine, model, optimizer, loader, steps):
-    while engine.step < steps:
-        for x, y in loader:
-            optimizer.zero_grad()
-            engine.backward(nn.functional.mse_loss(model(x), y))
-            optimizer.step()
-            if engine.step == steps:
-                return
 
 
 def trained(optimizer="adam", steps=3):

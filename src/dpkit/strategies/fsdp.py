@@ -81,37 +81,32 @@ def shard_units(model: nn.Module, min_parameters: int = DEFAULT_UNIT_PARAMETERS)
     return units
 
 
-class _AnnouncedAllGather(DefaultAllGather):
-    """FSDP2's own all-gather, announced as the "all_gather" phase: what it allocates is gathered parameters,
-    and its time shows (inside forward and backward)."""
+class _Announced:
+    """Mixed into FSDP2's own collective: its buffer is allocated, and the collective runs, inside the phase
+    `phase`, so the observer books the buffer by that phase's category and times it (inside forward and
+    backward)."""
+
+    phase: str
 
     def __init__(self, device: torch.device):
         super().__init__()
         self.device = device
 
     def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        with hooks.phase("all_gather", self.device):
+        with hooks.phase(self.phase, self.device):
             return super().allocate(size, dtype=dtype, device=device)
 
-    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any, async_op: bool = False):
-        with hooks.phase("all_gather", self.device):
-            return super().__call__(output_tensor, input_tensor, group, async_op)
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        with hooks.phase(self.phase, self.device):
+            return super().__call__(*args, **kwargs)
 
 
-class _AnnouncedReduceScatter(DefaultReduceScatter):
-    """FSDP2's own reduce-scatter, announced as the "reduce_scatter" phase."""
+class _AnnouncedAllGather(_Announced, DefaultAllGather):
+    phase = "all_gather"  # what it allocates is gathered parameters
 
-    def __init__(self, device: torch.device):
-        super().__init__()
-        self.device = device
 
-    def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        with hooks.phase("reduce_scatter", self.device):
-            return super().allocate(size, dtype=dtype, device=device)
-
-    def __call__(self, output_tensor, input_tensor, group, op, async_op: bool = False):  # noqa: ANN001
-        with hooks.phase("reduce_scatter", self.device):
-            return super().__call__(output_tensor, input_tensor, group, op, async_op)
+class _AnnouncedReduceScatter(_Announced, DefaultReduceScatter):
+    phase = "reduce_scatter"
 
 
 class FSDP(PerDeviceStrategy):

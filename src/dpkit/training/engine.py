@@ -44,6 +44,7 @@ from dpkit.parallel import hooks
 from dpkit.parallel.nested import map_leaves
 from dpkit.precision import Precision
 from dpkit.strategies import PER_DEVICE, DeferredOutput, Strategy, create_strategy, matching, strategy_class
+from dpkit.strategies.named_state import numbered_optimizer_state
 from dpkit.strategies.replica_optimizers import ELEMENTWISE
 from dpkit.training.checkpoint import (
     CheckpointCorruptError,
@@ -58,7 +59,6 @@ from dpkit.training.checkpoint import (
 from dpkit.training.shards import (
     check_shard_shapes,
     load_into,
-    numbered_optimizer_state,
     read_whole,
     verify_shards,
 )

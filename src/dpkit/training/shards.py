@@ -26,7 +26,6 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 from torch.utils._pytree import tree_map_only
 
-from dpkit.strategies.named_state import numbered_optimizer_state  # noqa: F401  (re-exported for ckpt)
 from dpkit.training.checkpoint import CheckpointCorruptError, check_state_dict
 
 SHARDS = "shards"  # the folder of a state directory holding DCP's files
