@@ -17,7 +17,7 @@ PACKAGE = Path(dpkit.__file__).parent
 LAYERS = [
     ("cli", ["dpkit.cli"]),
     ("tools", ["dpkit.tools"]),
-    ("integrations", ["dpkit.integrations"]),
+    ("integrations", ["dpkit.integrations", "dpkit.lightning"]),
     ("training", ["dpkit.training"]),
     ("plan", ["dpkit.plan"]),
     ("strategies", ["dpkit.strategies"]),
