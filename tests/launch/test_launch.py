@@ -430,3 +430,64 @@ def test_the_exit_watch_notes_which_child_exited_first():
     assert set(times) == {child.pid for child in children}
     assert times[children[1].pid] < times[children[0].pid]
     assert watch._watched == {}
+
+
+# --- the script, checked before any worker starts; nproc_per_node="auto" -----------------------------------
+
+
+def test_a_missing_script_is_one_error_before_anything_starts(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError) as error:
+        launch("missing.py", nproc_per_node=2)
+    assert str(error.value) == (
+        "script: no such file 'missing.py'; expected a Python file to run (or, with module=True, a module name)"
+    )
+    (tmp_path / "folder").mkdir()
+    with pytest.raises(ValueError, match="script: 'folder' is a folder without __main__.py"):
+        launch("folder", nproc_per_node=2)
+
+
+@pytest.mark.parametrize(
+    "name,problem",
+    [
+        ("no_such_module_here", "no module named 'no_such_module_here'"),
+        ("dpkit.no_such_module", "no module named 'dpkit.no_such_module'"),
+        ("no_such_package.train", "no module named 'no_such_package'"),
+        ("dpkit", "'dpkit' is a package without a __main__ module"),
+        ("my-script.py", "'my-script.py' is not a module name (dotted identifiers, e.g. mypackage.train)"),
+    ],
+)
+def test_a_module_python_m_would_not_find_is_refused(name, problem):
+    with pytest.raises(ValueError) as error:
+        launch(name, nproc_per_node=2, module=True)
+    assert str(error.value).startswith(f"script: {problem}; with module=True the script is a module to run as")
+
+
+def test_a_module_in_the_current_folder_is_found_as_the_workers_will_find_it_without_running_it(tmp_path, monkeypatch):
+    from dpkit.launch.worker import check_script
+
+    package = tmp_path / "launch_check_package"
+    package.mkdir()
+    (package / "__init__.py").write_text("open('imported', 'w').close()\n")
+    (package / "train.py").write_text("")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [entry for entry in sys.path if entry not in ("", str(tmp_path))])
+    check_script("launch_check_package.train", module=True)  # the workers run with the current folder on sys.path
+    assert str(tmp_path) not in sys.path  # the launcher's own path is left as it was
+    assert "launch_check_package" not in sys.modules and not (tmp_path / "imported").exists()  # nothing ran here
+    with pytest.raises(ValueError, match="no module named 'launch_check_package.evaluate'"):
+        check_script("launch_check_package.evaluate", module=True)
+    check_script("dpkit.cli.main", module=True)  # what dpkit train's relaunch runs
+
+
+def test_nproc_per_node_auto_is_every_gpu_else_two():
+    import torch
+
+    from dpkit.launch.agent import processes_per_node
+
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    assert processes_per_node("auto") == (gpus or 2)
+    assert processes_per_node(3) == 3
+    for bad in ("two", "3", 0, True, 2.0):
+        with pytest.raises(ValueError, match="nproc_per_node: expected a positive int"):
+            processes_per_node(bad)

@@ -4,8 +4,11 @@ torchrun's elastic agent does the real work: static rendezvous at master_addr:ma
 hosts the store), RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR / MASTER_PORT for each worker, and
 monitoring: when a worker exits with an error, the agent stops the others on its node and reports the
 failure (or restarts the group, up to max_restarts). dpkit adds a free port when none is given, a clear
-error when a given port is taken, a fair share of CPU threads per process, and a readable failure
-summary, and three guards against faults torchrun leaves open:
+error when a given port is taken, a fair share of CPU threads per process, a script checked before any worker
+starts, nproc_per_node="auto" (every GPU, else 2), each worker's output named by its rank on the console and
+kept in files on request (logs.py, on torchrun's DefaultLogsSpecs), the nodes and rendezvous from SLURM's
+variables inside an srun step (slurm.py), and a readable failure summary, and guards against faults torchrun
+leaves open:
 
 - workers die with their launcher: each worker asks the kernel for SIGKILL when the launcher process
   dies (prctl PR_SET_PDEATHSIG on Linux), so `kill -9` of the launcher leaves no worker behind (torchrun

@@ -19,15 +19,18 @@ import os
 import signal
 import sys
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 from dpkit.checks import check_int, check_number
-from dpkit.devices import check_process_count, cpu_threads_per_device
+from dpkit.devices import check_process_count, cpu_threads_per_device, resolve_devices
 from dpkit.launch.environment import HANG_TIMEOUT_VARIABLE, LAUNCHER_PID_VARIABLE
 from dpkit.launch.failures import ExitWatch, LaunchError, StoppedBySignal, deterministic_failure, failure_summary
 from dpkit.launch.hang_watch import HangWatch
+from dpkit.launch.logs import WorkerOutput
 from dpkit.launch.network import free_port, is_loopback, loopback_interface, port_in_use
+from dpkit.launch.slurm import from_slurm, slurm_gpus_on_node
+from dpkit.launch.worker import check_script
 
 log = logging.getLogger("dpkit")
 
@@ -64,13 +67,29 @@ def _launcher_state(
             signal.signal(getattr(signal, name), handler)
 
 
+# torchrun's run id (TORCHELASTIC_RUN_ID): the agents' keys in the rendezvous store, and the log folder's name
+RUN_ID = "dpkit"
+
+
+def processes_per_node(nproc_per_node: int | str) -> int:
+    """nproc_per_node as a count: 'auto' is every visible GPU, else 2 (CPU processes), as `devices="auto"` is."""
+    if nproc_per_node == "auto":
+        return len(resolve_devices("auto", "auto"))
+    if isinstance(nproc_per_node, (str, bool)) or not isinstance(nproc_per_node, int):
+        raise ValueError(
+            f"nproc_per_node: expected a positive int or 'auto' (every GPU, else 2), got {nproc_per_node!r}"
+        )
+    check_int(nproc_per_node, "nproc_per_node")
+    return nproc_per_node
+
+
 def launch(
     script: str,
     script_args: Sequence[str] = (),
     *,
-    nproc_per_node: int = 1,
-    nnodes: int = 1,
-    node_rank: int = 0,
+    nproc_per_node: int | str = 1,
+    nnodes: int | None = None,
+    node_rank: int | None = None,
     master_addr: str | None = None,
     master_port: int | None = None,
     max_restarts: int = 0,
@@ -79,6 +98,10 @@ def launch(
     hang_timeout_seconds: float | None = None,
     force: bool = False,
     worker_environment: dict[str, str] | None = None,
+    log_dir: str | os.PathLike | None = None,
+    rank_prefix: bool | None = None,
+    show_ranks: Iterable[int] | None = None,
+    slurm: bool = False,
 ) -> None:
     """Run `python script args…` (or `python -m script args…` with module=True) once per process.
 
@@ -88,14 +111,44 @@ def launch(
     max_restarts the group is restarted after a failure, except one a restart would only repeat: a worker
     exiting with 2 (bad input) or 3 (training diverged) ends the launch, and LaunchError.exit_code is that
     code (else 2). More than PROCESSES_PER_CORE processes per core are refused unless force=True.
-    `worker_environment`: variables set for the workers only.
+
+    nproc_per_node: a count, or 'auto' (every visible GPU, else 2). nnodes and node_rank default to 1 and 0;
+    with slurm=True, inside a SLURM job they come from SLURM, and on several nodes master_addr and master_port
+    too (`dpkit.launch.slurm.from_slurm`; given values win, and one contradicting an srun step is refused).
+    `worker_environment`: variables set for the workers only. Output: `rank_prefix` puts `[rankN]: ` before
+    each line of a worker's output on the console (None: when there is more than one process in all),
+    `log_dir` keeps each worker's stdout and stderr in files there, `show_ranks` shows only these global ranks'
+    output on the console (dpkit.launch.logs). Every argument and the script are checked before a worker starts.
     """
-    check_int(nproc_per_node, "nproc_per_node")
+    requested = nproc_per_node
+    nproc_per_node = processes_per_node(nproc_per_node)
     check_process_count(nproc_per_node, argument="nproc_per_node", force=force)
     if hang_timeout_seconds is not None:
         check_number(hang_timeout_seconds, "hang_timeout_seconds", positive=True)
-    check_int(nnodes, "nnodes")
+    if nnodes is not None:
+        check_int(nnodes, "nnodes")
     check_int(max_restarts, "max_restarts", minimum=0)
+    if slurm:
+        found = from_slurm(nnodes=nnodes, node_rank=node_rank, master_addr=master_addr, master_port=master_port)
+        if found is not None:
+            nnodes, node_rank, master_addr, master_port = (
+                found.nnodes,
+                found.node_rank,
+                found.master_addr,
+                found.master_port,
+            )
+            if found.taken:
+                log.info("launch: from SLURM job %s: %s", found.job_id, "; ".join(found.taken))
+            gpus = slurm_gpus_on_node()
+            if requested == "auto" and gpus and not _cuda_visible():
+                log.warning(
+                    "launch: SLURM gave this node %d GPU(s) (SLURM_GPUS_ON_NODE) but torch sees none "
+                    "(torch.cuda.is_available() is False): nproc_per_node='auto' starts %d CPU processes",
+                    gpus,
+                    nproc_per_node,
+                )
+    nnodes = 1 if nnodes is None else nnodes
+    node_rank = 0 if node_rank is None else node_rank
     if isinstance(node_rank, bool) or not isinstance(node_rank, int) or not 0 <= node_rank < nnodes:
         raise ValueError(f"node_rank: expected 0 … {nnodes - 1} for nnodes={nnodes}, got {node_rank!r}")
     if nnodes > 1 and (master_addr is None or master_port is None):
@@ -103,6 +156,9 @@ def launch(
             "master_addr/master_port: required when nnodes > 1, so every node meets node 0 at the same address, "
             "e.g. master_addr=10.0.0.1 master_port=29500"
         )
+    output = WorkerOutput(
+        world_size=nnodes * nproc_per_node, log_dir=log_dir, rank_prefix=rank_prefix, show_ranks=show_ranks
+    )
     master_addr = master_addr or "127.0.0.1"
     if master_port is None:
         master_port = free_port(master_addr)
@@ -115,6 +171,7 @@ def launch(
                 f"master_port: port {master_port} on {master_addr} is already in use; pick another port, "
                 "or leave the port out on a single node and dpkit picks a free one"
             )
+    check_script(script, module)
 
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -129,14 +186,19 @@ def launch(
         f"--master-port={master_port}",
         f"--max-restarts={max_restarts}",
         "--rdzv-backend=static",
+        f"--rdzv-id={RUN_ID}",
         f"--monitor-interval={monitor_interval_seconds}",
+        f"--log-dir={os.devnull}",  # the workers' output is `output`'s; this keeps torchrun from making a folder
     ]
     if module:
         argv.append("--module")
     argv += [script, *script_args]
     log.info(
-        "launch: %d process(es) on node %d of %d, rendezvous at %s:%d",
+        "launch: %d process(es)%s on node %d of %d, rendezvous at %s:%d",
         nproc_per_node,
+        " (auto: " + (f"{nproc_per_node} GPU(s))" if _cuda_visible() else "no GPU visible)")
+        if requested == "auto"
+        else "",
         node_rank,
         nnodes,
         master_addr,
@@ -146,8 +208,13 @@ def launch(
     if hang_timeout_seconds is not None:
         worker_env[HANG_TIMEOUT_VARIABLE] = repr(float(hang_timeout_seconds))
     watch = None
-    with _launcher_state(cpu_threads_per_device(nproc_per_node), master_addr, worker_env), _quiet_torch_elastic():
+    with (
+        _launcher_state(cpu_threads_per_device(nproc_per_node), master_addr, worker_env),
+        _quiet_torch_elastic(),
+        output,
+    ):
         config, _, _ = config_from_args(parse_args(argv))
+        config.logs_specs = output.logs_specs()
         # every worker starts in run_worker (parent-death signal first), which then runs the script
         entry_args = [
             "-u",
@@ -173,7 +240,13 @@ def launch(
             hung = watch.hung if watch else None
             code = None if hung else deterministic_failure(failures, exits.exit_times)
             raise LaunchError(
-                failure_summary(error, hung, exits.exit_times, not_retried=bool(not_retried)),
+                failure_summary(
+                    error,
+                    hung,
+                    exits.exit_times,
+                    not_retried=bool(not_retried),
+                    output_note=output.where([*failures, *(hung or {})]),
+                ),
                 exit_codes,
                 exit_code=code or 2,
             ) from None
@@ -187,6 +260,12 @@ def launch(
             exits.stop()
             if watch is not None:
                 watch.stop()
+
+
+def _cuda_visible() -> bool:
+    import torch
+
+    return torch.cuda.is_available() and torch.cuda.device_count() > 0
 
 
 _agent_state = threading.local()  # the launch in this thread: its `not_retried` list (the agent runs in it)

@@ -96,11 +96,13 @@ def failure_summary(
     hung: dict[int, str] | None = None,
     exit_times: dict[int, float] | None = None,
     not_retried: bool = False,
+    output_note: str = "each worker's own output is above",
 ) -> str:
     """The failed workers first, the first to fail first (a rank the hang watch stopped, named with why),
     then the ones the agent stopped (SIGTERM) because of them. `exit_times`: pid -> monotonic exit time.
     `not_retried`: the agent did not restart the group although restarts were left, as the failure would only
-    repeat (exit 2 or 3): the summary says what the code means and that it was not retried."""
+    repeat (exit 2 or 3): the summary says what the code means and that it was not retried. `output_note`: where
+    the failed workers' own output is, at the end in brackets."""
     failures = getattr(error, "failures", {}) or {}
     hung = hung or {}
     failed, stopped = [hung[rank] for rank in sorted(hung)], []
@@ -133,7 +135,7 @@ def failure_summary(
     summary = "; ".join(failed) if failed else "workers were stopped"
     if stopped:
         summary += f"; the launcher then stopped worker rank(s) {', '.join(sorted(stopped, key=int))}"
-    return summary + " (each worker's own output is above)"
+    return summary + f" ({output_note})"
 
 
 class ExitWatch:

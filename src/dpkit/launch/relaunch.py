@@ -25,7 +25,12 @@ class Command:
 
 def relaunch(command: Command, processes: int, **launch_options: Any) -> None:
     """Run `command` once per process through `launch` (launch_options: max_restarts=, hang_timeout_seconds=,
-    force=, …); returns when every worker exited with 0, raises as `launch` does."""
+    force=, log_dir=, …); returns when every worker exited with 0, raises as `launch` does.
+
+    The workers write to the console themselves, without rank prefixes (unless launch_options ask for them):
+    only rank 0 of a relaunched command speaks, and its lines (the progress bar, `dpkit train: error: …`) read
+    as the command's own."""
+    launch_options.setdefault("rank_prefix", False)
     launch(
         command.module,
         list(command.argv),

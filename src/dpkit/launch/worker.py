@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import importlib.util
 import logging
 import os
 import runpy
@@ -49,6 +50,93 @@ def run_worker(argv: Sequence[str] | None = None) -> None:
         sys.argv = [target, *args]
         sys.path.insert(0, os.path.dirname(os.path.abspath(target)))
         runpy.run_path(target, run_name="__main__")
+
+
+def check_script(script: str, module: bool = False) -> None:
+    """Refuse, before any worker starts, a script `run_worker` would not find: a missing file (a folder or zip
+    without __main__.py), or with module=True a module that `python -m` in this folder would not find."""
+    if not isinstance(script, str):
+        raise TypeError(f"script: expected a file name or module name as a str, got {type(script).__name__}")
+    if module:
+        problem = _module_problem(script)
+        if problem:
+            raise ValueError(
+                f"script: {problem}; with module=True the script is a module to run as `python -m`, importable "
+                "from here (installed, or a package in the current folder)"
+            )
+        return
+    if os.path.isfile(script):
+        return
+    if os.path.isdir(script):
+        if os.path.isfile(os.path.join(script, "__main__.py")):
+            return
+        raise ValueError(f"script: {script!r} is a folder without __main__.py; expected a Python file to run")
+    raise ValueError(
+        f"script: no such file {script!r}; expected a Python file to run (or, with module=True, a module name)"
+    )
+
+
+def _module_problem(name: str) -> str | None:
+    """Why `python -m name` would not find the module (None: it would, or this process cannot tell).
+
+    A worker runs with the current folder first on sys.path. The module is looked for as the import system
+    looks, finder by finder, package by package, without running any package's code here (nor reading this
+    process's imported modules: the worker starts afresh). A package whose __init__ extends its own __path__
+    is rare; for a submodule not found that way, python -m's own search (which imports the parents) decides.
+    A package that fails to import here is left to the workers, which say why."""
+    parts = name.split(".")
+    if not name or any(not part.isidentifier() for part in parts):
+        return f"{name!r} is not a module name (dotted identifiers, e.g. mypackage.train)"
+    here = os.getcwd()
+    added = "" not in sys.path and here not in sys.path
+    if added:
+        sys.path.insert(0, here)
+    try:
+        spec, locations = None, None
+        for depth in range(1, len(parts) + 1):
+            fullname = ".".join(parts[:depth])
+            spec = _find_spec(fullname, locations)
+            if spec is None:
+                return f"no module named {fullname!r}" if depth == 1 else _imported_search(name)
+            locations = spec.submodule_search_locations
+            if locations is None and depth < len(parts):
+                return f"no module named {name!r} ({fullname!r} is not a package)"
+        if locations is not None and _find_spec(name + ".__main__", locations) is None:
+            return _imported_search(name)
+        return None
+    finally:
+        if added:
+            sys.path.remove(here)
+
+
+def _find_spec(fullname: str, locations: object) -> object:
+    """The spec the import system's finders give `fullname` within its parent's search locations (None for a
+    top-level name), without importing anything."""
+    path = None if locations is None else list(locations)
+    for finder in sys.meta_path:
+        find = getattr(finder, "find_spec", None)
+        spec = find(fullname, path) if find is not None else None
+        if spec is not None:
+            return spec
+    return None
+
+
+def _imported_search(name: str) -> str | None:
+    """python -m's own search for `name` (its parent packages imported), for what the finders alone missed."""
+    try:
+        spec = importlib.util.find_spec(name)
+        if spec is None:
+            return f"no module named {name!r}"
+        if spec.submodule_search_locations is not None and importlib.util.find_spec(name + ".__main__") is None:
+            return f"{name!r} is a package without a __main__ module"
+        return None
+    except ModuleNotFoundError as error:
+        missing = error.name or ""
+        if missing and (name == missing or name.startswith(missing + ".")):
+            return f"no module named {missing!r}"
+        return None
+    except Exception:  # the package's own import failed here: not a missing module
+        return None
 
 
 def exit_worker(code: int) -> None:
