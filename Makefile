@@ -1,8 +1,10 @@
-# `make demo` and `make test` do all set-up themselves on a fresh machine.
+# `make demo` and `make test` do all set-up themselves on a fresh machine: demo installs what dpkit needs,
+# test adds the test extras (pytest, ruff, transformers, accelerate, lightning, tensorboard).
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.dpkit-installed
+TEST_STAMP := $(VENV)/.dpkit-test-installed
 
 .PHONY: demo test bench clean
 
@@ -10,13 +12,17 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m venv --system-site-packages $(VENV)
 	# torch only when none is importable: here that takes the CPU build on disk, never a CUDA download
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install torch==2.13.0
-	$(PY) -m pip install -e '.[test]'
+	$(PY) -m pip install -e .
 	touch $(STAMP)
+
+$(TEST_STAMP): $(STAMP)
+	$(PY) -m pip install -e '.[test]'
+	touch $(TEST_STAMP)
 
 demo: $(STAMP)
 	$(VENV)/bin/dpkit demo
 
-test: $(STAMP)
+test: $(TEST_STAMP)
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/ruff check .
 	$(PY) -m pytest

@@ -43,6 +43,15 @@ class Precision:
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         return self.scaler.scale(loss) if self.scaler is not None else loss
 
+    def unscale(self, optimizer: Any) -> float:
+        """Before clipping: divide the gradients `optimizer` steps by the loss scale (16-mixed; a no-op otherwise).
+        Returns the factor applied, for gradients the scaler does not see (other replicas' copies)."""
+        if self.scaler is None:
+            return 1.0
+        scale = float(self.scaler.get_scale())
+        self.scaler.unscale_(optimizer)
+        return 1.0 / scale
+
     def step(self, optimizer: Any) -> Any:
         """optimizer.step(), through the scaler when there is one (it unscales, and skips on inf/nan)."""
         if self.scaler is None:

@@ -59,9 +59,9 @@ def train(tmp_path, capsys, *argv, out=None):
 
 
 BAD = [
-    (["--lr", "nan"], "--lr: expected a finite number >= 0, got nan"),
-    (["--lr", "inf"], "--lr: expected a finite number >= 0, got inf"),
-    (["--lr", "-0.1"], "--lr: expected a finite number >= 0, got -0.1"),
+    (["--lr", "nan"], "--lr: expected a finite number > 0, got nan"),
+    (["--lr", "inf"], "--lr: expected a finite number > 0, got inf"),
+    (["--lr", "-0.1"], "--lr: expected a finite number > 0, got -0.1"),
     (["--momentum", "nan"], "--momentum: expected a finite number"),
     (["--seed", "-1"], "--seed: expected a seed from 0 to 4294967295 (2**32 - 1), got -1"),
     (["--seed", str(2**32)], "--seed: expected a seed from 0"),
@@ -83,7 +83,7 @@ BAD = [
     (["--strategy", "ddp", "--devices", "100"], "--devices: 100 processes on"),
     (
         ["--strategy", "single", "--devices", "2"],
-        "--devices: strategy 'single' runs on 1 device(s), got 2; pass --devices 1",
+        "--devices: strategy 'single' runs on 1 device(s), got 2; to train on 2 devices pass a strategy for several (dp, ",
     ),
     (["--hang-timeout", "nan"], "--hang-timeout: expected a finite number"),
     (["--resume", "--overwrite"], "--resume/--overwrite: give one"),
@@ -226,7 +226,7 @@ def test_a_loss_that_becomes_nan_stops_the_run_with_one_line_and_no_nan_on_disk(
     lines = capsys.readouterr().err.strip().splitlines()
     assert code == 3
     assert len(lines) == 1 and lines[0].startswith("dpkit train: error: --lr: the loss became nan at step "), lines
-    assert "with --lr 10000;" in lines[0] and lines[0].endswith("try a smaller lr")
+    assert "with --lr 10000;" in lines[0] and lines[0].endswith("try a smaller lr or --clip-grad-norm 1")
     assert not out.exists() or not any(out.iterdir())  # nothing written from a diverged model
 
 

@@ -13,7 +13,7 @@ def test_bench_runs_every_strategy_and_device_count(tmp_path, capsys):
             "bench",
             "--example",
             "digits",
-            "--devices",
+            "--device-counts",
             "1,2,3",
             "--batch-size-per-device",
             "16",
@@ -69,7 +69,23 @@ def test_lost_efficiency_is_split_among_the_phases_that_grew():
 def test_bad_arguments_get_one_line(capsys):
     assert main(["bench", "--strategies", "single,zero3"]) == 2
     assert "--strategies" in capsys.readouterr().err
-    assert main(["bench", "--devices", "1,x"]) == 2
-    assert "--devices" in capsys.readouterr().err
+    assert main(["bench", "--device-counts", "1,x"]) == 2
+    assert "--device-counts: expected device counts such as 1,2,4, got '1,x'" in capsys.readouterr().err
+    assert main(["bench", "--batch-size", "32", "--device-counts", "1,3"]) == 2
+    assert "--batch-size: 32 does not split evenly over 3 devices" in capsys.readouterr().err
+    assert main(["bench", "--batch-size", "32", "--batch-size-per-device", "8"]) == 2
+    assert "--batch-size-per-device: not allowed with argument --batch-size" in capsys.readouterr().err
     assert main(["bench", "--model", "widths:narrow"]) == 2
     assert "--input-shape" in capsys.readouterr().err
+
+
+def test_a_global_batch_stays_the_same_for_every_device_count(tmp_path):
+    out = tmp_path / "bench.json"
+    argv = ["bench", "--example", "digits", "--strategies", "single,dp", "--device-counts", "1,2"]
+    argv += ["--batch-size", "32", "--steps", "2", "--warmup", "1", "--observed-steps", "0", "--no-progress"]
+    assert main([*argv, "--json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert data["batch_size"] == 32 and data["batch_size_per_device"] is None
+    for r in data["results"]:
+        assert r["samples_per_second"] == 32 / r["step_seconds"]  # 32 rows a step, whatever the count
+    assert {(r["strategy"], r["devices"]) for r in data["results"]} == {("single", 1), ("dp", 1), ("dp", 2)}

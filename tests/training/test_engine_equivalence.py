@@ -33,9 +33,12 @@ def whole(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 
 
-def engine_run(strategy: str, devices: int, batch_size: int, accumulate: int = 1) -> dict[str, list[torch.Tensor]]:
+def engine_run(
+    strategy: str, devices: int, batch_size: int, accumulate: int = 1, clip: float | None = None
+) -> dict[str, list[torch.Tensor]]:
     """STEPS optimizer steps of a plain Engine loop; the first step's gradients and the final weights, as this
-    process's model (replica 0, or this rank's) holds them."""
+    process's model (replica 0, or this rank's) holds them, and with `clip` every step's norm before clipping
+    (engine.clip_gradients)."""
     engine = Engine(strategy=strategy, accelerator="cpu", devices=devices, accumulate=accumulate, progress=False)
     torch.manual_seed(3)
     model = nn.Sequential(nn.Linear(20, 32), nn.ReLU(), nn.Linear(32, 5))
@@ -44,19 +47,22 @@ def engine_run(strategy: str, devices: int, batch_size: int, accumulate: int = 1
     order = RandomSampler(range(300), generator=torch.Generator().manual_seed(5))
     loader = engine.setup_dataloader(DataLoader(data(), batch_size=batch_size, sampler=order))
     bare = engine.model_copies()[0][0]
-    first_gradients = None
+    first_gradients, norms, micro_batches = None, [], 0
     while engine.step < STEPS:
         for x, y in loader:
             optimizer.zero_grad()
             engine.backward(criterion(model(x), y))
+            micro_batches += 1
             if first_gradients is None and accumulate == 1:
                 first_gradients = [whole(p.grad.detach()).clone() for p in bare.parameters()]
+            if clip is not None and micro_batches % accumulate == 0:
+                norms.append(float(engine.clip_gradients(optimizer, clip)))
             optimizer.step()
             if engine.step == STEPS:
                 break
     weights = [whole(p.detach()).clone() for p in bare.parameters()]
     engine.close()
-    return {"gradients": first_gradients or [], "weights": weights}
+    return {"gradients": first_gradients or [], "weights": weights, "norms": torch.tensor(norms)}
 
 
 WORKER = textwrap.dedent("""
@@ -65,16 +71,18 @@ WORKER = textwrap.dedent("""
     sys.path.insert(0, {tests!r})
     from test_engine_equivalence import engine_run
 
-    result = engine_run({strategy!r}, {devices}, {batch_size}, {accumulate})
+    result = engine_run({strategy!r}, {devices}, {batch_size}, {accumulate}, {clip!r})
     import os
     torch.save(result, {out!r} + f"-{{os.environ['RANK']}}.pt")
 """)
 
 
-def run(strategy: str, devices: int, batch_size: int, tmp_path: Path, accumulate: int = 1) -> list[dict]:
+def run(
+    strategy: str, devices: int, batch_size: int, tmp_path: Path, accumulate: int = 1, clip: float | None = None
+) -> list[dict]:
     """The results of every process that ran the loop (one here, or one per device under the launcher)."""
     if strategy_class(strategy).traits.processes != PER_DEVICE:
-        return [engine_run(strategy, devices, batch_size, accumulate)]
+        return [engine_run(strategy, devices, batch_size, accumulate, clip)]
     from dpkit.launch import launch
 
     script, out = tmp_path / "worker.py", tmp_path / f"{strategy}-{devices}-{batch_size}"
@@ -85,6 +93,7 @@ def run(strategy: str, devices: int, batch_size: int, tmp_path: Path, accumulate
             devices=devices,
             batch_size=batch_size,
             accumulate=accumulate,
+            clip=clip,
             out=str(out),
         )
     )
@@ -102,10 +111,10 @@ def assert_close(mine: list[torch.Tensor], theirs: list[torch.Tensor], what: str
 def single_runs():
     runs: dict[tuple, dict] = {}
 
-    def get(batch_size: int, accumulate: int = 1) -> dict:
-        key = (batch_size, accumulate)
+    def get(batch_size: int, accumulate: int = 1, clip: float | None = None) -> dict:
+        key = (batch_size, accumulate, clip)
         if key not in runs:
-            runs[key] = engine_run(reference(), 1, batch_size, accumulate)
+            runs[key] = engine_run(reference(), 1, batch_size, accumulate, clip)
         return runs[key]
 
     return get
@@ -129,6 +138,16 @@ def test_accumulated_micro_batches_take_the_single_device_step(strategy, single_
     single = single_runs(33, accumulate=2)
     for result in run(strategy, 2, 33, tmp_path, accumulate=2):
         assert_close(result["weights"], single["weights"], f"{strategy} with accumulate=2")
+
+
+@pytest.mark.parametrize("strategy", MULTI_DEVICE)
+def test_clipped_gradients_take_the_single_device_step(strategy, single_runs, tmp_path):
+    single = single_runs(67, clip=0.25)
+    assert (single["norms"] > 0.25).all()  # the clip acts on every step
+    for rank, result in enumerate(run(strategy, 3, 67, tmp_path, clip=0.25)):
+        where = f"{strategy} clipped, on 3 devices, batch 67, process {rank}"
+        assert_close(list(result["norms"]), list(single["norms"]), f"{where}: norms before clipping")
+        assert_close(result["weights"], single["weights"], f"{where}: weights after {STEPS} steps")
 
 
 def test_the_runs_are_not_vacuous(single_runs):

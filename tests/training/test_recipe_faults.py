@@ -318,9 +318,10 @@ def test_without_run_json_the_settings_are_checked_against_the_state(tmp_path, c
         others[flag] = value
         argv = [arg for pair in others.items() for arg in pair]
         assert train(out, "--steps", "4", "--resume", *argv) == 2
+        advice = "to change it from step 2 on, pass --change lr (recorded in run.json), or " if flag == "--lr" else ""
         assert errors(capsys) == [
             f"dpkit train: error: {flag}: the run in {str(out)!r} was trained with {saved} (its state "
-            f"{str(state)!r} says so), got {value}; resume with the same value"
+            f"{str(state)!r} says so), got {value}; {advice}resume with the same value"
         ]
         assert snapshot(out) == before
     # the same settings resume, and run.json is written again with them

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from dpkit.cli.vocabulary import add_verb
 from dpkit.training.checkpoint import (
     CheckpointCorruptError,
     CheckpointMismatchError,
@@ -40,7 +41,21 @@ from dpkit.training.state import (
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    parser = subparsers.add_parser("ckpt", help="inspect a checkpoint or training state; convert a torch checkpoint")
+    parser = add_verb(
+        subparsers,
+        "ckpt",
+        "inspect a checkpoint or training state; convert a torch checkpoint",
+        "Look inside a checkpoint file (.pt, .pth, .safetensors) or a training-state folder without loading a model:\n"
+        "keys, shapes, dtypes and sizes, the step, strategy and data position of a state, every checksum verified\n"
+        "(a sharded state's shards too). Convert a checkpoint written through a wrapper (DataParallel, DDP,\n"
+        "torch.compile prefixes) into plain keys, or join a sharded state's model into one file.",
+        (
+            "dpkit ckpt inspect runs/train/model.pt",
+            "dpkit ckpt inspect runs/train/state",
+            "dpkit ckpt convert ddp_checkpoint.pth model.pt --safetensors",
+            "dpkit ckpt convert runs/train/state model.pt    # a training state's model, shards joined",
+        ),
+    )
     actions = parser.add_subparsers(dest="action", metavar="ACTION")
     actions.required = True
     inspect = actions.add_parser(

@@ -1,9 +1,5 @@
 """`dpkit doctor`: what this machine has and how fast its links really are, against the catalogue.
 
-    dpkit doctor                                   # gloo on 2 CPU processes here, NCCL on every GPU there
-    dpkit doctor --link pcie4 --json doctor.json   # compare device-to-device figures with PCIe 4.0 x16
-    dpkit doctor --max-bytes 256M --factor 2       # the message sizes of the collectives
-
 Prints the devices, then copy bandwidth and all-reduce / broadcast bus bandwidth (nccl-tests'
 definitions) beside the catalogue link's nominal and typical figures, with ratio = measured / nominal.
 """
@@ -16,6 +12,16 @@ import re
 import sys
 from typing import Any
 
+from dpkit.cli.vocabulary import (
+    add_accelerator,
+    add_catalogue,
+    add_link,
+    add_nproc_per_node,
+    add_outputs,
+    add_progress,
+    add_verb,
+    add_warmup,
+)
 from dpkit.tools.doctor import COLLECTIVES, DoctorOptions, run_doctor
 
 SIZE_UNITS = {
@@ -34,7 +40,7 @@ SIZE_UNITS = {
 
 
 # library arguments this command spells differently
-SPELLED = {"iterations": "--iters", "catalogue_file": "--catalogue"}
+SPELLED = {"iterations": "--iters", "catalogue_file": "--catalogue", "processes": "--nproc-per-node"}
 
 
 def parse_bytes(text: str) -> int:
@@ -45,14 +51,30 @@ def parse_bytes(text: str) -> int:
     return int(match.group(1)) * SIZE_UNITS[match.group(2).lower()]
 
 
+DESCRIPTION = """\
+What this machine has and how fast its links really are: the devices, host-device and device-to-device copy
+bandwidth, and the bus bandwidth of all-reduce, broadcast and the other collectives (nccl-tests' definitions)
+over gloo on CPU processes or NCCL on every GPU, beside the catalogue's nominal and typical figures for the
+link (ratio = measured / nominal). Run it once on a new machine, before trusting a plan."""
+
+EXAMPLES = (
+    "dpkit doctor",
+    "dpkit doctor --link pcie4 --json doctor.json    # compare with PCIe 4.0 x16",
+    "dpkit doctor --max-bytes 256M --factor 2        # the message sizes of the collectives",
+    "dpkit doctor --nproc-per-node 4 --collectives all_reduce",
+)
+
+
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    parser = subparsers.add_parser(
-        "doctor", help="devices, copy and collective bandwidth measured against the catalogue"
+    parser = add_verb(
+        subparsers,
+        "doctor",
+        "devices, copy and collective bandwidth measured against the catalogue",
+        DESCRIPTION,
+        EXAMPLES,
     )
-    parser.add_argument("--accelerator", default="auto", choices=["auto", "cpu", "cuda"])
-    parser.add_argument(
-        "--processes", type=int, help="ranks for the collectives (default: 2 on CPU, every GPU on CUDA)"
-    )
+    add_accelerator(parser)
+    add_nproc_per_node(parser, "auto", " (the ranks of the collectives)")
     parser.add_argument("--min-bytes", type=parse_bytes, help="smallest collective message (default: 4K)")
     parser.add_argument(
         "--max-bytes", type=parse_bytes, help="largest collective message (default: 1M on CPU, 64M on CUDA)"
@@ -63,24 +85,20 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     parser.add_argument(
         "--iters", type=int, help="timed calls per collective and size (default: 10 on CPU, 20 on CUDA)"
     )
-    parser.add_argument("--warmup", type=int, default=5, help="untimed calls first (default: 5, as nccl-tests)")
+    add_warmup(parser, 5, "untimed calls first (default: 5, as nccl-tests)")
     parser.add_argument(
         "--copy-bytes", type=parse_bytes, help="buffer for the copy measurements (default: 16M on CPU, 256M on CUDA)"
     )
     parser.add_argument(
         "--collectives", default=",".join(COLLECTIVES), help=f"comma-separated, from {', '.join(COLLECTIVES)}"
     )
-    parser.add_argument(
-        "--link",
-        help="catalogue link between the devices to compare with (e.g. nvlink4, pcie4); "
-        "default: guessed from the GPU model, none on CPU",
-    )
+    add_link(parser, "; default: the usual one of the GPU model, none on CPU")
     parser.add_argument(
         "--host-link", help="catalogue link between host and GPUs (default: the GPU model's PCIe generation)"
     )
-    parser.add_argument("--catalogue", help="a JSON or TOML file of extra or corrected hardware entries")
-    parser.add_argument("--json", help="write the full report as JSON here")
-    parser.add_argument("--no-progress", action="store_true", help="hide the progress bars")
+    add_catalogue(parser)
+    add_outputs(parser)
+    add_progress(parser)
     return parser
 
 
@@ -93,7 +111,7 @@ def options_from_args(args: argparse.Namespace) -> DoctorOptions:
         )
     return DoctorOptions(
         accelerator=args.accelerator,
-        processes=args.processes,
+        processes=None if args.nproc_per_node == "auto" else args.nproc_per_node,
         min_bytes=args.min_bytes,
         max_bytes=args.max_bytes,
         factor=args.factor,

@@ -11,6 +11,7 @@ import sys
 import torch
 
 from dpkit.cli.flags import Flags
+from dpkit.cli.vocabulary import VOCABULARY, Parser, UsageError
 from dpkit.errors import DpkitError
 from dpkit.launch import StoppedBySignal, launched
 from dpkit.launch.worker import exit_worker
@@ -26,13 +27,26 @@ COMMANDS = {
     "plan": "dpkit.cli.plan",
     "doctor": "dpkit.cli.doctor",
     "ckpt": "dpkit.cli.ckpt",
+    "catalogue": "dpkit.cli.catalogue",
 }
+
+OVERVIEW = """\
+Data-parallel training for PyTorch on GPUs and on virtual CPU devices (cpu:0, cpu:1, ...): six strategies
+behind one training loop (single, dp, dp-balanced, replicated, ddp, fsdp), measured per device and per phase,
+planned before you buy, and checkpoints that resume exactly. Every verb has --help with examples; a flag
+means the same in every verb that has it (docs/cli.md)."""
+
+FIRST_STEPS = """\
+first steps:
+  dpkit demo                                            # digits on 2 virtual CPU devices (or every GPU)
+  dpkit train --strategy ddp --devices 2 --out runs/a   # a real run: model.pt, metrics.csv, resumable state
+  dpkit profile --strategy dp --devices 2               # memory by category and time by phase, per device
+  dpkit plan --model gpt2-124m --gpu h100-sxm --batch-size-per-device 8
+  dpkit catalogue gpus                                  # the GPUs, links and networks plan knows"""
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="dpkit", description="Data-parallel training for PyTorch on GPUs and virtual CPU devices."
-    )
+    parser = Parser(prog="dpkit", description=OVERVIEW, epilog=FIRST_STEPS)
     parser.add_argument("--version", action="version", version=f"dpkit {_version()} (torch {torch.__version__})")
     add_log_level(parser, argparse_default=False)
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
@@ -55,8 +69,11 @@ def add_log_level(parser: argparse.ArgumentParser, *, argparse_default: object) 
     """-v / -q, before or after the verb and its action (`ckpt inspect`): the copies leave the overview's value
     unless given."""
     level = parser.add_mutually_exclusive_group()
-    level.add_argument("-v", "--verbose", action="store_true", default=argparse_default, help="log at DEBUG level")
-    level.add_argument("-q", "--quiet", action="store_true", default=argparse_default, help="log warnings only")
+    for flag, short in (("--verbose", "-v"), ("--quiet", "-q")):
+        action = level.add_argument(
+            short, flag, action="store_true", default=argparse_default, help=VOCABULARY[flag].split(" (")[0]
+        )
+        action.vocabulary = flag
     for action in parser._subparsers._group_actions if parser._subparsers else ():
         for nested in getattr(action, "choices", {}).values():
             if isinstance(nested, argparse.ArgumentParser):
@@ -65,7 +82,11 @@ def add_log_level(parser: argparse.ArgumentParser, *, argparse_default: object) 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except UsageError as error:
+        print(error.line(), file=sys.stderr)
+        return 2
     if args.command is None:  # plain `dpkit`: the overview
         parser.print_help()
         return 0

@@ -1,8 +1,5 @@
 """`dpkit profile`: per device peak memory by category, time by phase and the imbalance, under any strategy.
 
-    dpkit profile --example wide-output --strategy dp --accelerator cpu --devices 4 --json out.json
-    dpkit profile --strategy ddp --accelerator cpu --devices 2 --json out.json   # starts its own processes
-
 The profile is dpkit.tools.profile; this module turns the command line into its ProfileSpec.
 """
 
@@ -11,49 +8,74 @@ from __future__ import annotations
 import argparse
 
 from dpkit.cli.flags import from_args
+from dpkit.cli.vocabulary import (
+    add_accelerator,
+    add_batch_size,
+    add_devices,
+    add_lr,
+    add_model_source,
+    add_optimizer,
+    add_outputs,
+    add_precision,
+    add_progress,
+    add_seed,
+    add_steps,
+    add_strategy,
+    add_verb,
+    add_warmup,
+)
 from dpkit.launch import Command
-from dpkit.strategies import available_strategies
-from dpkit.tools.profile import DTYPES, ProfileSpec
+from dpkit.tools.profile import OPTIMIZERS, PRECISIONS, ProfileSpec
 from dpkit.tools.profile import run as run_profile
+
+DESCRIPTION = """\
+Run a few training steps under one strategy and show, for every device, the peak memory by category
+(parameters, gradients, optimizer state, activations, the outputs gathered on the first device, ...) and the
+time of each phase (scatter, replicate, forward, gather, loss, backward, reduce, optimizer, all-gather, ...),
+with the imbalance between devices: the first device's extra load under dp is measured, not described.
+Strategies with a process per device start their processes themselves; rank 0 reports for all."""
+
+EXAMPLES = (
+    "dpkit profile --strategy dp --devices 2",
+    "dpkit profile --example wide-output --strategy dp-balanced --devices 4 --json out.json --png memory.png",
+    "dpkit profile --strategy ddp --devices 2 --trace trace.json    # open in https://ui.perfetto.dev",
+    "dpkit profile --model mymodels:build --data mydata:load --strategy fsdp --batch-size-per-device 32",
+)
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    parser = subparsers.add_parser("profile", help="per-device memory by category, time by phase, imbalance")
-    source = parser.add_argument_group("model and data")
-    source.add_argument(
-        "--example", default="wide-output", help="built-in example for the model and data (default: wide-output)"
+    parser = add_verb(
+        subparsers,
+        "profile",
+        "per-device memory by category, time by phase, imbalance",
+        DESCRIPTION,
+        EXAMPLES,
     )
-    source.add_argument(
-        "--model", help="your model instead, as 'package.module:factory' (factory() returns an nn.Module)"
-    )
-    source.add_argument(
-        "--data", help="your data instead, as 'package.module:loader' (loader(seed) returns x_train, y_train, ...)"
-    )
-    parser.add_argument("--strategy", default="dp", help=f"{', '.join(available_strategies())} (default: dp)")
-    parser.add_argument("--accelerator", default="auto", choices=["auto", "cpu", "cuda"])
-    parser.add_argument(
-        "--devices", default="auto", help="device count or list; default: all GPUs, else 2 virtual CPU devices"
-    )
-    parser.add_argument("--steps", type=int, default=3, help="observed steps (default: 3)")
-    parser.add_argument(
-        "--warmup",
-        type=int,
-        default=3,
-        help="unobserved steps first: optimizer state is created, dp-balanced calibrates (default: 3)",
-    )
-    parser.add_argument("--batch-size", type=int, default=256)
-    parser.add_argument("--lr", type=float, default=1e-3)
-    parser.add_argument("--optimizer", default="adam", choices=["adam", "sgd"])
-    parser.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--json", help="write the report as JSON here")
-    parser.add_argument("--png", help="write a stacked bar chart of memory by category per device here")
+    add_model_source(parser, "wide-output")
+    add_strategy(parser, "dp")
+    add_accelerator(parser)
+    add_devices(parser)
+    add_precision(parser, PRECISIONS)
+    add_steps(parser, 3, "observed steps")
+    add_warmup(parser, 3, "unobserved steps first: optimizer state is created, dp-balanced calibrates")
+    add_batch_size(parser, "256")
+    add_lr(parser, 1e-3)
+    add_optimizer(parser, "adam", OPTIMIZERS)
+    add_seed(parser)
+    add_outputs(parser, png="a stacked bar chart of memory by category per device")
     parser.add_argument("--trace", help="write a Chrome trace (open in https://ui.perfetto.dev) here")
-    parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    add_progress(parser)
     return parser
 
 
 def run(args: argparse.Namespace) -> int:
     command = Command("dpkit.cli.main", tuple(args.argv))
-    run_profile(from_args(ProfileSpec, args, progress=not args.no_progress, relaunch=command))
+    spec = from_args(
+        ProfileSpec,
+        args,
+        batch_size=args.batch_size if args.batch_size is not None else ProfileSpec.batch_size,
+        progress=not args.no_progress,
+        relaunch=command,
+    )
+    run_profile(spec)
     return 0

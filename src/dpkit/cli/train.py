@@ -10,98 +10,131 @@ from __future__ import annotations
 import argparse
 import shlex
 
-from dpkit.checks import MAX_SEED
 from dpkit.cli.flags import from_args
-from dpkit.examples import EXAMPLES
+from dpkit.cli.vocabulary import (
+    add_accelerator,
+    add_batch_size,
+    add_devices,
+    add_lr,
+    add_model_source,
+    add_optimizer,
+    add_out,
+    add_precision,
+    add_progress,
+    add_restarts,
+    add_seed,
+    add_steps,
+    add_strategy,
+    add_verb,
+    positive_int,
+)
 from dpkit.launch import Command
-from dpkit.precision import PRECISIONS
-from dpkit.strategies import available_strategies
-from dpkit.training.recipe import TrainConfig
+from dpkit.training.optimization import SCHEDULES
+from dpkit.training.recipe import BEST_BY, CHANGEABLE, TrainConfig
 from dpkit.training.recipe import run as run_recipe
 
 # library arguments this command spells differently
 SPELLED = {"hang_timeout_seconds": "--hang-timeout"}
 
+DESCRIPTION = """\
+Train a built-in example, or your model factory and data loader, with any strategy, and write the run into
+--out: model.pt (clean keys, loads into the bare model), metrics.json, metrics.csv (a row per step and per
+evaluation; TensorBoard too with --tensorboard), run.json (the settings, kept current), and with
+--checkpoint-every the resumable state. The same seed gives the same model with every strategy. Strategies
+with a process per device (ddp, fsdp) start their processes themselves. A stopped run continues with
+--resume; a resumed run may change the learning rate, schedule or clipping when it says so (--change)."""
+
+EXAMPLES = (
+    "dpkit train --strategy ddp --devices 2 --out runs/a",
+    "dpkit train --optimizer adamw --lr 3e-3 --schedule cosine --lr-warmup-steps 10 --clip-grad-norm 1 "
+    "--eval-every 20 --keep-best accuracy --out runs/b",
+    "dpkit train --out runs/b --resume --steps 300 --lr 1e-3 --change lr,steps   # continue at a lower rate",
+    "dpkit train --model mymodels:build --data mydata:load --strategy dp --devices 2 --tensorboard --out runs/c",
+    "tensorboard --logdir runs/c/tensorboard",
+)
+
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    parser = subparsers.add_parser(
-        "train", help="train an example or your model with any strategy; write model.pt and metrics.json"
+    parser = add_verb(
+        subparsers,
+        "train",
+        "train an example or your model with any strategy; model, metrics, resumable state",
+        DESCRIPTION,
+        EXAMPLES,
     )
-    parser.add_argument(
-        "--example", default="digits", help=f"data (and model) to train: {', '.join(sorted(EXAMPLES))} (default digits)"
+    add_model_source(parser, "digits")
+    run = parser.add_argument_group("devices and strategy")
+    add_strategy(run, "single")
+    add_accelerator(run)
+    add_devices(run)
+    add_precision(run)
+    add_restarts(run, " (strategies with a process per device; resumes from the last saved state)")
+    steps = parser.add_argument_group("optimization")
+    add_steps(steps, 100, "optimizer steps in total, a resumed run's included")
+    add_batch_size(steps, "64")
+    steps.add_argument("--accumulate", type=positive_int, default=1, help="micro-batches per optimizer step")
+    add_optimizer(steps, "sgd")
+    add_lr(steps, 0.1)
+    steps.add_argument("--momentum", type=float, default=0.0, help="sgd's momentum")
+    steps.add_argument("--weight-decay", type=float, default=0.0, help="weight decay (decoupled with adamw)")
+    steps.add_argument(
+        "--schedule", default="constant", choices=SCHEDULES, help="learning-rate schedule (cosine: to 0 at --steps)"
     )
-    parser.add_argument(
-        "--model", default=None, help="your model instead of the example's, as 'package.module:factory'"
-    )
-    parser.add_argument(
-        "--data",
+    steps.add_argument("--lr-warmup-steps", type=int, default=0, help="linear warm-up to --lr over these first steps")
+    steps.add_argument("--clip-grad-norm", type=float, default=None, metavar="MAX", help="clip the gradients' norm")
+    add_seed(steps)
+    outputs = parser.add_argument_group("run folder, evaluation and metrics")
+    add_out(outputs, "runs/train", "the run's folder")
+    outputs.add_argument("--eval-every", type=positive_int, default=None, metavar="K", help="evaluate every K steps")
+    outputs.add_argument(
+        "--keep-best",
+        choices=list(BEST_BY),
         default=None,
-        help="your data instead of the example's, as 'package.module:loader'; "
-        "loader(seed) returns x_train, y_train, x_test, y_test (class labels as integers)",
+        help="keep OUT/best.pt, the best model by this evaluation metric (needs --eval-every)",
     )
-    parser.add_argument("--strategy", default="single", choices=available_strategies())
-    parser.add_argument("--accelerator", default="auto", choices=["auto", "cpu", "cuda"])
-    parser.add_argument(
-        "--devices",
-        default="auto",
-        help="device count or list (default: 1 for single; all GPUs, else 2 virtual CPU devices)",
+    outputs.add_argument(
+        "--log-every", type=positive_int, default=10, metavar="K", help="write metrics.csv rows every K steps"
     )
-    parser.add_argument(
-        "--steps", type=int, default=100, help="optimizer steps in total, a resumed run included (default 100)"
+    outputs.add_argument(
+        "--tensorboard", action="store_true", help="also write TensorBoard event files into OUT/tensorboard"
     )
-    parser.add_argument(
-        "--batch-size", type=int, default=64, help="global batch size, split across devices (default 64)"
-    )
-    parser.add_argument("--seed", type=int, default=0, help=f"0 … {MAX_SEED} (default 0)")
-    parser.add_argument("--lr", type=float, default=0.1, help="SGD learning rate (default 0.1)")
-    parser.add_argument("--momentum", type=float, default=0.0, help="SGD momentum (default 0)")
-    parser.add_argument("--precision", default="32", choices=list(PRECISIONS))
-    parser.add_argument("--accumulate", type=int, default=1, help="micro-batches per optimizer step (default 1)")
-    parser.add_argument("--out", default="runs/train", help="folder for model.pt and metrics.json (default runs/train)")
-    parser.add_argument(
+    outputs.add_argument(
         "--checkpoint-every",
-        type=int,
+        type=positive_int,
         default=None,
         metavar="K",
         help="save the resumable state in OUT/state every K steps, at the last step, and when stopped by "
         "SIGINT/SIGTERM/SIGHUP",
     )
-    parser.add_argument("--keep", type=int, default=2, help="saved states to keep (default 2)")
-    parser.add_argument(
+    outputs.add_argument("--keep", type=positive_int, default=2, help="saved states to keep")
+    outputs.add_argument(
         "--resume",
         action="store_true",
         help="continue the run saved in --out up to --steps in total (a run stopped at its end is completed, "
         "a finished one left as it is)",
     )
-    parser.add_argument("--overwrite", action="store_true", help="replace the run already in --out")
-    parser.add_argument(
-        "--max-restarts",
-        type=int,
-        default=0,
-        help="ddp: restart the processes this many times after a failure, "
-        "resuming from the last saved state (default 0)",
+    outputs.add_argument(
+        "--change",
+        default="",
+        metavar="SETTINGS",
+        help=f"with --resume: the settings it changes, comma-separated, from {', '.join(CHANGEABLE)} "
+        "(recorded in run.json)",
     )
-    parser.add_argument(
-        "--hang-timeout",
-        type=float,
-        default=None,
-        metavar="SECONDS",
-        help="ddp: stop and name a process that makes no progress for this long (default: off)",
-    )
-    parser.add_argument(
-        "--force", action="store_true", help="ddp: start more processes than a sane multiple of the cores"
-    )
-    parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    outputs.add_argument("--overwrite", action="store_true", help="replace the run already in --out")
+    add_progress(parser)
     return parser
 
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
     argv = list(args.argv)
     resume_argv = [a for a in argv if a != "--overwrite"] + ([] if "--resume" in argv else ["--resume"])
+    change = args.change.replace("-", "_")
     return from_args(
         TrainConfig,
         args,
         hang_timeout_seconds=args.hang_timeout,
+        change=change,
+        batch_size=args.batch_size if args.batch_size is not None else TrainConfig.batch_size,
         progress=not args.no_progress,
         relaunch=Command("dpkit.cli.main", tuple(argv)),
         resume_command="dpkit " + shlex.join(resume_argv),

@@ -133,6 +133,11 @@ class Strategy:
         return [(model, self.root_device)]
 
     # --- the data -----------------------------------------------------------------------------------
+    def gradient_holders(self, model: nn.Module) -> list[list[torch.Tensor]]:
+        """The parameters whose gradients the next optimizer step applies: one list (the first is the one whose
+        norm counts), or one per replica that steps itself; clipping scales every list alike."""
+        return [list(model.parameters())]
+
     def global_batches(self, loader: Any) -> Any:
         """The batch sampler whose batches of indices are the global batches (`loader` is a torch DataLoader
         over a map-style dataset with batches)."""

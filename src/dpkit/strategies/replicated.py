@@ -152,6 +152,10 @@ class Replicated(Strategy):
     def model_copies(self, model: nn.Module) -> list[tuple[nn.Module, torch.device]]:
         return list(zip(self.replicas, self.devices))
 
+    def gradient_holders(self, model: nn.Module) -> list[list[torch.Tensor]]:
+        # on GPUs every replica holds the summed gradient and steps itself; on virtual CPU devices replica 0 does
+        return [list(params) for params in self.params] if not self.shares_weights else [list(self.params[0])]
+
     def wrap_optimizer(self, optimizer: torch.optim.Optimizer) -> ReplicaOptimizers | SharedOptimizer:
         if self.shares_weights:
             return SharedOptimizer(optimizer, self.params, self.devices, self.threads)

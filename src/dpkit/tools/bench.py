@@ -18,6 +18,7 @@ import argparse
 import contextlib
 import json
 import logging
+import math
 import os
 import statistics
 import tempfile
@@ -40,7 +41,9 @@ from dpkit.observe.report import write_json
 from dpkit.observe.timing import PHASES
 from dpkit.parallel.balance import CALIBRATION_CALLS
 from dpkit.plan.profiles import measure_model
+from dpkit.precision import PRECISIONS
 from dpkit.strategies import PER_DEVICE, available_strategies, reference, strategy_class
+from dpkit.training.optimization import OPTIMIZERS, build_optimizer
 from dpkit.training.sources import criterion_for, model_source
 
 log = logging.getLogger("dpkit")
@@ -61,11 +64,13 @@ class BenchSpec:
     input_shape: tuple[int, ...] | None = None
     strategies: list[str] = field(default_factory=available_strategies)
     device_counts: list[int] = field(default_factory=lambda: [1, 2, 3])
-    batch_size_per_device: int = 64
+    batch_size_per_device: int | None = 64  # samples per device per step (weak scaling)
+    batch_size: int | None = None  # instead: one global batch for every device count (strong scaling)
     steps: int = 10
     warmup: int = 3
     observed_steps: int = 3
-    accelerator: str = "cpu"
+    accelerator: str = "auto"
+    precision: str = "32"
     optimizer: str = "adam"
     lr: float = 1e-3
     seed: int = 0
@@ -82,7 +87,6 @@ class BenchSpec:
         for name, low in (
             ("steps", 1),
             ("warmup", 0),
-            ("batch_size_per_device", 1),
             ("observed_steps", 0),
             ("threads_per_device", 0),
         ):
@@ -104,8 +108,33 @@ class BenchSpec:
                 CALIBRATION_CALLS["memory"],
                 CALIBRATION_CALLS["memory"],
             )
-        if self.optimizer not in ("adam", "sgd"):
-            raise ValueError(f"optimizer: expected adam or sgd, got {self.optimizer!r}")
+        if self.optimizer not in OPTIMIZERS:
+            raise ValueError(f"optimizer: expected one of {', '.join(OPTIMIZERS)}, got {self.optimizer!r}")
+        if str(self.precision) not in PRECISIONS:
+            raise ValueError(f"precision: expected one of {', '.join(PRECISIONS)}, got {self.precision!r}")
+        if (self.batch_size is None) == (self.batch_size_per_device is None):
+            raise ValueError(
+                "batch_size/batch_size_per_device: give one, a global batch or a per-device one, got "
+                f"{self.batch_size!r} and {self.batch_size_per_device!r}"
+            )
+        name = "batch_size" if self.batch_size is not None else "batch_size_per_device"
+        check_int(getattr(self, name), name)
+        uneven = [n for n in self.device_counts if self.batch_size is not None and self.batch_size % n]
+        if uneven:
+            raise ValueError(
+                f"batch_size: {self.batch_size} does not split evenly over {uneven[0]} devices; a global batch "
+                f"for comparing device counts must (e.g. {math.lcm(*self.device_counts) * 8}), or use "
+                "batch_size_per_device"
+            )
+
+    def batch_description(self) -> str:
+        if self.batch_size is None:
+            return f"batch {self.batch_size_per_device} per device"
+        return f"global batch {self.batch_size}"
+
+    def per_device(self, devices: int) -> int:
+        """Samples per device per step on `devices` devices."""
+        return self.batch_size_per_device if self.batch_size is None else self.batch_size // devices
 
 
 @dataclass
@@ -154,8 +183,9 @@ class BenchResult:
             "model": self.profile,
             "machine": self.machine,
             "batch_size_per_device": self.spec.batch_size_per_device,
+            "batch_size": self.spec.batch_size,
             "optimizer": self.spec.optimizer,
-            "precision": "32",
+            "precision": str(self.spec.precision),
             "results": [{**asdict(r), "summary": r.summary()} for r in self.results],
         }
 
@@ -200,7 +230,7 @@ class BenchResult:
             throughput,
             [(f"{r.strategy}\n{r.devices}", r.phase_seconds) for r in self.results],
             [p for p in SHOWN_PHASES if not p.endswith("_hidden")],  # hidden time is inside another phase
-            title=f"throughput, batch {self.spec.batch_size_per_device} per device",
+            title=f"throughput, {self.spec.batch_description()}",
             throughput_label="samples/s (median step)",
             phase_label="ms per observed step (slowest device per phase)",
             linear_from=self.baseline().samples_per_second,
@@ -218,7 +248,7 @@ def load_model_source(spec: BenchSpec) -> tuple[Callable[[], nn.Module], torch.T
         spec.model,
         spec.data,
         input_shape=spec.input_shape,
-        synthetic_rows=max(256, spec.batch_size_per_device * max(spec.device_counts)),
+        synthetic_rows=max(256, max(spec.per_device(n) * n for n in spec.device_counts)),
     )
     x, y = source.load_data(spec.seed)[:2]
     return source.build_model, x, y, source.name
@@ -258,22 +288,24 @@ class Contender:
         if self.threads and spec.accelerator == "cpu" and "threads_per_device" in strategy_class(strategy).options:
             options["threads_per_device"] = self.threads
         self.engine = Engine(
-            strategy=strategy, accelerator=spec.accelerator, devices=devices, progress=False, **options
+            strategy=strategy,
+            accelerator=spec.accelerator,
+            devices=devices,
+            precision=str(spec.precision),
+            progress=False,
+            **options,
         )
         torch.manual_seed(spec.seed)  # every contender starts from the same weights
         model = factory()
-        optimizer = (
-            torch.optim.Adam(model.parameters(), lr=spec.lr)
-            if spec.optimizer == "adam"
-            else torch.optim.SGD(model.parameters(), lr=spec.lr, momentum=0.9)
-        )
+        momentum = 0.9 if spec.optimizer == "sgd" else 0.0
+        optimizer = build_optimizer(spec.optimizer, model.parameters(), spec.lr, momentum, weight_decay=0.0)
         self.model, self.optimizer = self.engine.setup(model, optimizer)
         self.criterion = self.engine.setup_criterion(criterion_for(y))
         self.x, self.y = x, y
         self.rank, self.world_size = rank, world_size
         # the global batch of a step: per-device batch x all devices (ddp: this process's share of it)
-        self.global_rows = spec.batch_size_per_device * devices * world_size
-        self.share_rows = spec.batch_size_per_device * devices
+        self.global_rows = spec.per_device(devices * world_size) * devices * world_size
+        self.share_rows = spec.per_device(devices * world_size) * devices
         self.step_index = 0
         self.wrapped: tuple[str, ...] = LOOP_PHASES  # loop phases the bench times itself under an observer
         self.times: list[float] = []
@@ -378,8 +410,8 @@ def worker_main(spec_path: str, out_path: str) -> int:
     rank = int(os.environ["RANK"])
     contender = Contender(spec, spec.strategies[0], world_size, factory, x, y, rank=rank, world_size=1)
     # under the launcher, `devices` is this node's process count; every rank cuts its own share
-    contender.share_rows = spec.batch_size_per_device
-    contender.global_rows = spec.batch_size_per_device * world_size
+    contender.share_rows = spec.per_device(world_size)
+    contender.global_rows = spec.per_device(world_size) * world_size
     for _ in range(spec.warmup):
         contender.step()
     times = [contender.step() for _ in range(spec.steps)]
@@ -531,7 +563,7 @@ def run_benches(specs: list[BenchSpec]) -> list[BenchResult]:
         bench = BenchResult(spec, profile.to_dict(), machine, results)
         baseline = bench.baseline()
         for result in results:
-            result.samples_per_second = spec.batch_size_per_device * result.devices / result.step_seconds
+            result.samples_per_second = spec.per_device(result.devices) * result.devices / result.step_seconds
             result.speedup = result.samples_per_second / baseline.samples_per_second
             result.efficiency = result.speedup / result.devices
             result.lost = lost_by_phase(result, baseline) if result is not baseline else {}

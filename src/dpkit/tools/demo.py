@@ -79,6 +79,8 @@ def demo(
     keys = list(torch.load(path, weights_only=True))
     print(f"saved a clean checkpoint to {path} (keys like {keys[0]!r}, no 'module.' prefix)")
     print("load it into a bare model with:")
+    print("  import dpkit")
+    print("  from dpkit.examples.digits import DigitsMLP")
     print(f"  model = dpkit.load_model(DigitsMLP(), {str(path)!r})")
     with torch.no_grad():
         same = torch.equal(reloaded(x_test[:8]), model.cpu()(x_test[:8]))

@@ -40,33 +40,6 @@ COLLECTIVES = ("all_reduce", "broadcast")
 # a measured figure below this fraction of the catalogue's typically achieved one is flagged
 LOW_FRACTION_OF_TYPICAL = 0.5
 
-# The host link (PCIe generation) and the GPU-to-GPU link a catalogue GPU usually comes with; doctor
-# compares with these unless the user names the links (--host-link, --link).
-HOST_LINK_BY_GPU = {
-    "v100-sxm2": "pcie3",
-    "v100-pcie": "pcie3",
-    "titan-rtx": "pcie3",
-    "t4": "pcie3",
-    "a100-40gb-sxm": "pcie4",
-    "a100-80gb-sxm": "pcie4",
-    "a100-40gb-pcie": "pcie4",
-    "a100-80gb-pcie": "pcie4",
-    "rtx-3090": "pcie4",
-    "rtx-4090": "pcie4",
-    "l4": "pcie4",
-    "h100-sxm": "pcie5",
-    "h100-pcie": "pcie5",
-    "h200-sxm": "pcie5",
-}
-PEER_LINK_BY_GPU = {
-    "v100-sxm2": "nvlink2",
-    "a100-40gb-sxm": "nvlink3",
-    "a100-80gb-sxm": "nvlink3",
-    "h100-sxm": "nvlink4",
-    "h200-sxm": "nvlink4",
-}
-
-
 # ---------------------------------------------------------------- bandwidth definitions (nccl-tests)
 
 
@@ -586,13 +559,11 @@ def run_doctor(options: DoctorOptions | None = None) -> dict[str, Any]:
                     f"cuda:{entry['index']} ({entry['name']}) is not in the catalogue; add it with --catalogue FILE"
                 )
         host_links = {
-            index: _resolve_link(
-                catalogue, options.host_link, HOST_LINK_BY_GPU.get(gpu.name) if gpu else None, "host_link"
-            )
+            index: _resolve_link(catalogue, options.host_link, gpu.host_link if gpu else None, "host_link")
             for index, gpu in gpus.items()
         }
         first = gpus.get(0)
-        peer_default = (PEER_LINK_BY_GPU.get(first.name) or HOST_LINK_BY_GPU.get(first.name)) if first else None
+        peer_default = first.usual_link if first else None  # the catalogue's usual link for the GPU
         peer_link = _resolve_link(catalogue, options.link, peer_default, "link")
         report["peer_access"] = peer_access_matrix(torch.cuda.device_count())
         report["links"] = {
@@ -602,8 +573,9 @@ def run_doctor(options: DoctorOptions | None = None) -> dict[str, Any]:
         }
         if peer_link[1]:
             notes.append(
-                f"compared with {peer_link[0].name}, guessed from the GPU model (an SXM board is assumed to use "
-                f"NVLink through NVSwitch); say which link the GPUs have with --link NAME"
+                f"compared with {peer_link[0].name}, the catalogue's usual link for {first.name} (an SXM board is "
+                f"assumed to use NVLink through NVSwitch); say which link the GPUs have with --link NAME "
+                f"(`dpkit catalogue links` lists them)"
             )
         pairs = torch.cuda.device_count() * (torch.cuda.device_count() - 1)
         with tqdm(
@@ -636,7 +608,7 @@ def run_doctor(options: DoctorOptions | None = None) -> dict[str, Any]:
             bar.update()
 
     if options.processes < 2:
-        notes.append("collectives skipped: they need at least 2 processes (one GPU, or --processes 1)")
+        notes.append("collectives skipped: they need at least 2 processes (one GPU, or one process asked)")
     else:
         timings = measure_collectives(
             backend,

@@ -14,8 +14,9 @@ report holding every rank's devices; without a launcher, `run` starts the proces
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -24,15 +25,18 @@ from torch.utils.data import DataLoader, RandomSampler, TensorDataset
 
 from dpkit.checks import check_int, check_output_file
 from dpkit.devices import resolve_devices
-from dpkit.launch import Command, relaunch
+from dpkit.launch import Command, launched, relaunch
 from dpkit.observe import Observer, Report
 from dpkit.parallel.balance import CALIBRATION_CALLS
+from dpkit.precision import PRECISIONS as ENGINE_PRECISIONS
 from dpkit.strategies import strategy_class
 from dpkit.training.engine import Engine
+from dpkit.training.optimization import build_optimizer
 from dpkit.training.sources import criterion_for, model_source
 
-DTYPES = {"float32": torch.float32, "float64": torch.float64}
-OPTIMIZERS = ("adam", "sgd")
+# the Engine's precisions, and "64": the model and data in float64 (for comparisons exact to rounding)
+PRECISIONS = (*ENGINE_PRECISIONS, "64")
+OPTIMIZERS = ("adam", "adamw", "sgd")
 
 
 @dataclass
@@ -48,10 +52,11 @@ class ProfileSpec:
     devices: Any = "auto"
     steps: int = 3
     warmup: int = 3
-    batch_size: int = 256
+    batch_size: int = 256  # the global batch
+    batch_size_per_device: int | None = None  # instead: the global batch is this times the devices
     lr: float = 1e-3
     optimizer: str = "adam"
-    dtype: str = "float32"
+    precision: str = "32"
     seed: int = 0
     json: str | None = None
     png: str | None = None
@@ -69,8 +74,10 @@ class ProfileSpec:
         check_int(self.batch_size, "batch_size")
         if self.optimizer not in OPTIMIZERS:
             raise ValueError(f"optimizer: expected one of {', '.join(OPTIMIZERS)}, got {self.optimizer!r}")
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype: expected one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if str(self.precision) not in PRECISIONS:
+            raise ValueError(f"precision: expected one of {', '.join(PRECISIONS)}, got {self.precision!r}")
+        if self.batch_size_per_device is not None:
+            check_int(self.batch_size_per_device, "batch_size_per_device")
         calibration = CALIBRATION_CALLS["memory"]
         if strategy_class(self.strategy).traits.balances and self.warmup < calibration:
             logging.getLogger("dpkit").warning(
@@ -92,6 +99,15 @@ def batches_forever(loader: Any) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         epoch += 1
 
 
+def with_global_batch(spec: ProfileSpec, devices: int) -> ProfileSpec:
+    """batch_size_per_device given: the spec with the global batch it makes on `devices` devices (or on the
+    launched processes)."""
+    if spec.batch_size_per_device is None:
+        return spec
+    count = int(os.environ["WORLD_SIZE"]) if launched() else devices
+    return replace(spec, batch_size=spec.batch_size_per_device * count, batch_size_per_device=None)
+
+
 def profile(spec: ProfileSpec) -> tuple[Report | None, float]:
     """Run warm-up and observed steps through the Engine; the report of the observed ones (every rank's
     devices when there is a process per device; None on the ranks other than 0) and the last loss (the
@@ -99,28 +115,32 @@ def profile(spec: ProfileSpec) -> tuple[Report | None, float]:
     spec.check()
     cls = strategy_class(spec.strategy)
     devices = resolve_devices(spec.accelerator, spec.devices)
-    if cls.traits.max_devices is not None:
+    if cls.traits.max_devices is not None and len(devices) > cls.traits.max_devices:
+        if spec.devices != "auto":
+            raise ValueError(
+                f"devices: strategy '{spec.strategy}' runs on {cls.traits.max_devices} device(s), got {len(devices)}; "
+                f"pass devices={cls.traits.max_devices}, or a strategy for several devices (strategy=dp, ddp, …)"
+            )
         devices = devices[: cls.traits.max_devices]
+    spec = with_global_batch(spec, len(devices))
     source = model_source(spec.example, spec.model, spec.data)
     torch.manual_seed(spec.seed)
     model = source.build_model()
     x, y = source.load_data(spec.seed)[:2]
     if len(x) < spec.batch_size:
         raise ValueError(f"batch_size: {spec.batch_size} rows but the data has only {len(x)}; use a smaller batch")
-    dtype = DTYPES[spec.dtype]
+    dtype = torch.float64 if str(spec.precision) == "64" else torch.float32
     model = model.to(dtype=dtype)
     x = x.to(dtype) if x.is_floating_point() else x
     y = y.to(dtype) if y.is_floating_point() else y
-    optimizer = (
-        torch.optim.Adam(model.parameters(), lr=spec.lr)
-        if spec.optimizer == "adam"
-        else torch.optim.SGD(model.parameters(), lr=spec.lr, momentum=0.9)
-    )
+    momentum = 0.9 if spec.optimizer == "sgd" else 0.0
+    optimizer = build_optimizer(spec.optimizer, model.parameters(), spec.lr, momentum, weight_decay=0.0)
     # the layout a strategy has on GPUs, also on virtual CPU devices (replicated would share one copy there)
     engine = Engine(
         strategy=spec.strategy,
         accelerator=devices[0].type,
         devices=devices,
+        precision="32" if str(spec.precision) == "64" else str(spec.precision),
         progress=spec.progress,
         **cls.profile_options(),
     )
@@ -164,7 +184,7 @@ def profile(spec: ProfileSpec) -> tuple[Report | None, float]:
         "devices_requested": [str(d) for d in devices],
         "processes": len(reports),
         "batch_size": spec.batch_size,
-        "dtype": spec.dtype,
+        "precision": str(spec.precision),
         "optimizer": spec.optimizer,
         "warmup_steps": spec.warmup,
         "seed": spec.seed,
@@ -234,8 +254,9 @@ def run(spec: ProfileSpec) -> Report | None:
         return None
     devices = ", ".join(d.device for d in report.devices)
     print(
-        f"dpkit profile: {report.meta['model'] or spec.example}, strategy {spec.strategy}, batch {spec.batch_size}, "
-        f"{spec.dtype}, {spec.steps} observed step(s) after {spec.warmup} warm-up, on {devices}"
+        f"dpkit profile: {report.meta['model'] or spec.example}, strategy {spec.strategy}, "
+        f"batch {report.meta['batch_size']}, "
+        f"precision {spec.precision}, {spec.steps} observed step(s) after {spec.warmup} warm-up, on {devices}"
     )
     print(report.format_table())
     line = sharding_line(report)

@@ -550,6 +550,7 @@ def load_model(model: nn.Module, path: str | os.PathLike, *, map_location: Any =
         raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
     _refuse_sharded(model, "engine.load(path)", "each process takes its shards of the file")
     state = read_model_file(path, map_location=map_location)
-    target = unwrap_model(model)
+    # a wrapper that loads every copy it trains (the Engine's model) takes the state itself
+    target = model if getattr(type(model), "loads_every_copy", False) else unwrap_model(model)
     target.load_state_dict(check_state_dict(target, state, path), strict=True)
     return model

@@ -26,6 +26,7 @@ from __future__ import annotations
 import copy
 import logging
 import os
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,11 +34,12 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.utils._pytree import tree_map_only
 from torch.utils.data import DataLoader
 from tqdm import tqdm
 
-from dpkit.checks import check_int
+from dpkit.checks import check_int, check_number
 from dpkit.devices import DeviceLike, keep_freed_host_memory, resolve_devices
 from dpkit.launch.heartbeat import busy
 from dpkit.parallel import hooks
@@ -83,21 +85,86 @@ log = logging.getLogger("dpkit")
 
 
 class EngineModule(nn.Module):
-    """The strategy's model, run under the precision's autocast. state_dict keys carry wrapper prefixes,
-    which dpkit.save_model strips."""
+    """The strategy's model, run under the precision's autocast.
 
-    wraps_module = True  # dpkit.unwrap_model / save_model / load_model look inside
+    Its state dict is the user's module's under every strategy, as Lightning Fabric's wrapper gives it:
+    state_dict() has the keys (and runs the state-dict hooks) of the module given to engine.setup, so
+    `torch.save(model.state_dict(), path)` writes a file the bare module loads; load_state_dict() takes such a
+    state dict and loads it into what the strategy trains, every copy of it (see load_state_dict). Under a
+    sharded strategy the values are this process's shards (DTensors): engine.save writes the whole model.
+    parameters() and named_parameters() are the wrapper's own, as for torch's wrappers (names with `module.`).
+    """
 
-    def __init__(self, module: nn.Module, precision: Precision, strategy: Strategy):
+    wraps_module = True  # dpkit.unwrap_model / save_model look inside
+    loads_every_copy = True  # dpkit.load_model loads through it, so every replica follows
+
+    def __init__(self, module: nn.Module, precision: Precision, strategy: Strategy, user_module: nn.Module):
         super().__init__()
         self.module = module
         self.precision = precision
         self.strategy = strategy
+        # the module given to engine.setup, which the strategy trains (replica 0, DataParallel's or DDP's module, the
+        # sharded module); kept out of nn.Module's registry so that its parameters are not listed twice
+        self.__dict__["user_module"] = user_module
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         # the strategy announces its forward through the observation seam (dpkit.parallel.hooks)
         with self.precision.autocast(), self.strategy.forward_context(args, kwargs):
             return self.module(*args, **kwargs)
+
+    def state_dict(self, *args: Any, destination: Any = None, prefix: str = "", keep_vars: bool = False) -> Any:
+        """The user's module's state dict: its keys, whatever the strategy wrapped it in."""
+        return self.user_module.state_dict(*args, destination=destination, prefix=prefix, keep_vars=keep_vars)
+
+    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:
+        """Load a state dict keyed as the user's module names them (a bare model's) into what the strategy trains.
+
+        torch's semantics: `strict`, and the result's missing_keys / unexpected_keys, are the user's module's.
+        Every copy follows: replicated's other replicas copy the first (also when torch raises after loading the
+        keys that matched); under dp and dp-balanced the loaded module is the one replicated at every step; under
+        ddp and fsdp each process loads what it is given, so call it in every process with the same state dict.
+        Under a sharded strategy whole tensors are cut into this process's shards (its own shards load as they are).
+        assign=True is refused: the strategy's replicas, optimizers and gradient exchange hold the parameters set up.
+        """
+        if assign:
+            raise ValueError(
+                f"assign: True would make the given tensors the model's parameters, which strategy "
+                f"'{self.strategy.name}' does not train (its optimizers, replicas and gradient exchange hold the "
+                "parameters engine.setup saw); load with assign=False (a copy into them), or call "
+                "load_state_dict(..., assign=True) on the bare model before engine.setup"
+            )
+        if not isinstance(state_dict, Mapping):
+            raise TypeError(f"state_dict: expected a dict of tensors keyed by name, got {type(state_dict).__name__}")
+        if self.strategy.traits.sharded:
+            state_dict = whole_tensors_as_shards(self.user_module, state_dict)
+        try:
+            return self.user_module.load_state_dict(state_dict, strict=strict)
+        finally:
+            # torch copies the keys that match before it raises for the others: the other copies follow either way
+            self.strategy.weights_loaded()
+
+
+def whole_tensors_as_shards(model: nn.Module, state: Mapping[str, Any]) -> Mapping[str, Any]:
+    """`state` with each whole tensor given for a sharded entry of `model` (a DTensor of the same shape) replaced by
+    this process's shard of it, cut locally (no collective: every process holds the whole state, as with a bare
+    model). Entries that are shards already, or do not fit, are left for torch's load_state_dict to load or refuse."""
+    own = model.state_dict()
+    converted = OrderedDict(state)
+    metadata = getattr(state, "_metadata", None)
+    if metadata is not None:
+        converted._metadata = metadata  # type: ignore[attr-defined]  # versions that modules' loading reads
+    for key, value in state.items():
+        mine = own.get(key)
+        if (
+            isinstance(mine, DTensor)
+            and isinstance(value, torch.Tensor)
+            and not isinstance(value, DTensor)
+            and value.shape == mine.shape
+        ):
+            converted[key] = distribute_tensor(
+                value.detach().to(mine.device), mine.device_mesh, mine.placements, src_data_rank=None
+            )
+    return converted
 
 
 @dataclass
@@ -274,13 +341,15 @@ class Engine:
 
     # --- setup -------------------------------------------------------------------------------------
     def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> Any:
-        """(model, optimizer) wrapped for the strategy; build the optimizer from model.parameters() first."""
+        """(model, optimizer) wrapped for the strategy; build the optimizer from model.parameters() first.
+
+        The wrapped model's state_dict() and load_state_dict() use `model`'s own keys under every strategy."""
         if not isinstance(model, nn.Module):
             raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
         if self._model is not None:
             raise RuntimeError("engine.setup: this engine already set up a model; create one Engine per model")
         self._bare_model = model
-        self._model = EngineModule(self.strategy.wrap_model(model), self.precision, self.strategy)
+        self._model = EngineModule(self.strategy.wrap_model(model), self.precision, self.strategy, model)
         if optimizer is None:
             return self._model
         if not hasattr(optimizer, "step") or not hasattr(optimizer, "param_groups"):
@@ -358,6 +427,26 @@ class Engine:
         return self._accumulation.steps
 
     # --- metrics across processes ------------------------------------------------------------------
+    def clip_gradients(self, optimizer: Any, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """torch.nn.utils.clip_grad_norm_ for the gradients the next `optimizer.step()` applies, under every strategy
+        and precision (16-mixed unscales first; replicas that step themselves are clipped alike; a sharded model's
+        norm is the whole model's). Call it after the last micro-batch's backward; returns the norm before
+        clipping, the same on every device and process."""
+        check_number(max_norm, "max_norm", positive=True)
+        if self._model is None or not isinstance(optimizer, EngineOptimizer):
+            raise RuntimeError("engine.clip_gradients: pass the optimizer engine.setup(model, optimizer) returned")
+        unscaled = self.precision.unscale(optimizer.optimizer)
+        first, *others = self.strategy.gradient_holders(self._model)
+        norm = torch.nn.utils.clip_grad_norm_(first, max_norm, norm_type=norm_type)
+        if others:
+            factor = unscaled * min(1.0, max_norm / (float(norm) + 1e-6))
+            with torch.no_grad():
+                for params in others:
+                    for param in params:
+                        if param.grad is not None:
+                            param.grad.mul_(factor)
+        return norm
+
     def reduce(self, value: Any, op: str = "mean", *, weight: float | None = None) -> torch.Tensor:
         """`value` combined over processes: "sum", "mean", or with weight= the weight-averaged mean
         (e.g. a per-process mean loss with weight=len(y) gives the mean over all samples)."""
@@ -605,7 +694,10 @@ class Engine:
         try:
             for name, target in objects.items():
                 undo.keep(name, target, copy.deepcopy(target.state_dict()))
-                target.load_state_dict(extras[name]["value"])
+                saved = extras[name]["value"]
+                if isinstance(target, nn.Module):  # keyed as it names them: saved through a wrapper, or bare, loads
+                    saved = check_state_dict(target, saved, source)
+                target.load_state_dict(saved)
             if self.precision.scaler is not None and shared.get("scaler"):
                 undo.keep("the GradScaler", self.precision.scaler, self.precision.scaler.state_dict())
                 self.precision.scaler.load_state_dict(shared["scaler"])

@@ -22,6 +22,7 @@ resumes only the run its own job created.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -33,6 +34,7 @@ import tempfile
 import threading
 import time
 import uuid
+import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -48,9 +50,12 @@ from dpkit.errors import DpkitError
 from dpkit.launch import Command, LaunchError, StoppedBySignal, launched, relaunch, relaunched, restart_count
 from dpkit.launch.environment import LAUNCHER_PID_VARIABLE
 from dpkit.precision import PRECISIONS, Precision
-from dpkit.strategies import PER_DEVICE, strategy_class
+from dpkit.strategies import PER_DEVICE, available_strategies, strategy_class
 from dpkit.training.checkpoint import atomic_write
 from dpkit.training.engine import Engine
+from dpkit.training.evaluation import Best, Scores, evaluate
+from dpkit.training.metrics_log import METRICS_CSV, TENSORBOARD_FOLDER, MetricsLog, tensorboard_writer_class
+from dpkit.training.optimization import OPTIMIZERS, SCHEDULES, build_optimizer, schedule_at
 from dpkit.training.sources import check_model_fits, model_source
 from dpkit.training.state import read_state_directory, step_directories, step_of
 
@@ -65,12 +70,29 @@ log = logging.getLogger("dpkit")
 RUN_SETTINGS = "run.json"
 METRICS = "metrics.json"
 MODEL = "model.pt"
-RUN_FILES = (MODEL, METRICS, RUN_SETTINGS)
+BEST_MODEL = "best.pt"
+BEST = "best.json"
+RUN_FILES = (MODEL, METRICS, RUN_SETTINGS, METRICS_CSV, BEST_MODEL, BEST)
 STATE_FOLDER = "state"
 # held by the one run writing the folder (flock); not part of a run, never removed by overwrite
 LOCK_FILE = ".dpkit-train.lock"
-# settings a resumed run must share with the run it continues (the saved optimizer brings its own lr back)
-RESUME_MUST_MATCH = ("example", "model", "data", "seed", "batch_size", "accumulate", "lr", "momentum")
+# settings a resumed run must share with the run it continues
+RESUME_MUST_MATCH = (
+    "example",
+    "model",
+    "data",
+    "seed",
+    "batch_size",
+    "accumulate",
+    "optimizer",
+    "momentum",
+    "weight_decay",
+)
+# settings a resumed run may change when it says so (change=...), recorded in run.json; `steps` changes freely
+# with a constant schedule and needs saying with a cosine one (it moves the curve)
+CHANGEABLE = ("lr", "schedule", "lr_warmup_steps", "clip_grad_norm", "steps")
+# what keep_best keeps the best model by: metric -> whether larger is better
+BEST_BY = {"accuracy": True, "loss": False}
 DIVERGED_EXIT_CODE = 3
 BAD_INPUT_EXIT_CODE = 2
 # set by `run` for the processes it starts: the job's id (its restarted groups continue the run it created), and
@@ -104,15 +126,26 @@ class TrainConfig:
     devices: Any = "auto"
     steps: int = 100  # optimizer steps in total, a resumed run's included
     batch_size: int = 64  # the global batch, split across devices
+    batch_size_per_device: int | None = None  # instead of batch_size: the global batch is this times the devices
     seed: int = 0
-    lr: float = 0.1
-    momentum: float = 0.0
+    optimizer: str = "sgd"  # sgd, adamw or adam
+    lr: float = 0.1  # the peak learning rate with a schedule
+    momentum: float = 0.0  # sgd
+    weight_decay: float = 0.0
+    schedule: str = "constant"  # or "cosine": decays to 0 at the last step
+    lr_warmup_steps: int = 0  # linear warm-up to lr over these first steps
+    clip_grad_norm: float | None = None  # clip the gradients' global norm to this before each step
     precision: str = "32"
     accumulate: int = 1
     out: str = "runs/train"
     checkpoint_every: int | None = None
     keep: int = 2
+    eval_every: int | None = None  # evaluate on the test data every K steps (and at the end)
+    keep_best: str | None = None  # "accuracy" or "loss": keep OUT/best.pt, the best model by that evaluation metric
+    log_every: int = 10  # write the steps' metrics to OUT/metrics.csv every K steps (rows per step)
+    tensorboard: bool = False  # also write them to TensorBoard in OUT/tensorboard
     resume: bool = False
+    change: Any = ()  # with resume: the settings of CHANGEABLE the resumed run changes, e.g. ("lr",) or "lr,schedule"
     overwrite: bool = False
     max_restarts: int = 0  # with processes started by `run` itself
     hang_timeout_seconds: float | None = None  # with processes started by `run` itself
@@ -131,10 +164,20 @@ class TrainConfig:
             "seed": self.seed,
             "batch_size": self.batch_size,
             "accumulate": self.accumulate,
+            "optimizer": self.optimizer,
             "lr": self.lr,
             "momentum": self.momentum,
+            "weight_decay": self.weight_decay,
+            "schedule": self.schedule,
+            "lr_warmup_steps": self.lr_warmup_steps,
+            "clip_grad_norm": self.clip_grad_norm,
             "steps": self.steps,
         }
+
+    def changes(self) -> tuple[str, ...]:
+        """`change` as names: ("lr",) from "lr", ["lr"] or ("lr",)."""
+        names = self.change.split(",") if isinstance(self.change, str) else list(self.change or ())
+        return tuple(str(name).strip().replace("-", "_") for name in names if str(name).strip())
 
 
 @dataclass(frozen=True)
@@ -143,6 +186,7 @@ class Plan:
     or rank 0 under a launcher) and told to the others."""
 
     job: str  # who is running: recorded in run.json by the run that creates it
+    changes: tuple = ()  # run.json's record of the settings changed on resume: ({"step", "setting", "from", "to"}, …)
     resume: bool = False  # continue from the newest state in OUT/state
     remove: bool = False  # overwrite: remove the old run once every process has passed every check
     finished: bool = False  # resume=True on a run that is already finished: nothing to do
@@ -167,6 +211,7 @@ class Prepared:
 def run(config: TrainConfig) -> dict[str, Any] | None:
     """Check, then train (starting one process per device first where the strategy needs it). Returns the
     metrics written (None on the ranks other than 0); for a finished run given resume=True, its metrics."""
+    config = resolve_batch(config)
     prepared = prepare(config)
     try:
         if prepared.plan is not None and prepared.plan.finished and not launched():
@@ -387,35 +432,59 @@ def _finished(config: TrainConfig, out: Path, taken: int | None) -> bool:
     )
 
 
-def _check_settings(config: TrainConfig, out: Path, saved: dict[str, Any] | None, state: Path | None) -> None:
-    """A continued run uses the settings the run was trained with: checked against run.json and against the
-    saved state itself (its recorded settings, its optimizer's lr and momentum, its accumulation), which is
-    what a resumed run continues from whatever run.json says."""
+def _check_settings(
+    config: TrainConfig, out: Path, saved: dict[str, Any] | None, state: Path | None, taken: int | None
+) -> tuple[dict[str, Any], ...]:
+    """A continued run uses the settings the run was trained with, except those it says it changes (change=...,
+    from CHANGEABLE): checked against run.json and against the saved state itself (its recorded settings, its
+    optimizer's hyperparameters, its accumulation), which is what a resumed run continues from whatever run.json
+    says. Returns run.json's record of changes with this resume's added."""
     given = config.settings()
+    changing = config.changes()
+    recorded: dict[str, Any] = {}
+    chosen, shared = None, {}
+    if state is not None:
+        chosen, shared, _ = read_state_directory(state, 0)
+        recorded = (shared.get("extra") or {}).get("settings", {}).get("value")
+        recorded = recorded if isinstance(recorded, dict) else {}
+    # run.json, then the state's own record: what the run was trained with up to now
+    sources = [(saved or {}, ""), (recorded, f" (its state {str(chosen)!r} says so)")]
     for key in RESUME_MUST_MATCH:
-        if saved is not None and key in saved and saved[key] != given[key]:
+        for values, where in sources:
+            if key in values and values[key] != given[key]:
+                raise ValueError(
+                    f"{key}: the run in {str(out)!r} was trained with {values[key]!r}{where}, got {given[key]!r}; "
+                    "resume with the same value"
+                )
+    known = {**(saved or {}), **recorded}
+    changes = []
+    for key in CHANGEABLE:
+        if key not in known or known[key] == given[key]:
+            continue
+        if key == "steps" and given["schedule"] == "constant" and known.get("schedule", "constant") == "constant":
+            continue  # more (or the same) steps at a constant rate: the run continues as it would have
+        if key not in changing:
+            where = next(where for values, where in sources if key in values)
             raise ValueError(
-                f"{key}: the run in {str(out)!r} was trained with {saved[key]!r}, got {given[key]!r}; "
-                "resume with the same value"
+                f"{key}: the run in {str(out)!r} was trained with {known[key]!r}{where}, got {given[key]!r}; to "
+                f"change it from step {taken or 0} on, pass change={key} (recorded in {RUN_SETTINGS}), or resume with "
+                "the same value"
             )
+        changes.append({"step": taken or 0, "setting": key, "from": known[key], "to": given[key]})
     if state is None:
-        return
-    chosen, shared, _ = read_state_directory(state, 0)
-    recorded = (shared.get("extra") or {}).get("settings", {}).get("value")
-    recorded = recorded if isinstance(recorded, dict) else {}
-    for key in RESUME_MUST_MATCH:
-        if key in recorded and recorded[key] != given[key]:
-            raise ValueError(
-                f"{key}: the run in {str(out)!r} was trained with {recorded[key]!r} (its state {str(chosen)!r} says "
-                f"so), got {given[key]!r}; resume with the same value"
-            )
+        return tuple((saved or {}).get("changes") or ()) + tuple(changes)
     optimizers = shared.get("optimizers") or []
     for group in optimizers[0].get("param_groups", []) if optimizers and isinstance(optimizers[0], dict) else []:
-        for key in ("lr", "momentum"):
-            if key in group and group[key] != given[key]:
+        # the peak rate of a scheduled run is the group's initial_lr; a run without a schedule kept it as lr
+        for key, value in (("lr", group.get("initial_lr", group.get("lr"))), ("momentum", group.get("momentum"))):
+            if value is not None and value != given[key] and key not in changing:
                 raise ValueError(
-                    f"{key}: the optimizer saved in {str(chosen)!r} has {key} {group[key]!r}, got {given[key]!r}; "
-                    "resume with the same value (a resumed optimizer continues with its saved one)"
+                    f"{key}: the optimizer saved in {str(chosen)!r} has {key} {value!r}, got {given[key]!r}; "
+                    + (
+                        f"to change it from step {taken or 0} on, pass change={key}, or resume with the same value"
+                        if key in CHANGEABLE
+                        else "resume with the same value (a resumed optimizer continues with its saved one)"
+                    )
                 )
     if shared.get("accumulate") not in (None, config.accumulate):
         raise ValueError(
@@ -431,6 +500,7 @@ def _check_settings(config: TrainConfig, out: Path, saved: dict[str, Any] | None
             RUN_SETTINGS,
             ", ".join(unchecked),
         )
+    return tuple((saved or {}).get("changes") or ()) + tuple(changes)
 
 
 def _check_out(config: TrainConfig) -> Plan:
@@ -439,7 +509,8 @@ def _check_out(config: TrainConfig) -> Plan:
     makes is that the run its own job created (run.json names the job) is continued, not refused."""
     out = Path(config.out)
     job = job_id()
-    holds = [name for name in (*RUN_FILES, STATE_FOLDER) if (out / name).exists()]
+    # metrics.csv and TensorBoard's files alone are what a run logged before it failed: a new run replaces them
+    holds = [name for name in (*RUN_FILES, STATE_FOLDER) if name != METRICS_CSV and (out / name).exists()]
     states = saved_states(out)
     taken = step_of(states[-1]) if states else None
     saved = _read_settings(out) if config.resume else None
@@ -451,7 +522,7 @@ def _check_out(config: TrainConfig) -> Plan:
     if (out / STATE_FOLDER).is_dir() and (config.checkpoint_every or (config.overwrite and not ours)):
         _check_writable(out / STATE_FOLDER, out, "the training state")
     if config.resume or ours:
-        _check_settings(config, out, saved, out / STATE_FOLDER if states else None)
+        changes = _check_settings(config, out, saved, out / STATE_FOLDER if states else None, taken)
         if _finished(config, out, taken):
             return Plan(job, finished=True)
         if taken is None:
@@ -465,7 +536,7 @@ def _check_out(config: TrainConfig) -> Plan:
                 f"steps: the run in {str(out)!r} has already taken {taken} steps; give {taken} to finish it or more "
                 "to continue it"
             )
-        return Plan(job, resume=True)
+        return Plan(job, changes=changes, resume=True)
     if holds and not config.overwrite:
         raise ValueError(
             f"out: {str(out)!r} already holds a run ({', '.join(holds)}); resume it (resume=True), replace it "
@@ -478,15 +549,15 @@ def prepare(config: TrainConfig) -> Prepared:
     """Check every setting, take the run folder's lock, decide what to do with the folder, build the model and
     load the data; raise one line on the first bad value (releasing the lock). The caller releases
     `Prepared.lock` when the run ends."""
-    for name in ("steps", "batch_size", "accumulate", "keep"):
+    for name in ("steps", "batch_size", "accumulate", "keep", "log_every"):
         check_int(getattr(config, name), name)
-    if config.checkpoint_every is not None:
-        check_int(config.checkpoint_every, "checkpoint_every")
+    for name in ("checkpoint_every", "eval_every"):
+        if getattr(config, name) is not None:
+            check_int(getattr(config, name), name)
     check_int(config.max_restarts, "max_restarts", minimum=0)
     if config.hang_timeout_seconds is not None:
         check_number(config.hang_timeout_seconds, "hang_timeout_seconds", positive=True)
-    check_number(config.lr, "lr")
-    check_number(config.momentum, "momentum")
+    _check_optimization(config)
     check_seed(config.seed)
     if config.precision not in PRECISIONS:
         raise ValueError(f"precision: expected one of {', '.join(PRECISIONS)}, got {config.precision!r}")
@@ -495,9 +566,11 @@ def prepare(config: TrainConfig) -> Prepared:
         config.accelerator, traits.max_devices if config.devices == "auto" and traits.max_devices else config.devices
     )
     if traits.max_devices is not None and len(devices) > traits.max_devices:
+        others = [name for name in available_strategies() if strategy_class(name).traits.max_devices is None]
         raise ValueError(
             f"devices: strategy '{config.strategy}' runs on {traits.max_devices} device(s), got {len(devices)}; "
-            f"pass devices={traits.max_devices} or choose a strategy for several devices"
+            f"to train on {len(devices)} devices pass a strategy for several ({', '.join(others)}; "
+            f"docs/strategies.md says which), or devices={traits.max_devices}"
         )
     Precision(config.precision, devices[0].type)  # what the devices cannot do, refused here, not in each process
     if strategy_class(config.strategy).needs_launcher():
@@ -541,11 +614,71 @@ def prepare(config: TrainConfig) -> Prepared:
     return Prepared(model, data, plan, lock)
 
 
+def _check_optimization(config: TrainConfig) -> None:
+    """The optimizer, schedule, clipping, evaluation and metrics settings, each refused in one line."""
+    if config.optimizer not in OPTIMIZERS:
+        raise ValueError(f"optimizer: expected one of {', '.join(OPTIMIZERS)}, got {config.optimizer!r}")
+    if config.schedule not in SCHEDULES:
+        raise ValueError(f"schedule: expected one of {', '.join(SCHEDULES)}, got {config.schedule!r}")
+    check_number(config.lr, "lr", positive=True)
+    check_number(config.momentum, "momentum")
+    check_number(config.weight_decay, "weight_decay")
+    if config.momentum and config.optimizer != "sgd":
+        raise ValueError(
+            f"momentum: applies to optimizer=sgd, got momentum={config.momentum:g} with optimizer={config.optimizer} "
+            "(adam and adamw have their own betas); leave momentum at 0"
+        )
+    check_int(config.lr_warmup_steps, "lr_warmup_steps", minimum=0)
+    if config.lr_warmup_steps > config.steps:
+        raise ValueError(
+            f"lr_warmup_steps: {config.lr_warmup_steps} is more than the run's {config.steps} steps; use at most "
+            f"{config.steps}"
+        )
+    if config.clip_grad_norm is not None:
+        check_number(config.clip_grad_norm, "clip_grad_norm", positive=True)
+    if config.batch_size_per_device is not None:
+        check_int(config.batch_size_per_device, "batch_size_per_device")
+    if config.keep_best is not None:
+        if config.keep_best not in BEST_BY:
+            raise ValueError(f"keep_best: expected one of {', '.join(BEST_BY)}, got {config.keep_best!r}")
+        if config.eval_every is None:
+            raise ValueError(
+                f"keep_best: the best model by {config.keep_best} needs evaluations; add eval_every=K (steps)"
+            )
+    changing = config.changes()
+    unknown = [name for name in changing if name not in CHANGEABLE]
+    if unknown:
+        raise ValueError(
+            f"change: {', '.join(unknown)} cannot change mid-run; a resumed run may change {', '.join(CHANGEABLE)}"
+        )
+    if changing and not config.resume:
+        raise ValueError(f"change: goes with resume=True (a new run has nothing to change), got change={changing[0]}")
+    if config.tensorboard:
+        tensorboard_writer_class()  # installed, or one line saying how to get it
+
+
+def resolve_batch(config: TrainConfig) -> TrainConfig:
+    """batch_size_per_device given: the config with its global batch (that many times the devices, or the
+    launched processes), which is what the run records and checks."""
+    if config.batch_size_per_device is None:
+        return config
+    check_int(config.batch_size_per_device, "batch_size_per_device")
+    if launched():
+        count = int(os.environ["WORLD_SIZE"])
+    else:
+        traits = strategy_class(config.strategy).traits
+        count = len(resolve_devices(config.accelerator, config.devices))
+        if traits.max_devices is not None and config.devices == "auto":
+            count = min(count, traits.max_devices)
+    return dataclasses.replace(config, batch_size=config.batch_size_per_device * count, batch_size_per_device=None)
+
+
 def _remove_run(out: Path) -> None:
     """overwrite=True: only what a run writes goes, nothing else the folder holds."""
     for name in RUN_FILES:
         (out / name).unlink(missing_ok=True)
-    shutil.rmtree(out / STATE_FOLDER, ignore_errors=True)
+    for folder in (STATE_FOLDER, TENSORBOARD_FOLDER):
+        shutil.rmtree(out / folder, ignore_errors=True)
 
 
 def _say_finished(config: TrainConfig) -> dict[str, Any] | None:
@@ -730,6 +863,7 @@ class LossLog:
 
 def train(config: TrainConfig, prepared: Prepared | None = None) -> dict[str, Any] | None:
     """Train in this process (one of the strategy's processes under a launcher); the metrics on rank 0."""
+    config = resolve_batch(config)
     if prepared is not None:
         return _train(config, prepared)
     prepared = prepare(config)
@@ -756,18 +890,22 @@ def _train(config: TrainConfig, prepared: Prepared) -> dict[str, Any] | None:
         return _say_finished(config) if engine.is_global_zero else None
 
     model, (x_train, y_train, x_test, y_test) = prepared.model, prepared.data
-    optimizer = torch.optim.SGD(model.parameters(), lr=config.lr, momentum=config.momentum)
-    model, optimizer = engine.setup(model, optimizer)
+    base_optimizer = build_optimizer(
+        config.optimizer, model.parameters(), config.lr, config.momentum, config.weight_decay
+    )
+    model, optimizer = engine.setup(model, base_optimizer)
     criterion = engine.setup_criterion(nn.CrossEntropyLoss())
     train_data = TensorDataset(x_train, y_train)
     # the batch order comes from its own seeded generator: the same global batches for every strategy
     order = RandomSampler(train_data, generator=torch.Generator().manual_seed(config.seed))
     loader = engine.setup_dataloader(DataLoader(train_data, batch_size=config.batch_size, sampler=order))
+    best = Best(config.keep_best, BEST_BY[config.keep_best]) if config.keep_best else None
 
     def write_settings() -> None:
-        # with the first saved state or the final model: a run that wrote nothing else leaves nothing behind
-        if engine.is_global_zero and not (out / RUN_SETTINGS).exists():
-            _write_json(out / RUN_SETTINGS, {**config.settings(), "job": plan.job})
+        # with the first saved state or the final model (a run that wrote nothing else leaves nothing behind),
+        # and again with every later one: run.json says what the run is now, its changes included
+        if engine.is_global_zero:
+            _write_json(out / RUN_SETTINGS, {**config.settings(), "job": plan.job, "changes": list(plan.changes)})
 
     losses = LossLog(engine)
     step_seconds: list[float] = []
@@ -776,6 +914,8 @@ def _train(config: TrainConfig, prepared: Prepared) -> dict[str, Any] | None:
         extras = engine.load_state(out / STATE_FOLDER)
         losses = LossLog(engine, extras["losses"], extras["rows"])
         step_seconds, seconds_before = list(extras["step_seconds"]), float(extras["seconds"])
+        if best is not None:
+            best = Best(config.keep_best, BEST_BY[config.keep_best], extras.get("best"))
         if engine.step > config.steps:
             raise ValueError(
                 f"steps: the run in {str(out)!r} has already taken {engine.step} steps; give {engine.step} to "
@@ -791,11 +931,34 @@ def _train(config: TrainConfig, prepared: Prepared) -> dict[str, Any] | None:
 
     micro_losses, micro_rows = [], 0
     steps_done = len(losses.losses)
+    # the rate of the next step comes from the schedule at this step (a resumed run's changes included)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # torch's "scheduler before optimizer" guess does not apply
+        scheduler = schedule_at(
+            base_optimizer, config.lr, config.schedule, config.steps, config.lr_warmup_steps, steps_done
+        )
+    metrics_log = (
+        MetricsLog(out, tensorboard=config.tensorboard, resume_step=steps_done if plan.resume else 0)
+        if engine.is_global_zero
+        else None
+    )
+    logged = steps_done  # steps whose row is in metrics.csv
+    step_rates: dict[int, tuple[float, float | None]] = {}  # step -> (lr, grad norm) until its row is written
     saved_path: Path | None = None
     stop = StopRequest()
 
-    def save_state(seconds: float) -> Path:
+    def log_rows() -> None:
+        nonlocal logged
         losses.reduce()
+        if metrics_log is not None:
+            for step in range(logged + 1, len(losses.losses) + 1):
+                lr, norm = step_rates.pop(step, (None, None))
+                metrics_log.add(step, loss=losses.losses[step - 1], lr=lr, grad_norm=norm)
+        step_rates.clear()
+        logged = len(losses.losses)
+
+    def save_state(seconds: float) -> Path:
+        log_rows()
         write_settings()
         return engine.save_state(
             out / STATE_FOLDER,
@@ -805,6 +968,7 @@ def _train(config: TrainConfig, prepared: Prepared) -> dict[str, Any] | None:
             step_seconds=list(step_seconds),
             seconds=seconds,
             settings={**config.settings(), "job": plan.job},
+            best=best.record() if best is not None else None,
         )
 
     def agreed(*flags: bool) -> list[bool]:
@@ -821,14 +985,36 @@ def _train(config: TrainConfig, prepared: Prepared) -> dict[str, Any] | None:
         message = _stopped_message(config, signum, steps_done, saved_path, newest, during)
         return StoppedBySignal("" if quiet else message, signum)
 
+    def evaluation(during: str) -> Scores:
+        scores = evaluate(engine, model, x_test, y_test, lambda: agreed(stop.signum is not None)[0])
+        if scores is None:
+            raise stopped(during)
+        if metrics_log is not None:
+            metrics_log.add(steps_done, eval_loss=scores.loss, eval_accuracy=scores.accuracy)
+        if best is not None and best.improves(scores):  # the same figures everywhere: every process agrees
+            best.take(steps_done, scores)
+            engine.save(model, out / BEST_MODEL)
+            if engine.is_global_zero:
+                _write_json(out / BEST, {**best.record(), "loss": scores.loss, "accuracy": scores.accuracy})
+        return scores
+
     try:
         with stop.installed():
             # said once the stop request is listening: a signal after this line stops at a boundary
             engine.print(
                 f"dpkit train: {config.model or config.example} with strategy {config.strategy} on "
                 f"{engine.world_size} process(es), devices {', '.join(map(str, engine.devices))}, global batch "
-                f"{config.batch_size}, precision {config.precision}"
+                f"{config.batch_size}, {config.optimizer} lr {config.lr:g} ({config.schedule}"
+                + (f", {config.lr_warmup_steps} warm-up steps" if config.lr_warmup_steps else "")
+                + ")"
+                + (f", clip {config.clip_grad_norm:g}" if config.clip_grad_norm else "")
+                + f", precision {config.precision}"
                 + (f", resuming at step {steps_done}" if plan.resume else "")
+                + "".join(
+                    f"; {c['setting']} {c['from']!r} -> {c['to']!r}"
+                    for c in plan.changes
+                    if plan.resume and c["step"] == steps_done
+                )
                 + (" (all steps taken: evaluating and writing the final files)" if steps_done >= config.steps else ""),
                 flush=True,
             )
@@ -841,15 +1027,24 @@ def _train(config: TrainConfig, prepared: Prepared) -> dict[str, Any] | None:
                         optimizer.zero_grad()
                         loss = criterion(model(x), y)
                         engine.backward(loss)
-                        optimizer.step()
                         micro_losses.append(loss.detach().float() * len(y))
                         micro_rows += len(y)
-                        if len(micro_losses) < config.accumulate:
+                        boundary = len(micro_losses) == config.accumulate
+                        norm = None
+                        if boundary and config.clip_grad_norm is not None:
+                            norm = float(engine.clip_gradients(optimizer, config.clip_grad_norm))
+                        lr = base_optimizer.param_groups[0]["lr"]
+                        optimizer.step()
+                        if not boundary:
                             continue
+                        with warnings.catch_warnings():
+                            warnings.simplefilter("ignore", UserWarning)  # a strategy may step copies of the optimizer
+                            scheduler.step()
                         step_loss = torch.stack(micro_losses).sum().cpu()  # one optimizer step done
                         losses.add_step(step_loss, micro_rows)
                         micro_losses, micro_rows = [], 0
                         steps_done += 1
+                        step_rates[steps_done] = (lr, norm)
                         now = time.perf_counter()
                         step_seconds.append(now - step_started)
                         step_started = now
@@ -859,11 +1054,16 @@ def _train(config: TrainConfig, prepared: Prepared) -> dict[str, Any] | None:
                         if diverged:
                             raise TrainingDiverged(
                                 f"lr: the loss became {float(step_loss):g} at step {steps_done} with "
-                                f"lr={config.lr:g}; training stopped and wrote nothing from it; try a "
-                                "smaller lr"
+                                f"lr={lr:g}; training stopped and wrote nothing from it; try a smaller lr"
+                                + (" or clip_grad_norm=1" if config.clip_grad_norm is None else "")
                                 if engine.is_global_zero
                                 else ""  # rank 0 says it once
                             )
+                        if steps_done % config.log_every == 0:
+                            log_rows()
+                        if config.eval_every and steps_done % config.eval_every == 0 and steps_done < config.steps:
+                            log_rows()
+                            evaluation(f"in the evaluation at step {steps_done}")
                         seconds = seconds_before + time.perf_counter() - started
                         if config.checkpoint_every and (
                             steps_done % config.checkpoint_every == 0 or stopping or steps_done == config.steps
@@ -876,18 +1076,9 @@ def _train(config: TrainConfig, prepared: Prepared) -> dict[str, Any] | None:
             finally:
                 bar.close()
             seconds = seconds_before + time.perf_counter() - started
-            losses.reduce()
+            log_rows()
             samples_per_second = sum(losses.rows) / seconds if seconds > 0 else 0.0
-
-            model.eval()
-            test_loader = engine.setup_dataloader(DataLoader(TensorDataset(x_test, y_test), batch_size=256))
-            correct = []
-            with torch.no_grad():
-                for x, y in test_loader:
-                    correct.append(engine.gather(model(x).argmax(dim=1) == y))
-                    if agreed(stop.signum is not None)[0]:
-                        raise stopped("in the final evaluation")
-            correct = torch.cat(correct)
+            scores = evaluation("in the final evaluation")
 
             # the final files: a stop that arrives now lets them be written (each whole or not at all)
             write_settings()
@@ -903,19 +1094,26 @@ def _train(config: TrainConfig, prepared: Prepared) -> dict[str, Any] | None:
                     "steps": config.steps,
                     "batch_size": config.batch_size,
                     "seed": config.seed,
+                    "optimizer": config.optimizer,
                     "lr": config.lr,
+                    "schedule": config.schedule,
                     "loss": losses.losses,
                     "samples_per_second": samples_per_second,
                     "seconds": seconds,
                     "median_step_seconds": sorted(step_seconds)[len(step_seconds) // 2] if step_seconds else 0.0,
-                    "test_accuracy": float(correct.float().mean()),
-                    "test_samples": int(correct.numel()),
+                    "test_loss": scores.loss,
+                    "test_accuracy": scores.accuracy,
+                    "test_samples": scores.samples,
+                    "best": best.record() if best is not None else None,
                     "resumed": plan.resume,
+                    "changes": list(plan.changes),
                 }
                 _write_json(out / METRICS, metrics)
                 print(
                     f"final loss {losses.losses[-1]:.4f}, {samples_per_second:.0f} samples/s, test accuracy "
-                    f"{metrics['test_accuracy']:.4f}; wrote {out / MODEL} and {out / METRICS}",
+                    f"{metrics['test_accuracy']:.4f}"
+                    + (f" (best {best.metric} {best.value:.4f} at step {best.step})" if best is not None else "")
+                    + f"; wrote {out / MODEL}, {out / METRICS} and {out / METRICS_CSV}",
                     file=sys.stdout,
                 )
     except (StoppedBySignal, TrainingDiverged, KeyboardInterrupt):
@@ -924,5 +1122,8 @@ def _train(config: TrainConfig, prepared: Prepared) -> dict[str, Any] | None:
         if stop.signum is not None:  # a peer stopped first and its collective broke: the stop, not the error, is news
             raise StoppedBySignal("", stop.signum) from None
         raise
+    finally:
+        if metrics_log is not None:
+            metrics_log.close()
     engine.close()
     return metrics

@@ -1,0 +1,121 @@
+"""A recipe run's metrics as they happen, on rank 0: OUT/metrics.csv, and TensorBoard's event files in
+OUT/tensorboard when asked (`tensorboard --logdir OUT/tensorboard` shows them).
+
+One CSV row per optimizer step (loss, learning rate, gradient norm when clipping) and one per evaluation
+(eval_loss, eval_accuracy), appended and flushed as they come, so a run can be watched and a killed run keeps
+what it logged (metrics.csv alone does not make a folder hold a run). A resumed run first drops the rows after
+the step it resumes from (they belong to steps it will take again); TensorBoard does the same with its
+purge_step.
+"""
+
+from __future__ import annotations
+
+import csv
+import logging
+import math
+import os
+import shutil
+from pathlib import Path
+
+log = logging.getLogger("dpkit")
+
+METRICS_CSV = "metrics.csv"
+TENSORBOARD_FOLDER = "tensorboard"
+COLUMNS = ("step", "loss", "lr", "grad_norm", "eval_loss", "eval_accuracy")
+
+
+def tensorboard_writer_class():
+    """torch's SummaryWriter, or one line saying how to install what it needs."""
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:  # torch's writer imports the tensorboard package
+        raise ValueError(
+            "tensorboard: the tensorboard package is not installed; pip install 'dpkit[tensorboard]' "
+            "(or pip install tensorboard), or leave out --tensorboard"
+        ) from None
+    return SummaryWriter
+
+
+class MetricsLog:
+    """Rows of COLUMNS in OUT/metrics.csv and scalars in TensorBoard, from the step `resume_step` on."""
+
+    def __init__(self, out: Path, *, tensorboard: bool, resume_step: int = 0):
+        self.path = out / METRICS_CSV
+        self.resume_step = resume_step
+        self._file = self._csv = None  # opened with the first row: a run that logged nothing leaves no file
+        self._tensorboard = None
+        if tensorboard:
+            writer = tensorboard_writer_class()
+            folder = out / TENSORBOARD_FOLDER
+            if not resume_step:
+                shutil.rmtree(folder, ignore_errors=True)  # a new run's curves, not mixed with an old run's
+            self._tensorboard = writer(str(folder), purge_step=resume_step or None)
+
+    def _open(self) -> None:
+        kept = self._rows_up_to(self.resume_step) if self.resume_step else []
+        self._write_whole(kept)
+        self._file = open(self.path, "a", newline="")  # noqa: SIM115 - kept open for the run, closed by close()
+        self._csv = csv.writer(self._file)
+
+    def _rows_up_to(self, step: int) -> list[list[str]]:
+        if not self.path.is_file():
+            return []
+        with open(self.path, newline="") as file:
+            rows = list(csv.reader(file))
+        if not rows or tuple(rows[0]) != COLUMNS:
+            log.warning("%s has other columns than %s; it starts again", self.path, ", ".join(COLUMNS))
+            return []
+        return [row for row in rows[1:] if row and row[0].isdigit() and int(row[0]) <= step]
+
+    def _write_whole(self, rows: list[list[str]]) -> None:
+        temporary = self.path.with_name(self.path.name + ".tmp")
+        with open(temporary, "w", newline="") as file:
+            writer = csv.writer(file)
+            writer.writerow(COLUMNS)
+            writer.writerows(rows)
+        os.replace(temporary, self.path)
+
+    def add(self, step: int, **values: float | None) -> None:
+        """One row at `step` (1-based: the step just taken), written and flushed now."""
+        unknown = set(values) - set(COLUMNS)
+        if unknown:
+            raise ValueError(f"metrics: unknown column(s) {', '.join(sorted(unknown))}; known: {', '.join(COLUMNS)}")
+        if self._file is None:
+            self._open()
+        self._csv.writerow([step] + [_cell(values.get(name)) for name in COLUMNS[1:]])
+        self._file.flush()
+        if self._tensorboard is not None:
+            for name, value in values.items():
+                if value is not None and math.isfinite(value):
+                    self._tensorboard.add_scalar(_tag(name), value, step)
+
+    def flush(self) -> None:
+        if self._file is not None:
+            self._file.flush()
+        if self._tensorboard is not None:
+            self._tensorboard.flush()
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+        if self._tensorboard is not None:
+            self._tensorboard.close()
+
+
+def _cell(value: float | None) -> str:
+    return "" if value is None else repr(float(value))
+
+
+def _tag(name: str) -> str:
+    """TensorBoard's grouping: train/loss, train/lr, eval/loss, eval/accuracy."""
+    if name.startswith("eval_"):
+        return "eval/" + name.removeprefix("eval_")
+    return "train/" + name
+
+
+def read_metrics_csv(path: str | os.PathLike) -> list[dict[str, float | None]]:
+    """metrics.csv back as dicts (empty cells None), e.g. for a plot or a test."""
+    with open(path, newline="") as file:
+        return [
+            {name: (float(cell) if cell != "" else None) for name, cell in row.items()} for row in csv.DictReader(file)
+        ]
