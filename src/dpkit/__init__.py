@@ -11,6 +11,7 @@ from dpkit.devices import cpu_devices
 from dpkit.errors import DpkitError
 from dpkit.observe import Observer
 from dpkit.parallel import Broadcast, DataParallel, split_sizes
+from dpkit.plan.auto import choose_strategy
 from dpkit.training.checkpoint import (
     CheckpointCorruptError,
     CheckpointMismatchError,
@@ -35,6 +36,7 @@ __all__ = [
     "DpkitError",
     "Engine",
     "Observer",
+    "choose_strategy",
     "cpu_devices",
     "load_model",
     "observe",

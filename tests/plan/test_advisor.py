@@ -47,7 +47,31 @@ def test_ddp_is_preferable_when_dp_pays_for_the_link():
     result = plan("gpt2-124m", "a100-80gb-pcie", "pcie4", [1, 2, 4, 8], 4, "bf16-mixed", UNSHARDED)
     assert result.recommendation.strategy == "ddp"
     assert any(reason.startswith("bottleneck link: pcie4") for reason in result.recommendation.reasons)
-    assert any("with the fastest link" in reason for reason in result.recommendation.reasons)
+    # an A100 PCIe card has no faster link in the catalogue: no link is offered, though faster ones exist
+    assert CATALOGUE.gpu("a100-80gb-pcie").links == ("pcie4",)
+    assert not any("link" in reason for reason in result.recommendation.reasons if "would change" in reason)
+
+
+def link_advice(result):
+    return [reason for reason in result.recommendation.reasons if "would change the answer: with" in reason][0]
+
+
+def test_the_faster_link_advice_names_a_link_the_gpu_can_have():
+    # an H100 SXM planned over PCIe 4: its own link, nvlink4, is offered and named, with what it would give
+    result = plan("gpt2-124m", "h100-sxm", "pcie4", [1, 2, 4, 8], 4, "bf16-mixed", UNSHARDED)
+    advice = link_advice(result)
+    assert advice.startswith("what would change the answer: with nvlink4, the fastest link for h100-sxm: best ")
+    nvlinked = plan("gpt2-124m", "h100-sxm", "nvlink4", [1, 2, 4, 8], 4, "bf16-mixed", UNSHARDED)
+    best = max((p for p in nvlinked.predictions if p.devices == 8), key=lambda p: p.samples_per_second)
+    assert f"best {best.strategy} {best.speedup:.2f}x" in advice  # the plan re-run on that link
+    # an H100 PCIe card over PCIe 4 is offered its PCIe 5, not the NVLink of SXM boards
+    pcie = link_advice(plan("gpt2-124m", "h100-pcie", "pcie4", [1, 2, 4, 8], 4, "bf16-mixed", UNSHARDED))
+    assert "with pcie5, the fastest link for h100-pcie" in pcie and "nvlink" not in pcie
+    # the RTX 3090's NVLink bridge joins two cards: offered on 2 devices, not on 8
+    two = plan("gpt2-124m", "rtx-3090", "pcie4", [1, 2], 4, "bf16-mixed", UNSHARDED)
+    assert "with nvlink-bridge, the fastest link for rtx-3090" in link_advice(two)
+    eight = plan("gpt2-124m", "rtx-3090", "pcie4", [1, 8], 4, "bf16-mixed", UNSHARDED)
+    assert not any("nvlink-bridge" in reason for reason in eight.recommendation.reasons)
 
 
 def test_neither_helps_across_a_slow_network():

@@ -204,3 +204,79 @@ def test_bad_files(tmp_path):
     other.write_text("gpus: {}")
     with pytest.raises(ValueError, match=r"\.json or \.toml"):
         Catalogue.load(other)
+
+
+def test_every_gpu_names_its_usual_link_and_its_host_link(catalogue):
+    for name, gpu in catalogue.gpus.items():
+        assert gpu.links and all(link in catalogue.links for link in gpu.links), name
+        assert catalogue.usual_link(name) is catalogue.link(gpu.links[0])
+        assert catalogue.host_link(name).name.startswith("pcie")
+        # an SXM board's GPUs are joined by NVLink; a PCIe card's by its PCIe generation (or a bridge, after it)
+        assert gpu.usual_link.startswith("nvlink" if "sxm" in name else "pcie"), name
+        if "pcie" in name:
+            assert gpu.usual_link == gpu.host_link
+    assert catalogue.usual_link("H100-SXM").name == "nvlink4"  # names ignore case, as everywhere
+    assert [link.name for link in catalogue.links_of("rtx-3090")] == ["pcie4", "nvlink-bridge"]
+    assert catalogue.gpus_with_link("nvlink-bridge") == ["rtx-3090"]
+    assert set(catalogue.gpus_with_link("nvlink4")) == {"h100-sxm", "h200-sxm"}
+
+
+def test_user_file_gives_links_and_a_new_gpu_may_have_none(tmp_path):
+    path = tmp_path / "mine.json"
+    path.write_text(
+        json.dumps(
+            {
+                "gpus": {
+                    "my-gpu": {
+                        "peak_flops": {"32": 1e13, "tf32": 2e13, "bf16-mixed": 4e13, "16-mixed": 4e13},
+                        "memory_bytes": 8 * 2**30,
+                        "memory_bytes_per_second": 4e11,
+                    },
+                    "a100-80gb-pcie": {"links": ["pcie4", "my-bridge"]},
+                },
+                "links": {
+                    "my-bridge": {
+                        "nominal_bytes_per_second": 300e9,
+                        "achieved_bytes_per_second": 200e9,
+                        "latency_seconds": 3e-6,
+                        "max_devices": 2,
+                    }
+                },
+            }
+        )
+    )
+    catalogue = Catalogue.load(path)
+    assert catalogue.usual_link("my-gpu") is None and catalogue.links_of("my-gpu") == []
+    assert [link.name for link in catalogue.links_of("a100-80gb-pcie")] == ["pcie4", "my-bridge"]
+    assert catalogue.host_link("a100-80gb-pcie").name == "pcie4"  # untouched fields stay
+    assert catalogue.to_dict()["gpus"]["a100-80gb-pcie"]["links"] == ["pcie4", "my-bridge"]
+
+
+@pytest.mark.parametrize(
+    "body, expected",
+    [
+        ({"links": ["nvlink9"]}, "gpus.t4.links: unknown link 'nvlink9'"),
+        ({"links": "pcie3"}, "gpus.t4.links: expected a list of link names"),
+        ({"host_link": "pcie9"}, "gpus.t4.host_link: unknown link 'pcie9'"),
+        ({"host_link": 3}, "gpus.t4.host_link: expected a link name"),
+    ],
+)
+def test_a_gpu_names_only_links_of_the_catalogue(tmp_path, body, expected):
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps({"gpus": {"t4": body}}))
+    with pytest.raises(ValueError) as info:
+        Catalogue.load(path)
+    assert "\n" not in str(info.value) and str(path) in str(info.value) and expected in str(info.value)
+
+
+def test_unknown_names_point_to_dpkit_catalogue(catalogue):
+    for method, section in (("gpu", "gpus"), ("link", "links"), ("network", "networks")):
+        with pytest.raises(ValueError, match=f"`dpkit catalogue {section}` lists them"):
+            getattr(catalogue, method)("nothing-of-the-kind")
+
+
+def test_to_dict_round_trips_through_a_user_file(tmp_path, catalogue):
+    path = tmp_path / "copy.json"
+    path.write_text(json.dumps(catalogue.to_dict()))
+    again = Catalogue.load(path)
+    assert again.gpus == catalogue.gpus and again.links == catalogue.links and again.networks == catalogue.networks

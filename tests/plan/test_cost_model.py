@@ -7,6 +7,8 @@ import pytest
 
 from dpkit.plan.catalogue import Catalogue, Link
 from dpkit.plan.cost_model import (
+    OPTIMIZER_STATE_BYTES_PER_PARAMETER,
+    BatchSize,
     CostConstants,
     Hardware,
     Sizing,
@@ -419,3 +421,56 @@ def test_smallest_fitting_devices_is_the_fewest_on_which_the_fullest_device_fits
     given = given_profile(1e9)
     assert given.unit_parameters == given.parameters and given.units == 1
     assert given_profile(1e9, largest_unit_parameters=1e8).units == 10
+
+
+def test_a_global_batch_is_split_and_the_fullest_share_sets_the_step():
+    profile = builtin_profile("resnet50")
+    hardware = Hardware(CATALOGUE.gpu("a100-80gb-sxm"), CATALOGUE.link("nvlink3"))
+    batch = BatchSize(100, per_device=False)
+    assert [batch.share(n) for n in (1, 3, 8, 100)] == [100, 34, 13, 1]
+    assert batch.total(8) == 100 and BatchSize(8).total(4) == 32 and BatchSize(8).share(4) == 8
+    planned = predict_all(profile, hardware, ["single", "ddp"], [1, 3, 8], batch)
+    by_devices = {p.devices: p for p in planned if p.strategy == "ddp"}
+    for devices, p in by_devices.items():
+        # the fullest device's share: its step time and memory are those of that batch per device
+        alone = predict(profile, hardware, "ddp", devices, -(-100 // devices))
+        assert p.batch_per_device == -(-100 // devices) and p.batch == 100
+        assert p.step_seconds == pytest.approx(alone.step_seconds)
+        assert p.peak_bytes_per_device == alone.peak_bytes_per_device
+        # but the step moves the global batch, not the share times the devices
+        assert p.samples_per_second == pytest.approx(100 / p.step_seconds)
+        assert p.to_dict()["batch_size"] == 100 and p.to_dict()["batch_size_per_device"] == p.batch_per_device
+    # against one device running the whole batch
+    single = next(p for p in planned if p.strategy == "single")
+    assert (single.batch_per_device, single.speedup) == (100, pytest.approx(1.0))
+    assert by_devices[8].speedup == pytest.approx(single.step_seconds / by_devices[8].step_seconds)
+    # a plain number is a batch per device, as before
+    per_device = predict_all(profile, hardware, ["ddp"], [8], 13)[0]
+    assert per_device.batch == 104 and per_device.samples_per_second == pytest.approx(104 / per_device.step_seconds)
+    with pytest.raises(ValueError, match="batch_size: 4 samples leave some of the 8 devices"):
+        predict(profile, hardware, "ddp", 8, 1, global_batch=4)
+    with pytest.raises(ValueError, match="batch_size: expected a positive number"):
+        BatchSize(0, per_device=False)
+
+
+def test_sizing_with_a_global_batch_shrinks_the_share_on_more_devices():
+    profile = builtin_profile("llama-7b", seq_len=512)
+    hardware = Hardware(CATALOGUE.gpu("a100-80gb-sxm"), CATALOGUE.link("nvlink3"))
+    sizing = Sizing(profile, hardware, BatchSize(16, per_device=False), "bf16-mixed")
+    assert [sizing.share(n) for n in (1, 4, 16)] == [16, 4, 1]
+    for devices in (2, 4, 8):
+        assert sizing.peak_bytes(SHARDED, devices) == max(
+            memory_per_device(profile, SHARDED, devices, 16 // devices, "bf16-mixed")[0]
+        )
+    smallest = sizing.smallest_fitting_devices(SHARDED)
+    assert sizing.fits(SHARDED, smallest) and not sizing.fits(SHARDED, smallest - 1)
+
+
+def test_adamw_keeps_adams_state_and_decays_the_weights_in_one_more_pass():
+    profile = builtin_profile("gpt2-124m")
+    hardware = Hardware(CATALOGUE.gpu("h100-sxm"), CATALOGUE.link("nvlink4"))
+    adam, adamw = (predict(profile, hardware, "ddp", 2, 8, optimizer=name) for name in ("adam", "adamw"))
+    assert adam.peak_bytes_per_device == adamw.peak_bytes_per_device
+    assert OPTIMIZER_STATE_BYTES_PER_PARAMETER["adamw"] == OPTIMIZER_STATE_BYTES_PER_PARAMETER["adam"]
+    extra = adamw.breakdown["optimizer"] - adam.breakdown["optimizer"]
+    assert extra == pytest.approx(8 * profile.parameters / hardware.gpu.memory_bytes_per_second)

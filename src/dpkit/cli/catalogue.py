@@ -72,10 +72,13 @@ def gpu_lines(catalogue: Catalogue) -> list[str]:
         "and its bandwidth (TB/s); dense TFLOPS per precision"
     )
     lines += fitted_table(header, rows, keep=1, left=3)
+    launches = sorted({gpu.launch_seconds or constants.launch_seconds for gpu in catalogue.gpus.values()})
     lines += wrap(
-        f"Every GPU: {constants.launch_seconds * 1e6:g} µs of host time per kernel launch and "
-        f"{constants.compute_efficiency:.0%} of peak reached in a training step: cost constants, not catalogue "
-        "figures (dpkit plan --calibration fits them to a dpkit bench run)."
+        "Host time per kernel launch: "
+        + ", ".join(f"{seconds * 1e6:g} µs" for seconds in launches)
+        + " (the catalogue's launch_seconds of each GPU); "
+        f"{constants.compute_efficiency:.0%} of peak reached in a training step, a cost constant (dpkit plan "
+        "--calibration fits both to a dpkit bench run)."
     )
     return lines
 

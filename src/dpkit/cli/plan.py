@@ -1,12 +1,6 @@
 """`dpkit plan`: predict step time, throughput, scaling and memory per strategy and device count, and
 recommend one, before running anything.
 
-    dpkit plan --model gpt2-124m --gpu h100-sxm --link nvlink4 --devices 1,2,4,8 --batch-size-per-device 8 \\
-               --precision bf16-mixed --json plan.json --png plan.png
-    dpkit plan --model mypkg.models:build --input-shape 3,224,224 --gpu a100-80gb-sxm --link pcie4 ...
-    dpkit plan --params 125e6 --flops-per-sample 2.5e11 --gpu h100-sxm --link pcie4 ...
-    dpkit plan --model mypkg.models:build --input-shape 64 --calibration bench.json   # this machine, fitted
-
 The formulas and their sources are in docs/cost-model.md. When nothing fits, the recommendation names no
 strategy (printed as "recommendation: none", JSON "strategy": null) and its reasons, with "would_fit" in the
 JSON, say what would: the device count on which the sharded strategy fits, CPU offload, a smaller batch.
@@ -15,29 +9,70 @@ JSON, say what would: the device count on which the sharded strategy fits, CPU o
 from __future__ import annotations
 
 import argparse
+from dataclasses import replace
 
-from dpkit.cli.flags import comma_ints
-from dpkit.plan.calibration import calibrate
-from dpkit.plan.catalogue import Catalogue
-from dpkit.plan.cost_model import CostConstants, Hardware
+from dpkit.cli import vocabulary
+from dpkit.plan.catalogue import PRECISIONS, Catalogue
+from dpkit.plan.cost_model import OPTIMIZER_STATE_BYTES_PER_PARAMETER, BatchSize, CostConstants, Hardware
 from dpkit.plan.planner import make_plan
 from dpkit.plan.profiles import BUILTIN_PROFILES, ModelProfile, builtin_profile, given_profile, measure_model
-from dpkit.strategies import available_strategies, strategy_class
+from dpkit.plan.tables import wrap
+from dpkit.strategies import PER_DEVICE, strategy_class
 
 # library arguments this command spells differently
-SPELLED = {"batch_per_device": "--batch-size-per-device", "strategy": "--strategies"}
+SPELLED = {
+    "batch_per_device": "--batch-size-per-device",
+    "strategy": "--strategies",
+    "devices": "--device-counts",
+    "catalogue_file": "--catalogue",
+}
+
+DESCRIPTION = """\
+Predict, before running anything, how long one training step takes under each strategy on each
+device count, where the time goes (phase by phase), how much memory the fullest device needs and the
+largest batch that fits; then recommend a strategy and say why, what limits it and what would change
+the answer. The hardware comes from the catalogue (`dpkit catalogue` lists it; --link defaults to
+the GPU's usual link), or from this machine with --calibration. The formulas and their sources are
+in docs/cost-model.md."""
+
+EXAMPLES = [
+    "dpkit plan --model gpt2-124m --gpu h100-sxm --batch-size-per-device 8 --json plan.json",
+    "dpkit plan --model llama-7b --gpu a100-80gb-sxm --batch-size 8 --precision bf16-mixed",
+    "dpkit plan --model resnet50 --gpu rtx-3090 --link pcie4 --batch-size 256 --png plan.png",
+    "dpkit plan --params 125e6 --flops-per-sample 2.5e11 --gpu h100-pcie --batch-size-per-device 16",
+    "dpkit plan --model mypkg.models:build --input-shape 64 --calibration bench.json --batch-size 256",
+    "dpkit plan --example launch-bound --gpu a100-80gb-sxm --batch-size 32 --device-counts 1,2",
+]
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    parser = subparsers.add_parser("plan", help="predict step time, scaling and memory per strategy; recommend one")
+    parser = vocabulary.add_verb(
+        subparsers,
+        "plan",
+        "predict step time, scaling and memory per strategy; recommend one",
+        DESCRIPTION,
+        EXAMPLES,
+    )
     model = parser.add_argument_group("model")
-    model.add_argument(
-        "--model", help=f"a built-in profile ({', '.join(BUILTIN_PROFILES)}) or 'package.module:factory'"
+    vocabulary._tag(
+        model.add_argument(
+            "--model",
+            help=vocabulary.VOCABULARY["--model"] + f", or a built-in profile: {', '.join(BUILTIN_PROFILES)}",
+        ),
+        "--model",
     )
-    model.add_argument(
-        "--input-shape", help="per-sample input shape, e.g. 3,224,224 (a factory needs it; scales a CNN profile)"
+    from dpkit.examples import EXAMPLES as BUILT_IN_EXAMPLES
+
+    vocabulary._tag(
+        model.add_argument(
+            "--example",
+            help=vocabulary.VOCABULARY["--example"]
+            + f" (its model, traced; instead of --model): {', '.join(sorted(BUILT_IN_EXAMPLES))}",
+        ),
+        "--example",
     )
-    model.add_argument("--seq-len", type=int, help="sequence length for a transformer profile")
+    vocabulary.add_input_shape(model, " (a factory needs it; it scales a CNN profile)")
+    model.add_argument("--seq-len", type=vocabulary.positive_int, help="sequence length for a transformer profile")
     model.add_argument("--params", type=float, help="parameter count, instead of --model (e.g. 125e6)")
     model.add_argument("--flops-per-sample", type=float, help="forward FLOPs per sample (with --params)")
     model.add_argument("--activation-bytes-per-sample", type=float, help="activation bytes per sample (with --params)")
@@ -60,29 +95,46 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         "(with --params; default: the whole model)",
     )
     hardware = parser.add_argument_group("hardware")
-    hardware.add_argument("--gpu", help="a GPU of the catalogue, e.g. h100-sxm (not needed with a CPU --calibration)")
-    hardware.add_argument("--link", help="the link between the GPUs of a node, e.g. nvlink4, pcie4")
-    hardware.add_argument("--nodes", type=int, default=1, help="nodes (ddp only spans nodes; default 1)")
-    hardware.add_argument("--network", help="the network between nodes, e.g. ib-200g (with --nodes > 1)")
-    hardware.add_argument("--catalogue", help="a JSON/TOML file adding to or overriding the hardware catalogue")
-    parser.add_argument(
-        "--devices", default="1,2,4,8", help="devices per node to predict, comma-separated (default: 1,2,4,8)"
+    hardware.add_argument(
+        "--gpu",
+        help="a GPU of the catalogue, e.g. h100-sxm (not needed with a CPU --calibration; dpkit catalogue gpus)",
     )
-    parser.add_argument("--batch-size-per-device", type=int, required=True, help="samples per device per step")
-    parser.add_argument("--precision", default="32", choices=["32", "tf32", "bf16-mixed", "16-mixed"])
-    parser.add_argument("--optimizer", default="adam", choices=["adam", "sgd"])
-    parser.add_argument(
-        "--strategies", default=",".join(available_strategies()), help="comma-separated (default: every strategy)"
+    vocabulary.add_link(hardware, " (default: the GPU's usual link, from the catalogue)")
+    hardware.add_argument(
+        "--nodes", type=vocabulary.positive_int, default=1, help="nodes (only ddp and fsdp span them)"
     )
-    parser.add_argument("--calibration", help="a dpkit bench JSON to fit the compute and overhead constants to")
-    parser.add_argument("--json", help="write the plan as JSON here")
-    parser.add_argument("--png", help="write throughput and step-breakdown plots here")
+    hardware.add_argument(
+        "--network", help="the network between nodes, e.g. ib-200g (with --nodes > 1; dpkit catalogue networks)"
+    )
+    vocabulary.add_catalogue(hardware)
+    run_group = parser.add_argument_group("what to plan")
+    vocabulary.add_device_counts(run_group, "1,2,4,8")
+    vocabulary.add_batch_size(run_group, "none: give --batch-size or --batch-size-per-device")
+    vocabulary.add_strategies(run_group)
+    vocabulary.add_precision(run_group, choices=PRECISIONS)  # the catalogue's: tf32 is a rate, not a mode
+    vocabulary.add_optimizer(run_group, "adam", choices=tuple(OPTIMIZER_STATE_BYTES_PER_PARAMETER))
+    run_group.add_argument(
+        "--calibration",
+        action="append",
+        help="a dpkit bench JSON to fit the compute and per-step constants to; repeat it to fit several runs at "
+        "once (a launch-bound model and a compute-bound one tell the per-step costs from the arithmetic)",
+    )
+    vocabulary.add_outputs(parser, png="throughput per strategy and the step by phase")
     return parser
 
 
 def load_profile(args: argparse.Namespace) -> ModelProfile:
-    if args.model and args.params is not None:
-        raise ValueError("--model/--params: give a model or its numbers, not both")
+    given = [flag for flag, value in (("--example", args.example), ("--model", args.model)) if value]
+    if args.params is not None:
+        given.append("--params")
+    if len(given) > 1:
+        raise ValueError(f"{given[0]}/{given[1]}: give one model: --example, --model or the numbers with --params")
+    if args.example:
+        from dpkit.examples import get_example
+
+        example = get_example(args.example)
+        x = example.load_data(0)[0]
+        return measure_model(example.build_model, tuple(x.shape[1:]), input_dtype=x.dtype, name=args.example)
     if args.largest_unit_params is not None and args.params is None:
         raise ValueError("--largest-unit-params: goes with --params (a model's units are counted from the model)")
     if args.params is not None:
@@ -97,8 +149,10 @@ def load_profile(args: argparse.Namespace) -> ModelProfile:
             largest_unit_parameters=args.largest_unit_params,
         )
     if not args.model:
-        raise ValueError("--model: give a built-in profile, 'package.module:factory', or the numbers with --params")
-    shape = tuple(comma_ints("--input-shape", args.input_shape)) if args.input_shape else None
+        raise ValueError(
+            "--model: give a built-in profile, 'package.module:factory', --example NAME, or the numbers with --params"
+        )
+    shape = tuple(args.input_shape) if args.input_shape else None
     if ":" in args.model:
         from dpkit.examples import load_factory
 
@@ -111,61 +165,127 @@ def load_profile(args: argparse.Namespace) -> ModelProfile:
     return builtin_profile(args.model, shape, args.seq_len)
 
 
-def run(args: argparse.Namespace) -> int:
-    profile = load_profile(args)
-    catalogue = Catalogue.load(args.catalogue)
-    strategies = [s.strip() for s in args.strategies.split(",") if s.strip()]
-    for name in strategies:
-        strategy_class(name, argument="--strategies")  # raises on an unknown name, listing the registry's strategies
-    devices = comma_ints("--devices", args.devices)
-    if args.nodes < 1:
-        raise ValueError(f"--nodes: expected at least 1, got {args.nodes}")
+def batch_from_args(args: argparse.Namespace) -> BatchSize:
+    """--batch-size (global) or --batch-size-per-device, checked against the most devices planned."""
+    if args.batch_size is None and args.batch_size_per_device is None:
+        raise ValueError(
+            "--batch-size: give the batch, --batch-size N (over all devices, split across them) "
+            "or --batch-size-per-device N"
+        )
+    if args.batch_size_per_device is not None:
+        return BatchSize(args.batch_size_per_device)
+    spans = args.nodes > 1 and any(strategy_class(s).traits.processes == PER_DEVICE for s in args.strategies)
+    most = max(args.device_counts) * (args.nodes if spans else 1)
+    if args.batch_size < most:
+        raise ValueError(
+            f"--batch-size: {args.batch_size} samples cannot give each of {most} devices one "
+            f"(--device-counts {','.join(map(str, args.device_counts))}"
+            + (f" on {args.nodes} nodes" if spans else "")
+            + f"); give at least {most}, or --batch-size-per-device"
+        )
+    return BatchSize(args.batch_size, per_device=False)
+
+
+def hardware_from_args(args: argparse.Namespace, catalogue: Catalogue) -> tuple[Hardware | None, str]:
+    """The catalogue's hardware named by --gpu, --link (default: the GPU's usual one), --nodes and --network,
+    with a note on the link; None when this machine is planned from a CPU --calibration alone."""
     if args.nodes > 1 and not args.network:
-        raise ValueError("--network: --nodes > 1 needs the network between nodes, e.g. --network ib-200g")
-    hardware = None
-    if args.gpu or args.link or not args.calibration:
-        if not args.gpu or not args.link:
+        raise ValueError(
+            "--network: --nodes > 1 needs the network between nodes, e.g. --network ib-200g "
+            "(`dpkit catalogue networks` lists them)"
+        )
+    network = catalogue.network(args.network) if args.network else None
+    if not args.gpu:
+        if args.link:
             raise ValueError(
-                "--gpu/--link: name both (e.g. --gpu h100-sxm --link nvlink4), "
+                "--gpu: --link joins GPUs of the catalogue; name them too, e.g. --gpu h100-sxm "
+                "(`dpkit catalogue gpus` lists them)"
+            )
+        if not args.calibration:
+            raise ValueError(
+                "--gpu: name a GPU of the catalogue, e.g. --gpu h100-sxm (`dpkit catalogue gpus` lists them), "
                 "or plan for this machine with --calibration bench.json"
             )
-        hardware = Hardware(
-            catalogue.gpu(args.gpu),
-            catalogue.link(args.link),
-            catalogue.network(args.network) if args.network else None,
-            args.nodes,
+        return None, ""
+    gpu = catalogue.gpu(args.gpu)
+    usual = catalogue.usual_link(gpu)
+    if args.link:
+        link = catalogue.link(args.link)
+        note = (
+            ""
+            if not gpu.links or link.name in gpu.links
+            else f" (not one of {gpu.name}'s links in the catalogue: {', '.join(gpu.links)})"
         )
+    elif usual is None:
+        raise ValueError(
+            f"--link: the catalogue names no usual link for {gpu.name}; name one, e.g. --link pcie4 "
+            "(`dpkit catalogue links` lists them)"
+        )
+    else:
+        link, note = usual, f" (the usual one for {gpu.name}; --link to change)"
+    return Hardware(gpu, link, network, args.nodes), note
+
+
+def _parameters(count: float) -> str:
+    """124.0M, 6.74B, 38,390."""
+    for suffix, scale in (("B", 1e9), ("M", 1e6)):
+        if count >= scale:
+            return f"{count / scale:.3g}{suffix}" if count < 100 * scale else f"{count / scale:,.1f}{suffix}"
+    return f"{count:,.0f}"
+
+
+def _flops(flops: float) -> str:
+    """272 GFLOP, 28 TFLOP, 75.8 kFLOP: three significant figures with an SI prefix."""
+    for prefix, scale in (("P", 1e15), ("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if flops >= scale:
+            return f"{flops / scale:.3g} {prefix}FLOP"
+    return f"{flops:.3g} FLOP"
+
+
+def run(args: argparse.Namespace) -> int:
+    # every flag checked before any work (measuring a factory, fitting a calibration)
+    catalogue = Catalogue.load(args.catalogue)
+    hardware, link_note = hardware_from_args(args, catalogue)
+    batch = batch_from_args(args)
+    profile = load_profile(args)
     constants = CostConstants()
+    calibrated = ""
     if args.calibration:
+        from dpkit.plan.calibration import calibrate
+
         calibration = calibrate(args.calibration, hardware)
         hardware, constants = calibration.for_hardware(hardware)
-        print(
-            f"calibrated on {args.calibration}: fitted step times within {calibration.median_abs_error:.0%} "
-            f"(median absolute error over {len(calibration.fit_errors)} configurations)"
+        calibrated = (
+            f"calibrated on {', '.join(args.calibration)}: fitted step times within "
+            f"{calibration.median_abs_error:.0%} (median absolute error over {len(calibration.fit_errors)} "
+            "configurations)"
         )
         if args.nodes > 1:
-            from dataclasses import replace
-
             hardware = replace(hardware, nodes=args.nodes, network=catalogue.network(args.network))
     plan = make_plan(
         profile,
         hardware,
-        strategies,
-        devices,
-        args.batch_size_per_device,
+        args.strategies,
+        args.device_counts,
+        batch,
         args.precision,
         constants,
         args.optimizer,
         links=catalogue.links if not hardware.shared_compute else None,
         networks=catalogue.networks,
     )
-    print(
-        f"dpkit plan: {profile.name} ({profile.parameters / 1e6:,.1f}M parameters, "
-        f"{profile.flops_per_sample / 1e9:,.3g} GFLOP "
-        f"forward per sample) on {hardware.gpu.name}, link {hardware.link.name}"
-        + (f", {hardware.nodes} nodes over {hardware.network.name}" if hardware.nodes > 1 else "")
-        + f"; batch {args.batch_size_per_device} per device, precision {args.precision}"
+    plan.meta["link_assumed"] = bool(link_note.startswith(" (the usual"))
+    lines = wrap(
+        f"dpkit plan: {profile.name}, {_parameters(profile.parameters)} parameters, "
+        f"{_flops(profile.flops_per_sample)} forward per sample"
     )
+    nodes = f"{hardware.nodes} nodes of " if hardware.nodes > 1 else ""
+    network = f", network {hardware.network.name}" if hardware.nodes > 1 else ""
+    lines += wrap(f"hardware: {nodes}{hardware.gpu.name}, link {hardware.link.name}{link_note}{network}")
+    lines += wrap(f"batch {batch.describe()}, precision {args.precision}, optimizer {args.optimizer}")
+    if calibrated:
+        lines += wrap(calibrated)
+    print("\n".join(lines) + "\n")
     print(plan.format_table())
     if args.json:
         print(f"wrote {plan.save_json(args.json)}")

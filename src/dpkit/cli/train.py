@@ -28,6 +28,7 @@ from dpkit.cli.vocabulary import (
     add_verb,
     positive_int,
 )
+from dpkit.devices import resolve_devices
 from dpkit.launch import Command
 from dpkit.training.optimization import SCHEDULES
 from dpkit.training.recipe import BEST_BY, CHANGEABLE, TrainConfig
@@ -42,9 +43,12 @@ Train a built-in example, or your model factory and data loader, with any strate
 evaluation; TensorBoard too with --tensorboard), run.json (the settings, kept current), and with
 --checkpoint-every the resumable state. The same seed gives the same model with every strategy. Strategies
 with a process per device (ddp, fsdp) start their processes themselves. A stopped run continues with
---resume; a resumed run may change the learning rate, schedule or clipping when it says so (--change)."""
+--resume; a resumed run may change the learning rate, schedule or clipping when it says so (--change).
+With --devices N > 1 and no --strategy, auto picks the strategy for the model, batch and devices (one device
+when data parallelism would be slower) and says why in one line."""
 
 EXAMPLES = (
+    "dpkit train --devices 2 --out runs/a              # auto: the strategy that pays, said in one line",
     "dpkit train --strategy ddp --devices 2 --out runs/a",
     "dpkit train --optimizer adamw --lr 3e-3 --schedule cosine --lr-warmup-steps 10 --clip-grad-norm 1 "
     "--eval-every 20 --keep-best accuracy --out runs/b",
@@ -64,7 +68,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     )
     add_model_source(parser, "digits")
     run = parser.add_argument_group("devices and strategy")
-    add_strategy(run, "single")
+    add_strategy(
+        run,
+        None,
+        auto="the fastest that fits for this model, batch and these devices, said in one line (default: auto when "
+        "--devices gives more than one device, else single)",
+    )
     add_accelerator(run)
     add_devices(run)
     add_precision(run)
@@ -125,6 +134,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     return parser
 
 
+def default_strategy(args: argparse.Namespace) -> str:
+    """auto when --devices gives several devices, else single (--devices auto alone keeps one device)."""
+    if args.devices == "auto":
+        return "single"
+    return "auto" if len(resolve_devices(args.accelerator, args.devices)) > 1 else "single"
+
+
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
     argv = list(args.argv)
     resume_argv = [a for a in argv if a != "--overwrite"] + ([] if "--resume" in argv else ["--resume"])
@@ -132,6 +148,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
     return from_args(
         TrainConfig,
         args,
+        strategy=args.strategy or default_strategy(args),
         hang_timeout_seconds=args.hang_timeout,
         change=change,
         batch_size=args.batch_size if args.batch_size is not None else TrainConfig.batch_size,

@@ -21,7 +21,7 @@ VOCABULARY = {
     "(every GPU, else 2 virtual CPU devices)",
     "--device-counts": "device counts to compare, comma-separated (1,2,4)",
     "--nproc-per-node": "processes to start on this node, one per device: a count or auto (every GPU, else 2)",
-    "--strategy": "one strategy: " + ", ".join(available_strategies()),
+    "--strategy": "one strategy: " + ", ".join(available_strategies()) + " (train: also auto)",
     "--strategies": "strategies to compare, comma-separated",
     "--batch-size": "samples per optimizer step over all devices, split across them",
     "--batch-size-per-device": "samples per device per step; the global batch is this times the devices",
@@ -157,11 +157,11 @@ def add_nproc_per_node(parser: argparse.ArgumentParser, default: int | str | Non
     )
 
 
-def add_strategy(parser: argparse.ArgumentParser, default: str) -> None:
-    _tag(
-        parser.add_argument("--strategy", default=default, choices=available_strategies(), help="the strategy"),
-        "--strategy",
-    )
+def add_strategy(parser: argparse.ArgumentParser, default: str | None, *, auto: str = "") -> None:
+    """--strategy: one of the registry's; with `auto` (its help) also "auto", chosen for the model and devices."""
+    choices = [*available_strategies(), *(["auto"] if auto else [])]
+    text = "the strategy" + (f"; auto: {auto}" if auto else "")
+    _tag(parser.add_argument("--strategy", default=default, choices=choices, help=text), "--strategy")
 
 
 def strategy_list(text: str) -> list[str]:

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from dpkit.examples.digits import DigitsMLP, load_digits
+from dpkit.examples.launch_bound import LaunchBoundConvNet, LaunchBoundMLP, load_digit_images, make_launch_bound_data
 from dpkit.examples.wide_blocks import WideBlocksNet, make_wide_blocks_data
 from dpkit.examples.wide_output import WideOutputNet, make_wide_output_data
 
@@ -43,6 +44,18 @@ EXAMPLES: dict[str, Example] = {
         WideBlocksNet,
         make_wide_blocks_data,
         "4 residual blocks of 960-wide layers (7.4M parameters: weights dominate memory), synthetic data from a seed",
+    ),
+    "launch-bound": Example(
+        "launch-bound",
+        LaunchBoundMLP,
+        make_launch_bound_data,
+        "40 residual Linear(32, 32) + ReLU layers (launch-bound: a step is mostly operator launches), synthetic data",
+    ),
+    "launch-bound-conv": Example(
+        "launch-bound-conv",
+        LaunchBoundConvNet,
+        load_digit_images,
+        "12 small Conv2d(8, 8, 3) + ReLU layers on the bundled 8x8 digits as images (launch-bound)",
     ),
 }
 

@@ -38,6 +38,7 @@ DP_FINE_RATIO = 0.9  # DP is fine when it reaches this share of the best through
 # steps only its shard of the optimizer) must outweigh what the model does not see of its per-unit hooks
 SHARDING_WORTH = 1.1
 HELPS_SPEEDUP = 1.1  # below this, more devices do not help
+LAUNCH_BOUND_SHARE = 0.5  # a step whose launches and per-step Python are this share of it is launch-bound
 
 
 @dataclass
@@ -106,21 +107,46 @@ def _losses(prediction: Prediction) -> str:
         reverse=True,
     )
     step = prediction.step_seconds
+    words = phase_words(prediction.strategy)
     return ", ".join(
-        f"{PHASE_WORDS.get(name, name)} {seconds / step:.0%}" for seconds, name in parts[:3] if seconds / step >= 0.01
+        f"{words.get(name, name)} {seconds / step:.0%}" for seconds, name in parts[:3] if seconds / step >= 0.01
     )
+
+
+def phase_words(strategy: str) -> dict[str, str]:
+    """PHASE_WORDS for a strategy: launches hold the GIL only where one process drives several replicas."""
+    if strategy_class(strategy).traits.threads_per_step:
+        return PHASE_WORDS
+    return {**PHASE_WORDS, "launch": "kernel launches"}
+
+
+def launch_share(prediction: Prediction) -> float:
+    """The share of a step that goes to launching kernels and the per-step Python around them."""
+    host = prediction.breakdown.get("launch", 0.0) + prediction.breakdown.get("overhead", 0.0)
+    return host / prediction.step_seconds if prediction.step_seconds > 0 else 0.0
+
+
+# payoff(strategy, devices per node) -> from which batch the strategy outruns one device, in words (or None)
+Payoff = Callable[[str, int], str | None]
+
+# what_if(change, devices per node) -> (the change in words, the plan re-run with it), or None where the change
+# does not apply ("faster-link": the fastest link the GPU can have that joins that many devices)
+WhatIf = Callable[[str, int], tuple[str, list[Prediction]] | None]
+CHANGES = ("faster-link", "faster-network", "double-batch")
 
 
 def recommend(
     predictions: list[Prediction],
     link_name: str = "",
     network_name: str = "",
-    what_if: Callable[[str], list[Prediction]] | None = None,
+    what_if: WhatIf | None = None,
     sizing: Sizing | None = None,
+    payoff: Payoff | None = None,
 ) -> Recommendation:
-    """`what_if(change)` may re-run the plan with "faster-link" or "double-batch" for the last reason;
+    """`what_if(change, devices)` may re-run the plan with each of CHANGES for the last reasons;
     `sizing` answers what the predictions do not when little or nothing fits (on how many devices the
-    sharded strategy fits, CPU offload, a smaller batch)."""
+    sharded strategy fits, CPU offload, a smaller batch); `payoff(strategy, devices)` gives the batch from which
+    a strategy on that many devices outruns one device, in words (plan/payoff.py), for when DP does not."""
     one_device = reference()
     dp_name, ddp_name = data_parallel(), process_per_device()
     fits = [p for p in predictions if usable(p)]
@@ -159,10 +185,19 @@ def recommend(
             )
     if best.speedup < HELPS_SPEEDUP and alone_fits:
         choice = Recommendation(one_device, 1)
-        reasons.append(
-            f"neither helps: the best, {best.strategy} on {largest} devices, reaches {best.speedup:.2f}x one device "
-            f"(communication dominates: {_losses(best)})"
-        )
+        alone = next(p for p in fits if p.strategy == one_device and p.total_devices == 1)
+        share = launch_share(alone)
+        if share >= LAUNCH_BOUND_SHARE:
+            reasons.append(
+                f"neither helps: on this model a step is mostly operation launches and per-step Python ({share:.0%} "
+                f"of one device's step), which more devices do not divide; the best, {best.strategy} on {largest} "
+                f"devices, reaches {best.speedup:.2f}x one device ({_losses(best)})"
+            )
+        else:
+            reasons.append(
+                f"neither helps: the best, {best.strategy} on {largest} devices, reaches {best.speedup:.2f}x one "
+                f"device (communication dominates: {_losses(best)})"
+            )
     elif dp is not None and dp.samples_per_second >= DP_FINE_RATIO * best.samples_per_second:
         choice = Recommendation(dp.strategy, largest)
         reasons.append(
@@ -183,8 +218,10 @@ def recommend(
     # where DP stops scaling: the largest count at which adding devices still adds throughput
     dp_runs = sorted((p for p in multi if p.strategy == dp_name), key=lambda p: p.total_devices)
     if dp_runs and dp_runs[0].speedup < 1.0:
+        pays = payoff(dp_runs[0].strategy, dp_runs[0].devices) if payoff is not None else None
         reasons.append(
             f"DP is slower than one device already on {dp_runs[0].total_devices} ({dp_runs[0].speedup:.2f}x)"
+            + (f"; {pays}" if pays else "")
         )
         dp_runs = []
     for before, after in zip(dp_runs, dp_runs[1:]):
@@ -198,7 +235,7 @@ def recommend(
         reasons.insert(1, sharding[1])
     chosen = next((p for p in at_largest if p.strategy == choice.strategy), best)
     reasons += _limits(chosen, link_name, network_name)
-    reasons += _what_would_change(what_if, largest, dp_name)
+    reasons += _what_would_change(what_if, largest, chosen.devices, dp_name)
     choice.reasons = reasons
     return choice
 
@@ -224,19 +261,18 @@ def _limits(chosen: Prediction, link_name: str, network_name: str) -> list[str]:
     return reasons
 
 
-def _what_would_change(
-    what_if: Callable[[str], list[Prediction]] | None, largest: int, dp_name: str | None
-) -> list[str]:
-    """The plan re-run with the fastest link, the fastest network, twice the batch: the best that fits."""
+def _what_would_change(what_if: WhatIf | None, largest: int, per_node: int, dp_name: str | None) -> list[str]:
+    """The plan re-run with the fastest link the GPU can have, the fastest network, twice the batch: the best
+    that fits on `largest` devices in all (`per_node` per node), each change named."""
     reasons: list[str] = []
     if what_if is None:
         return reasons
-    for change, words in (
-        ("faster-link", "the fastest link"),
-        ("faster-network", "the fastest network"),
-        ("double-batch", "twice the batch per device"),
-    ):
-        changed = [p for p in what_if(change) if usable(p) and p.total_devices == largest]
+    for change in CHANGES:
+        answer = what_if(change, per_node)
+        if answer is None:
+            continue
+        words, predictions = answer
+        changed = [p for p in predictions if usable(p) and p.total_devices == largest]
         if not changed:
             continue
         best_changed = max(changed, key=lambda p: p.samples_per_second)
@@ -323,7 +359,7 @@ def _nothing_fits(predictions: list[Prediction], sizing: Sizing | None) -> Recom
             )
         batch = sizing.largest_batch(shard, largest)
         would_fit["batch_size_per_device"] = batch or None
-        if batch >= sizing.batch_per_device:
+        if batch >= sizing.share(largest):
             reasons.append(f"{shard} fits the batch asked on {_devices(largest, nodes)}{also}")
         elif batch > 0:
             reasons.append(f"a smaller batch: {shard} on {_devices(largest, nodes)} fits {batch} per device")

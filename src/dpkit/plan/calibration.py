@@ -8,9 +8,14 @@ a weak pull toward the starting values so that a constant the bench cannot see s
 What is fitted depends on where the bench ran:
 - virtual CPU devices: the machine itself is unknown, so its compute rate per device, the number of
   devices that compute at full speed at once, the in-process copy bandwidth, the bandwidth and latency
-  between processes (gloo), and the host constants (launch, per-step and per-thread overheads);
+  between processes (gloo), and the host constants;
 - GPUs: the catalogue gives the hardware (`--gpu`, `--link`), and the fit finds the share of peak the
   model reaches and the host constants.
+The host constants are a step's fixed costs: per kernel launched, per step, per hand-off to the replicas'
+threads, per module and per parameter tensor DataParallel re-makes for each replica at each step, and how the
+replica threads of one process serialise on the GIL (HOST_KNOBS). Several bench runs can be fitted at once
+(`calibrate([a, b])`, `dpkit plan --calibration a.json --calibration b.json`): a model whose step is mostly
+launches beside one whose step is mostly arithmetic tells the fixed costs from the compute rate.
 """
 
 from __future__ import annotations
@@ -19,11 +24,12 @@ import json
 import math
 import os
 import statistics
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from dpkit.plan.catalogue import GPU, Link
+from dpkit.plan.catalogue import GPU, PRECISIONS, Link
 from dpkit.plan.cost_model import CostConstants, Hardware, predict
 from dpkit.plan.profiles import ModelProfile
 
@@ -42,6 +48,25 @@ class BenchRun:
     measured: list[tuple[str, int, float]]  # (strategy, devices, median step seconds)
     path: str = ""
     reference_seconds: float | None = None  # the bench's fixed reference work: how fast the machine was
+    batch_size: int | None = None  # a global batch split across the devices (then batch_per_device is 0)
+
+    def share(self, devices: int) -> int:
+        """Samples per device of the configuration on `devices` devices."""
+        return self.batch_per_device if self.batch_size is None else -(-self.batch_size // devices)
+
+    def predict_step(self, strategy: str, devices: int, hardware: Hardware, constants: CostConstants) -> float:
+        """The cost model's step time for one of this bench's configurations."""
+        return predict(
+            self.profile,
+            hardware,
+            strategy,
+            devices,
+            self.share(devices),
+            "32",
+            constants,
+            self.optimizer,
+            global_batch=self.batch_size,
+        ).step_seconds
 
     @classmethod
     def load(
@@ -85,15 +110,17 @@ class BenchRun:
                     scale = reference_seconds or float(machine["reference_seconds"])
                     seconds = scale * statistics.median(t / ref for t, ref in zip(r["step_seconds_samples"], own))
             measured.append((r["strategy"], int(r["devices"]), seconds))
+        global_batch = data.get("batch_size")
         return cls(
             ModelProfile.from_dict(data["model"]),
-            int(data["batch_size_per_device"]),
+            0 if global_batch else int(data["batch_size_per_device"]),
             data.get("optimizer", "adam"),
             machine.get("accelerator", "cpu"),
             int(machine.get("cores", 1)),
             measured,
             path,
             machine.get("reference_seconds"),
+            int(global_batch) if global_batch else None,
         )
 
 
@@ -108,22 +135,41 @@ class Knob:
     high: float
 
 
+# the host's per-step fixed costs, the same on virtual CPU devices and beside GPUs: per kernel launched, per step,
+# per hand-off to the replicas' threads, per module and per parameter tensor DataParallel re-makes for each replica
+# at each step, and the share of launching that holds the GIL (how one process's replica threads serialise)
+HOST_KNOBS = (
+    Knob("launch_seconds", 1e-5, 1e-7, 1e-3),
+    Knob("step_overhead_seconds", 5e-4, 1e-6, 1e-1),
+    Knob("thread_seconds", 1e-4, 1e-7, 1e-1),
+    Knob("module_seconds", 1e-5, 1e-8, 1e-2),
+    Knob("tensor_seconds", 5e-6, 1e-8, 1e-2),
+    Knob("gil_share", 1.5, 0.05, 4.0),
+)
 CPU_KNOBS = (
     Knob("flops_per_second", 5e9, 1e7, 1e13),
     Knob("compute_slots", 1.5, 1.0, 64.0),
     Knob("copy_bytes_per_second", 5e9, 1e7, 1e12),
     Knob("interprocess_bytes_per_second", 1e9, 1e6, 1e11),
     Knob("interprocess_latency_seconds", 1e-4, 1e-6, 1e-1),
-    Knob("launch_seconds", 1e-5, 1e-7, 1e-3),
-    Knob("step_overhead_seconds", 5e-4, 1e-6, 1e-1),
-    Knob("thread_seconds", 1e-4, 1e-7, 1e-1),
+    *HOST_KNOBS,
 )
 GPU_KNOBS = (
     Knob("compute_efficiency", 0.45, 0.01, 1.0),
     Knob("launch_seconds", 6e-6, 1e-7, 1e-3),
     Knob("step_overhead_seconds", 1e-3, 1e-6, 1e-1),
     Knob("thread_seconds", 6e-5, 1e-7, 1e-1),
+    Knob("module_seconds", 8e-6, 1e-8, 1e-2),
+    Knob("tensor_seconds", 4e-6, 1e-8, 1e-2),
+    Knob("gil_share", 1.5, 0.05, 4.0),
 )
+HOST_CONSTANTS = tuple(knob.name for knob in HOST_KNOBS)  # what carries over from one machine to another's GPUs
+
+
+def host_constants(values: dict[str, float], **others: Any) -> CostConstants:
+    """CostConstants with the fitted host constants of `values` (and `others`), marked as fitted."""
+    fitted = {name: values[name] for name in HOST_CONSTANTS if name in values}
+    return CostConstants(**fitted, **others, fitted=tuple(fitted) + tuple(others))
 
 
 def cpu_machine(values: dict[str, float], cores: int, source: str) -> tuple[Hardware, CostConstants]:
@@ -138,7 +184,8 @@ def cpu_machine(values: dict[str, float], cores: int, source: str) -> tuple[Hard
     )
     cpu = GPU(
         "virtual CPU device",
-        {"32": values["flops_per_second"]},
+        # one fitted rate: the bench measures float32, and autocast on a CPU is not the tensor cores' jump
+        {precision: values["flops_per_second"] for precision in PRECISIONS},
         HOST_MEMORY_BYTES,
         values["copy_bytes_per_second"],
         source,
@@ -150,14 +197,8 @@ def cpu_machine(values: dict[str, float], cores: int, source: str) -> tuple[Hard
         compute_slots=min(values["compute_slots"], max(1, cores)),
         interprocess=interprocess,
     )
-    constants = CostConstants(
-        compute_efficiency=1.0,
-        launch_seconds=values["launch_seconds"],
-        step_overhead_seconds=values["step_overhead_seconds"],
-        thread_seconds=values["thread_seconds"],
-        source=f"fitted to {source}",
-    )
-    return hardware, constants
+    constants = host_constants(values, compute_efficiency=1.0)
+    return hardware, replace(constants, source=f"fitted to {source}")
 
 
 @dataclass
@@ -181,53 +222,52 @@ class Calibration:
                 raise ValueError("gpu/link: a calibration from a GPU bench needs the GPU and the link named")
             return self.hardware, self.constants
         if self.hardware is not None:
-            return hardware, replace(
-                CostConstants(),
-                launch_seconds=self.constants.launch_seconds,
-                step_overhead_seconds=self.constants.step_overhead_seconds,
-                thread_seconds=self.constants.thread_seconds,
-                source=self.constants.source,
-            )
+            carried = {name: getattr(self.constants, name) for name in HOST_CONSTANTS}
+            return hardware, replace(CostConstants(), **carried, fitted=HOST_CONSTANTS, source=self.constants.source)
         return hardware, self.constants
 
 
-def calibrate(bench: BenchRun | str | os.PathLike, hardware: Hardware | None = None) -> Calibration:
-    """Fit the constants to one bench run (for a GPU bench, `hardware` is the catalogue's machine)."""
+def calibrate(
+    bench: BenchRun | str | os.PathLike | Sequence[BenchRun | str | os.PathLike], hardware: Hardware | None = None
+) -> Calibration:
+    """Fit the constants to one bench run, or to several at once (for a GPU bench, `hardware` is the catalogue's
+    machine). Several runs (two models, say: one whose step is mostly launches, one mostly arithmetic) tell the
+    host's fixed costs apart from the compute rate better than one; each run's steps are taken relative to the
+    reference work of its rounds, on the first run's scale, so that load that differed between runs made one
+    after another cancels out."""
     import numpy as np
     from scipy.optimize import least_squares
 
-    run = bench if isinstance(bench, BenchRun) else BenchRun.load(bench, "relative")
-    if not run.measured:
+    runs = load_runs(bench)
+    if not any(run.measured for run in runs):
         raise ValueError("calibration: the bench JSON has no results to fit")
-    on_cpu = run.accelerator == "cpu"
+    accelerators = {run.accelerator == "cpu" for run in runs}
+    if len(accelerators) > 1:
+        raise ValueError("calibration: the bench runs mix virtual CPU devices and GPUs; fit them separately")
+    on_cpu = accelerators.pop()
     if not on_cpu and hardware is None:
         raise ValueError("calibration: the bench ran on GPUs; name them (gpu=... link=...) to fit against their peak")
     knobs = CPU_KNOBS if on_cpu else GPU_KNOBS
-    source = Path(run.path).name if run.path else "a bench run"
+    source = ", ".join(Path(run.path).name for run in runs if run.path) or "a bench run"
+    cores = max(run.cores for run in runs)
+    configurations = [(run, strategy, devices, seconds) for run in runs for strategy, devices, seconds in run.measured]
 
     def machine(vector: Any) -> tuple[Hardware, CostConstants]:
         values = {k.name: float(math.exp(v)) for k, v in zip(knobs, vector)}
         if on_cpu:
-            return cpu_machine(values, run.cores, source)
-        return hardware, CostConstants(
-            compute_efficiency=values["compute_efficiency"],
-            launch_seconds=values["launch_seconds"],
-            step_overhead_seconds=values["step_overhead_seconds"],
-            thread_seconds=values["thread_seconds"],
-            source=f"fitted to {source}",
-        )
+            return cpu_machine(values, cores, source)
+        constants = host_constants(values, compute_efficiency=values["compute_efficiency"])
+        return hardware, replace(constants, source=f"fitted to {source}")
 
     def predicted(vector: Any) -> list[float]:
         used_hardware, constants = machine(vector)
         return [
-            predict(
-                run.profile, used_hardware, strategy, devices, run.batch_per_device, "32", constants, run.optimizer
-            ).step_seconds
-            for strategy, devices, _ in run.measured
+            run.predict_step(strategy, devices, used_hardware, constants)
+            for run, strategy, devices, _ in configurations
         ]
 
     start = np.log([k.start for k in knobs])
-    measured = np.array([seconds for _, _, seconds in run.measured])
+    measured = np.array([seconds for *_, seconds in configurations])
     prior_weight = 0.05  # weak: each knob may move by orders of magnitude when the data ask for it
 
     def residuals(vector: Any) -> Any:
@@ -238,8 +278,23 @@ def calibrate(bench: BenchRun | str | os.PathLike, hardware: Hardware | None = N
     solution = least_squares(residuals, start, bounds=bounds, method="trf", x_scale=1.0, diff_step=1e-3)
     values = {k.name: float(math.exp(v)) for k, v in zip(knobs, solution.x)}
     used_hardware, constants = machine(solution.x)
-    errors = [(s, n, p / m - 1.0) for (s, n, m), p in zip(run.measured, predicted(solution.x))]
-    return Calibration(used_hardware if on_cpu else None, constants, values, errors, source, run.reference_seconds)
+    errors = [(s, n, p / m - 1.0) for (_, s, n, m), p in zip(configurations, predicted(solution.x))]
+    return Calibration(used_hardware if on_cpu else None, constants, values, errors, source, runs[0].reference_seconds)
+
+
+def load_runs(bench: BenchRun | str | os.PathLike | Sequence[BenchRun | str | os.PathLike]) -> list[BenchRun]:
+    """One or several bench runs, paths loaded relative to their reference work on the first run's scale."""
+    items = list(bench) if isinstance(bench, (list, tuple)) else [bench]
+    if not items:
+        raise ValueError("calibration: expected at least one bench JSON")
+    runs: list[BenchRun] = []
+    for item in items:
+        if isinstance(item, BenchRun):
+            runs.append(item)
+        else:
+            scale = runs[0].reference_seconds if runs else None
+            runs.append(BenchRun.load(item, "relative", scale))
+    return runs
 
 
 def load_ratio(calibration: Calibration, run: BenchRun) -> float:
@@ -258,14 +313,6 @@ def prediction_errors(
     hardware, constants = calibration.for_hardware(None)
     scale = load_ratio(calibration, run) if correct_load else 1.0
     return [
-        (
-            strategy,
-            devices,
-            scale
-            * predict(
-                run.profile, hardware, strategy, devices, run.batch_per_device, "32", constants, run.optimizer
-            ).step_seconds,
-            seconds,
-        )
+        (strategy, devices, scale * run.predict_step(strategy, devices, hardware, constants), seconds)
         for strategy, devices, seconds in run.measured
     ]

@@ -12,6 +12,13 @@ built-in ones:
     catalogue.gpu("H100-SXM").peak_flops["bf16-mixed"]     # names are case-insensitive
 
 Units are SI throughout: FLOP/s, bytes, bytes per second (per direction, per device), seconds.
+
+Each GPU names the links its devices can be joined by in a node, the usual one first (`links`), and the
+link to the host (`host_link`): `dpkit plan` and `dpkit doctor` assume the usual link when none is named,
+and the plan's advice only offers links the GPU can have.
+
+    catalogue.usual_link("h100-sxm").name                  # "nvlink4"
+    [link.name for link in catalogue.links_of("rtx-3090")]  # ["pcie4", "nvlink-bridge"]
 """
 
 from __future__ import annotations
@@ -21,7 +28,7 @@ import math
 import os
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from dataclasses import asdict, dataclass, fields
 from importlib import resources
 from typing import Any
 
@@ -37,6 +44,14 @@ class GPU:
     memory_bytes: int
     memory_bytes_per_second: float
     source: str
+    links: tuple[str, ...] = ()  # catalogue links that join this GPU's devices in a node, the usual one first
+    host_link: str | None = None  # the catalogue link between host and GPU (its PCIe generation)
+    # host time to launch one kernel from eager PyTorch on this GPU (None: the cost model's default)
+    launch_seconds: float | None = None
+
+    @property
+    def usual_link(self) -> str | None:
+        return self.links[0] if self.links else None
 
 
 @dataclass(frozen=True)
@@ -63,7 +78,7 @@ class Catalogue:
         self.networks: dict[str, Link] = dict(networks)
 
     @classmethod
-    def load(cls, user_file: str | os.PathLike | None = None) -> Catalogue:
+    def load(cls, catalogue_file: str | os.PathLike | None = None) -> Catalogue:
         raw = _read_builtin()
         entries = {section: dict(raw.get(section, {})) for section in SECTIONS}
         label = f"dpkit/plan/{BUILTIN_FILE}"
@@ -71,8 +86,8 @@ class Catalogue:
             section: {normalize_name(name): (label, dict(body)) for name, body in entries[section].items()}
             for section in SECTIONS
         }
-        if user_file is not None:
-            path = os.fspath(user_file)
+        if catalogue_file is not None:
+            path = os.fspath(catalogue_file)
             user = read_user_file(path)
             for section in SECTIONS:
                 for name, body in user.get(section, {}).items():
@@ -98,6 +113,15 @@ class Catalogue:
         networks = {
             name: _build_link(origin, "networks", name, body) for name, (origin, body) in merged["networks"].items()
         }
+        for name, gpu in gpus.items():
+            origin = merged["gpus"][name][0]
+            for field_name, named in (("links", gpu.links), ("host_link", (gpu.host_link,) if gpu.host_link else ())):
+                unknown = [link for link in named if link not in links]
+                if unknown:
+                    raise ValueError(
+                        f"{origin}: gpus.{name}.{field_name}: unknown link {unknown[0]!r}; expected links of the "
+                        f"catalogue ({', '.join(sorted(links))}) or ones the same file adds under links"
+                    )
         return cls(gpus, links, networks)
 
     def gpu(self, name: str) -> GPU:
@@ -108,6 +132,38 @@ class Catalogue:
 
     def network(self, name: str) -> Link:
         return _lookup(self.networks, name, "network")
+
+    def links_of(self, gpu: str | GPU) -> list[Link]:
+        """The links that can join `gpu`'s devices in a node, the usual one first (none for a GPU a user file
+        adds without them)."""
+        gpu = gpu if isinstance(gpu, GPU) else self.gpu(gpu)
+        return [self.links[name] for name in gpu.links]
+
+    def usual_link(self, gpu: str | GPU) -> Link | None:
+        """The link `gpu`'s devices usually have between them in a node (None when the catalogue does not say)."""
+        links = self.links_of(gpu)
+        return links[0] if links else None
+
+    def host_link(self, gpu: str | GPU) -> Link | None:
+        """The link between the host and `gpu` (its PCIe generation; None when the catalogue does not say)."""
+        gpu = gpu if isinstance(gpu, GPU) else self.gpu(gpu)
+        return self.links[gpu.host_link] if gpu.host_link else None
+
+    def gpus_with_link(self, link: str) -> list[str]:
+        """The GPUs whose devices `link` can join (as their usual link or another)."""
+        return [name for name, gpu in self.gpus.items() if normalize_name(link) in gpu.links]
+
+    def to_dict(self) -> dict[str, Any]:
+        """Every entry in the shape of hardware.json (and of a user file), by section."""
+
+        def entry(item: GPU | Link) -> dict[str, Any]:
+            body = asdict(item)
+            body.pop("name")
+            if isinstance(item, GPU):
+                body["links"] = list(item.links)
+            return body
+
+        return {section: {name: entry(item) for name, item in getattr(self, section).items()} for section in SECTIONS}
 
     def match_gpu(self, device_name: str) -> GPU | None:
         """The catalogue entry for a CUDA device name as torch reports it ("NVIDIA A100-SXM4-80GB",
@@ -147,7 +203,7 @@ def _lookup(table: Mapping[str, Any], name: str, argument: str) -> Any:
     if key is None or key not in table:
         raise ValueError(
             f"{argument}: unknown {argument} {name!r}; choose one of {', '.join(sorted(table))} "
-            f"(or add it with a user catalogue file)"
+            f"(`dpkit catalogue {argument}s` lists them with their figures; add one with a user catalogue file)"
         )
     return table[key]
 
@@ -160,7 +216,10 @@ def _read_builtin() -> dict[str, Any]:
 def read_user_file(path: str) -> dict[str, Any]:
     """A user catalogue file as a dict: JSON, or TOML (Python 3.11+), judged by the extension."""
     if not os.path.isfile(path):
-        raise FileNotFoundError(f"catalogue file {path!r} does not exist")
+        raise FileNotFoundError(
+            f"catalogue_file: catalogue file {path!r} does not exist; expected a .json or .toml file with sections "
+            f"{', '.join(SECTIONS)}"
+        )
     extension = os.path.splitext(path)[1].lower()
     if extension == ".toml":
         try:
@@ -244,12 +303,24 @@ def _build_gpu(origin: str, name: str, body: Mapping[str, Any]) -> GPU:
     bandwidth = _positive_number(
         origin, f"{where}.memory_bytes_per_second", body["memory_bytes_per_second"], "bytes per second"
     )
+    links = body.get("links", [])
+    if isinstance(links, str) or not isinstance(links, (list, tuple)) or not all(isinstance(x, str) for x in links):
+        raise ValueError(f"{origin}: {where}.links: expected a list of link names, the usual one first, got {links!r}")
+    host_link = body.get("host_link")
+    if host_link is not None and not isinstance(host_link, str):
+        raise ValueError(f"{origin}: {where}.host_link: expected a link name such as 'pcie4', got {host_link!r}")
+    launch = body.get("launch_seconds")
+    if launch is not None:
+        launch = _positive_number(origin, f"{where}.launch_seconds", launch, "seconds of host time per kernel launch")
     return GPU(
         name=name,
         peak_flops=peak_flops,
         memory_bytes=memory,
         memory_bytes_per_second=bandwidth,
         source=_source(origin, where, body),
+        links=tuple(normalize_name(link) for link in links),
+        host_link=normalize_name(host_link) if host_link else None,
+        launch_seconds=launch,
     )
 
 

@@ -1,8 +1,11 @@
 """The cost model: one training step of a profiled model, phase by phase, under each strategy.
 
 Every phase is computation (FLOPs at the achieved rate), memory traffic (bytes at the device's memory
-bandwidth), a transfer (alpha + bytes / beta over a link: the alpha-beta model), or host time to launch
-kernels. The formulas, with their sources, are in docs/cost-model.md; this module is that page in code.
+bandwidth), a transfer (alpha + bytes / beta over a link: the alpha-beta model), or host time: launching
+kernels (the catalogue's figure per GPU), DataParallel re-making its replicas per module and per parameter tensor
+at every step, handing the replica threads their work, the replica threads of one process taking turns on the
+GIL (CostConstants; a calibration fits them). The formulas, with their sources, are in docs/cost-model.md;
+this module is that page in code.
 
 A strategy's phases and memory follow from its traits (dpkit.strategies.base.Traits), never from its
 name: whether one process drives several replicas, whether they are copied every step or persist,
@@ -32,7 +35,7 @@ from dpkit.strategies import (
     strategy_class,
 )
 
-OPTIMIZER_STATE_BYTES_PER_PARAMETER = {"adam": 8, "sgd": 4}  # Adam: two moments; SGD: momentum
+OPTIMIZER_STATE_BYTES_PER_PARAMETER = {"adam": 8, "adamw": 8, "sgd": 4}  # Adam(W): two moments; SGD: momentum
 # Parameters and gradients are float32 under every precision (autocast keeps them so; the sharded strategy's
 # shards and their gradients are float32 too): with Adam 4 + 4 + 8 = 16 bytes per parameter, the same 16 as
 # ZeRO's 2 + 2 + 12 for mixed precision (Rajbhandari et al. 2020, section 3.1), which counts the float32
@@ -49,8 +52,9 @@ SHARDED_KERNELS_PER_COLLECTIVE = 3  # per unit and collective: copy-in, the coll
 MOST_DEVICES = 1 << 16  # the most devices `smallest_fitting_devices` looks at
 # bytes an optimizer step reads and writes per fp32 parameter with PyTorch's default (unfused, for-each)
 # implementations, which make one pass over memory per elementwise operation: Adam's lerp, mul, addcmul,
-# sqrt, div, add and addcdiv read 12 and write 7 tensors; SGD with momentum's mul, add, add read 5 and write 3
-OPTIMIZER_TRAFFIC_BYTES_PER_PARAMETER = {"adam": 76, "sgd": 32}
+# sqrt, div, add and addcdiv read 12 and write 7 tensors; AdamW decays the weights first (a mul: one more read
+# and write); SGD with momentum's mul, add, add read 5 and write 3
+OPTIMIZER_TRAFFIC_BYTES_PER_PARAMETER = {"adam": 76, "adamw": 84, "sgd": 32}
 PHASE_ORDER = (
     "scatter",
     "replicate",
@@ -90,18 +94,90 @@ class CostConstants:
     """What the hardware's data sheet does not say; `dpkit plan --calibration` fits them to a bench run."""
 
     compute_efficiency: float = 0.45  # achieved / peak dense FLOP/s of a training step
-    launch_seconds: float = 6e-6  # host time to launch one kernel from eager PyTorch
+    # host time to launch one kernel from eager PyTorch; on a GPU of the catalogue its own figure
+    # (hardware.json's launch_seconds) is used instead, unless a calibration fitted this one
+    launch_seconds: float = 6e-6
     step_overhead_seconds: float = 1e-3  # the Python of one step outside the kernels
     thread_seconds: float = 60e-6  # handing the replicas' threads their jobs and joining them (dp, replicated)
+    # DataParallel re-makes its replicas at every step, in Python, in the calling thread: per module of each
+    # replica (a new module object, its dicts copied) and per parameter tensor of each replica (the alias or
+    # copy, its autograd edge back to the original)
+    module_seconds: float = 8e-6
+    tensor_seconds: float = 4e-6
+    # how one process's replica threads serialise on Python's GIL: N threads launching L seconds' worth of kernels
+    # each take at least N x gil_share x L together (1: taking turns; above 1: contending for the GIL costs more
+    # than taking turns). 1.5 is about what benchmarks/launch_bound_prediction.py fits on virtual CPU devices
+    # (1.5 to 2.3 on a 2-core machine); a calibration fits it for the machine at hand
+    gil_share: float = 1.5
     bucket_bytes: int = 25 * 2**20  # DDP's default bucket_cap_mb
     # host time of a sharded unit's hooks, once in forward and once in backward (FSDP2's pre/post-forward and
     # pre/post-backward: copy-in, waits, copy-out): an estimate, see docs/cost-model.md
     unit_seconds: float = 100e-6
     memory_headroom: float = 0.9  # usable fraction of device memory (allocator, CUDA context)
     source: str = "defaults (docs/cost-model.md)"
+    fitted: tuple[str, ...] = ()  # the constants a calibration fitted: they win over the catalogue's figures
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        data = asdict(self)
+        data["fitted"] = list(self.fitted)
+        return data
+
+
+def kernel_launch_seconds(hardware: Hardware, constants: CostConstants) -> float:
+    """Host time per kernel launch: a calibration's fitted figure, else the catalogue's for the GPU, else the
+    constants' default."""
+    if "launch_seconds" in constants.fitted or hardware.gpu.launch_seconds is None:
+        return constants.launch_seconds
+    return hardware.gpu.launch_seconds
+
+
+def threaded_launch_seconds(
+    launch: float, compute: float, threads: int, crowding: float, shared: bool, gil_share: float
+) -> float:
+    """Host launch time that `threads` replica threads of one process add to a phase whose computing takes
+    `compute` seconds (already crowded), each thread launching `launch` seconds' worth of kernels.
+
+    The GIL-held share of launching is serialised among the threads (threads x gil_share x launch); on a GPU
+    the rest runs in parallel on the host's cores and hides behind the devices' computing; on virtual CPU
+    devices launching and computing share the cores (crowded like the computing) and add up."""
+    gil_bound = threads * gil_share * launch
+    if shared:
+        return max(gil_bound - compute, launch * crowding)
+    return max(0.0, max(gil_bound, launch) - compute)
+
+
+@dataclass(frozen=True)
+class BatchSize:
+    """The batch a plan is for: `samples` per device (`per_device`), or over all devices (global) and split
+    across them, as DistributedSampler and scatter split a batch: on N devices the fullest one takes
+    ceil(samples / N), and that share sets the step (the others wait for it at the gradient sum)."""
+
+    samples: int
+    per_device: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.samples, bool) or not isinstance(self.samples, int) or self.samples < 1:
+            name = "batch_per_device" if self.per_device else "batch_size"
+            raise ValueError(f"{name}: expected a positive number of samples, got {self.samples!r}")
+
+    def share(self, devices: int) -> int:
+        """The fullest device's samples on `devices` devices in all."""
+        return self.samples if self.per_device else -(-self.samples // devices)
+
+    def total(self, devices: int) -> int:
+        """The samples of one step on `devices` devices in all."""
+        return self.samples * devices if self.per_device else self.samples
+
+    def doubled(self) -> BatchSize:
+        return BatchSize(2 * self.samples, self.per_device)
+
+    def describe(self) -> str:
+        return f"{self.samples} per device" if self.per_device else f"{self.samples} in all (split across the devices)"
+
+
+def as_batch(batch: int | BatchSize) -> BatchSize:
+    """A plain number is a batch per device."""
+    return batch if isinstance(batch, BatchSize) else BatchSize(batch)
 
 
 @dataclass
@@ -109,7 +185,7 @@ class Prediction:
     strategy: str
     devices: int  # devices per node
     nodes: int
-    batch_per_device: int
+    batch_per_device: int  # the fullest device's samples
     step_seconds: float
     breakdown: dict[str, float]
     peak_bytes_per_device: list[int]
@@ -120,16 +196,23 @@ class Prediction:
     notes: list[str] = field(default_factory=list)
     fits: bool = True  # the fullest device's peak within the usable memory
     runs: bool = True  # the strategy supports the precision (16-mixed needs a GradScaler)
+    global_batch: int | None = None  # the samples of one step in all (None: batch_per_device on every device)
 
     @property
     def total_devices(self) -> int:
         return self.devices * self.nodes
+
+    @property
+    def batch(self) -> int:
+        """The samples of one step, over every device."""
+        return self.global_batch if self.global_batch is not None else self.batch_per_device * self.total_devices
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "strategy": self.strategy,
             "devices": self.devices,
             "nodes": self.nodes,
+            "batch_size": self.batch,
             "batch_size_per_device": self.batch_per_device,
             "step_seconds": self.step_seconds,
             "samples_per_second": self.samples_per_second,
@@ -235,59 +318,85 @@ def step_breakdown(
     link = hardware.link
     B = batch_per_device
     params_bytes = profile.parameter_bytes
-    forward_compute = B * profile.flops_per_sample / rate_per_device
+    # arithmetic at the achieved rate, plus the memory passes of the operations FLOP counts leave out (the
+    # elementwise ones: activations, normalizations, the loss's softmax), about a write of what forward saves for
+    # backward and of the outputs, read and written again in backward
+    activation_scale = 0.5 if mixed_precision(precision) else 1.0
+    traffic_per_sample = profile.activation_bytes_per_sample * activation_scale + profile.output_bytes_per_sample
+    forward_compute = B * (profile.flops_per_sample / rate_per_device + traffic_per_sample / memory_rate)
     backward_compute = 2 * forward_compute
     sharded = traits.sharded and total > 1
     # a sharded strategy's units run hooks and launch their collectives' kernels: a gather per unit in forward,
     # a gather and a reduce-scatter per unit in backward
     units = profile.units if sharded else 0
     collective_kernels = SHARDED_KERNELS_PER_COLLECTIVE * units
-    forward_launch = (profile.kernels_per_forward + collective_kernels) * constants.launch_seconds
+    launch_seconds = kernel_launch_seconds(hardware, constants)
+    forward_launch = (profile.kernels_per_forward + collective_kernels) * launch_seconds
     forward_launch += units * constants.unit_seconds
-    backward_launch = 2 * (profile.kernels_per_forward + collective_kernels) * constants.launch_seconds
+    backward_launch = 2 * (profile.kernels_per_forward + collective_kernels) * launch_seconds
     backward_launch += units * constants.unit_seconds
     threads = traits.threads_per_step
     per_step = traits.replicas == PER_STEP  # DataParallel: replicas copied from device 0 at every forward
     persistent = traits.replicas == PERSISTENT  # every replica keeps its copy and steps it with the summed gradient
     phases: dict[str, float] = {}
 
-    # forward: under one process the replicas' threads take turns holding the GIL to launch kernels
-    serial_launch = forward_launch * (local if threads else 1)
-    if shared:  # nothing runs ahead of the host: launching and computing add up (every replica's, in turn)
-        phases["forward"] = forward_compute
-        phases["launch"] = serial_launch + (backward_launch * local if threads else backward_launch)
+    # forward: under one process the replicas' threads take turns holding the GIL to launch kernels; on a GPU
+    # kernels queue ahead of the device and only launching slower than the device computes shows; on virtual
+    # CPU devices nothing runs ahead of the host: launching and computing add up
+    phases["forward"] = forward_compute
+    if threads and local > 1:
+        forward_host = threaded_launch_seconds(
+            forward_launch, forward_compute, local, crowding, shared, constants.gil_share
+        )
+    elif shared:
+        forward_host = forward_launch * crowding  # a process per device: each launches its own, on shared cores
     else:
-        # kernels queue ahead of the device; only launching slower than the device computes shows
-        phases["forward"] = forward_compute
-        phases["launch"] = max(0.0, serial_launch - forward_compute)
-    # backward: autograd's device threads launch without the GIL (GPU); on CPU autograd runs every
-    # replica's backward in the one calling thread, one after the other, except where the replicas persist
-    # (replicated): they run their own backward in their own threads
+        forward_host = max(0.0, forward_launch - forward_compute)
+    # backward: autograd's device threads launch without the GIL (GPU); on CPU autograd runs every replica's
+    # backward in the one calling thread, one after the other (launches and computing), except where the
+    # replicas persist (replicated): they run their own backward in their own threads, as in forward
+    backward_host = 0.0
     if shared and threads and per_step:
-        phases["backward"] = local * 2 * B * profile.flops_per_sample / rate
+        memory_alone = hardware.gpu.memory_bytes_per_second
+        phases["backward"] = local * 2 * B * (profile.flops_per_sample / rate + traffic_per_sample / memory_alone)
+        backward_host = local * backward_launch
+    elif shared and threads and local > 1:
+        phases["backward"] = backward_compute
+        backward_host = threaded_launch_seconds(
+            backward_launch, backward_compute, local, crowding, shared, constants.gil_share
+        )
+    elif shared:
+        phases["backward"] = backward_compute
+        backward_host = backward_launch * crowding
     else:
-        phases["backward"] = backward_compute if shared else max(backward_compute, backward_launch)
+        phases["backward"] = max(backward_compute, backward_launch)
+    phases["launch"] = forward_host + backward_host
 
     others = total - 1
     if threads:  # one process loads the whole batch and sends every replica its rows
         phases["scatter"] = root_fan_seconds(link, B * profile.input_bytes_per_sample, others)
     if per_step:
         # DataParallel copies the parameters from device 0 to every replica at every step
-        phases["replicate"] = (
-            (
-                root_fan_seconds(link, params_bytes, others)
-                + total * (profile.parameter_tensors or 1) * constants.launch_seconds
-            )
-            if others
-            else 0.0
+        # and re-makes every replica's modules and parameter tensors in Python (the first replica's too)
+        # (on one device too: dpkit's DataParallel still makes its one replica)
+        phases["replicate"] = root_fan_seconds(link, params_bytes, others) + total * (
+            profile.module_count * constants.module_seconds
+            + max(1, profile.parameter_tensors) * constants.tensor_seconds
         )
     output_bytes = B * profile.output_bytes_per_sample
     if per_step and traits.loss == ON_ROOT:  # the replicas' outputs gathered on device 0 for the loss
-        phases["gather"] = root_fan_seconds(link, output_bytes, others)
+        if shared:
+            # one memory: the gather writes every replica's rows, device 0's included, into a new tensor (on one
+            # device too), at the in-process copy rate
+            phases["gather"] = transfer_seconds(link, total * output_bytes, others)
+        else:
+            phases["gather"] = root_fan_seconds(link, output_bytes, others)
         # the loss and its gradient over every replica's outputs, on device 0 alone (read, write, read)
         phases["loss"] = 3 * total * output_bytes / memory_rate
     else:
-        phases["loss"] = 3 * output_bytes / memory_rate * (local if shared and threads else 1)
+        # each replica's loss in its own thread (crowded like the computing); where the replicas are re-made every
+        # step (dp-balanced) on virtual CPU devices, the losses' backward runs with the rest, serially
+        phases["loss"] = 3 * output_bytes / memory_rate * (local if shared and threads and per_step else 1)
         if per_step and traits.loss == IN_REPLICAS:  # DataParallel gathers the replicas' losses only
             phases["gather"] = root_fan_seconds(link, FP32_BYTES, others)
     if per_step:
@@ -320,7 +429,7 @@ def step_breakdown(
     else:  # one thread steps while the replicas' threads wait: nothing crowds it
         optimizer_memory = traffic / hardware.gpu.memory_bytes_per_second
     phases["optimizer"] = (
-        optimizer_memory + steps_in_process * max(1, profile.parameter_tensors) * constants.launch_seconds / 4
+        optimizer_memory + steps_in_process * max(1, profile.parameter_tensors) * launch_seconds / 4
     )  # foreach kernels
     # the replicas' threads are handed their jobs together and waited for together: about three hand-offs
     # a step (forward, backward, step or gather), each costing one thread's wake-up and join, not one per replica
@@ -501,7 +610,7 @@ class Sizing:
 
     profile: ModelProfile
     hardware: Hardware
-    batch_per_device: int
+    batch_per_device: int | BatchSize
     precision: str = "32"
     optimizer: str = "adam"
     constants: CostConstants = CostConstants()
@@ -510,13 +619,17 @@ class Sizing:
     def usable_bytes(self) -> float:
         return self.hardware.gpu.memory_bytes * self.constants.memory_headroom
 
+    def share(self, devices: int) -> int:
+        """The fullest device's samples on `devices` devices per node (a global batch shrinks with more)."""
+        return as_batch(self.batch_per_device).share(devices * self.hardware.nodes)
+
     def peak_bytes(self, strategy: str, devices: int, offload: bool = False, batch: int | None = None) -> int:
         """The fullest device's peak."""
         peaks, _ = memory_per_device(
             self.profile,
             strategy,
             devices,
-            self.batch_per_device if batch is None else batch,
+            self.share(devices) if batch is None else batch,
             self.precision,
             self.optimizer,
             shared_weights=self.hardware.shared_compute,
@@ -564,11 +677,19 @@ def predict(
     precision: str = "32",
     constants: CostConstants = CostConstants(),
     optimizer: str = "adam",
+    global_batch: int | None = None,
 ) -> Prediction:
+    """One configuration. `global_batch`: the samples of the step in all, split across the devices, the fullest
+    taking `batch_per_device` (their largest share), which sets the step time and the peak memory."""
     if devices < 1:
         raise ValueError(f"devices: expected positive device counts, got {devices}")
     if batch_per_device < 1:
         raise ValueError(f"batch_per_device: expected at least 1, got {batch_per_device}")
+    if global_batch is not None and global_batch < devices * hardware.nodes:
+        raise ValueError(
+            f"batch_size: {global_batch} samples leave some of the {devices * hardware.nodes} devices without one; "
+            f"expected at least one sample per device"
+        )
     if optimizer not in OPTIMIZER_STATE_BYTES_PER_PARAMETER:
         raise ValueError(
             f"optimizer: expected one of {', '.join(OPTIMIZER_STATE_BYTES_PER_PARAMETER)}, got {optimizer!r}"
@@ -586,7 +707,7 @@ def predict(
         nodes=hardware.nodes,
     )
     largest = largest_batch_per_device(profile, hardware, strategy, devices, precision, optimizer, constants)
-    samples = batch_per_device * devices * hardware.nodes
+    samples = batch_per_device * devices * hardware.nodes if global_batch is None else global_batch
     prediction = Prediction(
         strategy,
         devices,
@@ -597,6 +718,7 @@ def predict(
         peaks,
         largest,
         samples_per_second=samples / step,
+        global_batch=global_batch,
     )
     usable = hardware.gpu.memory_bytes * constants.memory_headroom
     if not hardware.shared_compute and max(peaks) > usable:
@@ -618,16 +740,31 @@ def predict_all(
     hardware: Hardware,
     strategies: list[str],
     device_counts: list[int],
-    batch_per_device: int,
+    batch_per_device: int | BatchSize,
     precision: str = "32",
     constants: CostConstants = CostConstants(),
     optimizer: str = "adam",
 ) -> list[Prediction]:
     """Every strategy at every device count it can use (only strategies with a process per device, such
-    as ddp, span nodes), with speed-up and efficiency against the reference strategy on one device of one node."""
-    baseline = predict(
-        profile, replace(hardware, nodes=1), reference(), 1, batch_per_device, precision, constants, optimizer
-    )
+    as ddp, span nodes), with speed-up and efficiency against the reference strategy on one device of one node
+    (with a global batch: that device running the whole batch). A plain number is a batch per device."""
+    batch = as_batch(batch_per_device)
+
+    def predict_batch(machine: Hardware, strategy: str, devices: int) -> Prediction:
+        total = devices * machine.nodes
+        return predict(
+            profile,
+            machine,
+            strategy,
+            devices,
+            batch.share(total),
+            precision,
+            constants,
+            optimizer,
+            global_batch=None if batch.per_device else batch.samples,
+        )
+
+    baseline = predict_batch(replace(hardware, nodes=1), reference(), 1)
     predictions = []
     for strategy in strategies:
         traits = strategy_class(strategy).traits
@@ -639,9 +776,7 @@ def predict_all(
             if traits.max_devices is not None and devices > traits.max_devices:
                 continue
             node_hardware = replace(hardware, nodes=hardware.nodes if spans_nodes and not one_device else 1)
-            prediction = predict(
-                profile, node_hardware, strategy, devices, batch_per_device, precision, constants, optimizer
-            )
+            prediction = predict_batch(node_hardware, strategy, devices)
             prediction.speedup = prediction.samples_per_second / baseline.samples_per_second
             prediction.efficiency = prediction.speedup / prediction.total_devices
             predictions.append(prediction)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -10,8 +11,19 @@ from dpkit.observe.plots import save_scaling_figure
 from dpkit.observe.report import write_json
 from dpkit.plan.advisor import Recommendation, recommend
 from dpkit.plan.catalogue import Link
-from dpkit.plan.cost_model import PHASE_ORDER, CostConstants, Hardware, Prediction, Sizing, predict_all
+from dpkit.plan.cost_model import (
+    PHASE_ORDER,
+    BatchSize,
+    CostConstants,
+    Hardware,
+    Prediction,
+    Sizing,
+    as_batch,
+    predict_all,
+)
+from dpkit.plan.payoff import MOST_SAMPLES, break_even_batch
 from dpkit.plan.profiles import ModelProfile
+from dpkit.plan.tables import fitted_table, wrap
 from dpkit.strategies import reference
 
 
@@ -46,76 +58,198 @@ class Plan:
         return write_json(self.to_dict(), path)
 
     def format_table(self) -> str:
-        phases = [name for name in PHASE_ORDER if any(name in p.breakdown for p in self.predictions)]
-        header = (
-            ["strategy", "nodes", "devices", "step ms", "samples/s", "speedup", "eff"]
-            + [f"{p} ms" for p in phases]
-            + ["peak GiB", "max batch"]
-        )
+        """The predictions in two tables within WIDTH columns (the summary, then the step by phase), the marks
+        explained, and the recommendation with its reasons."""
+        return "\n".join(self.summary_lines() + [""] + self.phase_lines() + [""] + self.recommendation_lines())
+
+    def _label(self, p: Prediction) -> list[str]:
+        devices = f"{p.nodes}x{p.devices}" if self.hardware.nodes > 1 else str(p.devices)
+        return [p.strategy, devices]
+
+    def summary_lines(self) -> list[str]:
+        per_device = all(p.global_batch is None for p in self.predictions)
+        header = ["strategy", "devices"] + ([] if per_device else ["batch/dev"])
+        header += ["step ms", "samples/s", "speedup", "eff", "peak GiB", "max batch"]
         rows = []
         for p in self.predictions:
-            row = [
-                p.strategy,
-                str(p.nodes),
-                str(p.devices),
-                f"{p.step_seconds * 1e3:.2f}",
-                f"{p.samples_per_second:,.0f}",
+            strategy, devices = self._label(p)
+            row = [strategy + ("" if p.runs else "*"), devices] + ([] if per_device else [str(p.batch_per_device)])
+            row += [
+                _step_milliseconds(p.step_seconds),
+                f"{p.samples_per_second:,.0f}" if p.samples_per_second >= 10 else f"{p.samples_per_second:.3g}",
                 f"{p.speedup:.2f}x",
                 f"{p.efficiency:.0%}",
-            ]
-            row += [f"{p.breakdown.get(name, 0.0) * 1e3:.2f}" for name in phases]
-            row += [
                 f"{max(p.peak_bytes_per_device) / 2**30:.1f}" + ("" if p.fits else "!"),
                 str(p.max_batch_per_device),
             ]
             rows.append(row)
-        widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]
-        lines = ["  ".join(h.rjust(w) for h, w in zip(header, widths))]
-        lines += ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in rows]
+        lines = fitted_table(header, rows, keep=2)
+        notes = [
+            ("devices: nodes x devices per node; " if self.hardware.nodes > 1 else "")
+            + ("" if per_device else "batch/dev: the fullest device's share of the batch; ")
+            + f"speedup and eff(iciency): against {reference()} on one device"
+            + ("" if per_device else " with the whole batch")
+            + "; peak: the fullest device's; max batch: the largest batch per device that fits"
+        ]
         if any(not p.fits for p in self.predictions):
-            lines.append("! does not fit in the device's usable memory")
+            usable = self.hardware.gpu.memory_bytes * self.constants.memory_headroom
+            gpu = self.hardware.gpu
+            notes.append(
+                f"! does not fit in {usable / 2**30:.1f} GiB, the usable part of {gpu.name}'s "
+                f"{gpu.memory_bytes / 2**30:.0f} GiB"
+            )
         cannot = sorted({p.strategy for p in self.predictions if not p.runs})
         if cannot:
-            lines.append(f"cannot run at precision {self.precision}: {', '.join(cannot)} (no GradScaler)")
+            notes.append(f"* cannot run at precision {self.precision}: {', '.join(cannot)} (no GradScaler)")
+        return lines + [line for note in notes for line in wrap(note)]
+
+    def phase_lines(self) -> list[str]:
+        """The step of each configuration by phase, milliseconds on the slowest device."""
+        phases = [name for name in PHASE_ORDER if any(name in p.breakdown for p in self.predictions)]
+        header = ["strategy ", "devices"] + [PHASE_HEADERS[name][0] for name in phases]
+        rows = [
+            [p.strategy + " ", self._label(p)[1]]  # the trailing space: two between names and figures, as elsewhere
+            + [_milliseconds(p.breakdown[name]) if name in p.breakdown else "-" for name in phases]
+            for p in self.predictions
+        ]
+        header = [cell.rjust(5) if i >= 2 else cell for i, cell in enumerate(header)]  # figures apart with gap 1
+        lines = ["the step by phase, ms (the slowest device; - : no such phase):"]
+        lines += fitted_table(header, rows, keep=2, gap=1)
+        legend = ", ".join(f"{PHASE_HEADERS[name][0]} {PHASE_HEADERS[name][1]}" for name in phases)
+        return lines + wrap(legend + ".")
+
+    def recommendation_lines(self) -> list[str]:
         recommendation = self.recommendation
         if recommendation.strategy is None:
-            lines.append("recommendation: none (nothing fits; what would:)")
+            lines = ["recommendation: none (nothing fits; what would:)"]
         else:
-            lines.append(
+            lines = [
                 f"recommendation: {recommendation.strategy}"
                 + (f" on {recommendation.devices} devices" if recommendation.devices > 1 else "")
-            )
-        lines += [f"  - {reason}" for reason in recommendation.reasons]
-        return "\n".join(lines)
+            ]
+        for reason in recommendation.reasons:
+            lines += wrap(f"  - {reason}", subsequent="    ")
+        return lines
+
+    def line_styles(self) -> dict[str, dict[str, Any]]:
+        """Per strategy of the figure: its colour, a line style of its own, and a marker and line width that shrink
+        from the first strategy to the last, so that equal lines drawn over each other both show."""
+        strategies = list(dict.fromkeys(p.strategy for p in self.predictions))
+        count = len(strategies)
+        colours = _colours(count)
+        styles = {}
+        for index, strategy in enumerate(strategies):
+            shrink = index / max(1, count - 1)  # 0 for the first (drawn first, largest), 1 for the last
+            styles[strategy] = {
+                "color": colours[index],
+                "linestyle": LINE_STYLES[index] if index < len(LINE_STYLES) else (0, (1 + index, 2)),
+                "markersize": 11 - 6 * shrink,
+                "linewidth": 3.5 - 2.5 * shrink,
+            }
+        return styles
 
     def save_png(self, path: str | Path) -> Path:
         """Left: predicted samples/s against devices per strategy, for the configurations that fit (all of them
-        when none does); right: the step broken into phases, a "!" on the configurations that do not fit."""
+        when none does), each strategy in a line style of its own, equal lines named in the title; right: the
+        step broken into phases, a "!" on the configurations that do not fit."""
+        import matplotlib
+        from cycler import cycler
+
         fitting = [p for p in self.predictions if p.fits and p.runs] or self.predictions
         throughput: dict[str, list[tuple[int, float]]] = {}
         for p in fitting:
             throughput.setdefault(p.strategy, []).append((p.total_devices, p.samples_per_second))
-        return save_scaling_figure(
-            path,
-            throughput,
-            [
-                (f"{p.strategy}\n{p.total_devices}" + ("" if p.fits and p.runs else " !"), p.breakdown)
-                for p in self.predictions
-            ],
-            PHASE_ORDER,
-            title=f"{self.profile.name} on {self.hardware.gpu.name} / {self.hardware.link.name}",
-            throughput_label="samples/s (predicted)",
-            phase_label="ms per step (predicted)",
-            reference=reference(),
-        )
+        styles = self.line_styles()
+        drawn = [strategy for strategy in styles if strategy in throughput]  # the order the figure draws them in
+        throughput = {strategy: throughput[strategy] for strategy in drawn}
+        # the figure draws a line per strategy with the next style of the axes' cycle
+        cycle = cycler(**{key: [styles[strategy][key] for strategy in drawn] for key in LINE_STYLE_KEYS})
+        title = f"{self.profile.name} on {self.hardware.gpu.name} / {self.hardware.link.name}"
+        equal = equal_lines(throughput)
+        if equal:
+            title += "\nequal within 1%: " + "; ".join(" = ".join(group) for group in equal)
+        with matplotlib.rc_context({"axes.prop_cycle": cycle}):
+            return save_scaling_figure(
+                path,
+                throughput,
+                [
+                    (f"{p.strategy}\n{p.total_devices}" + ("" if p.fits and p.runs else " !"), p.breakdown)
+                    for p in self.predictions
+                ],
+                PHASE_ORDER,
+                title=title,
+                throughput_label="samples/s (predicted)",
+                phase_label="ms per step (predicted)",
+                reference=reference(),
+            )
 
 
-def faster_link(hardware: Hardware, links: dict[str, Link]) -> Hardware | None:
-    """The same machine with the fastest catalogued link (None if it already has it)."""
-    fastest = max(links.values(), key=lambda link: link.achieved_bytes_per_second)
-    if fastest.achieved_bytes_per_second <= hardware.link.achieved_bytes_per_second:
+# the phase table's column headers, and their legend
+PHASE_HEADERS = {
+    "scatter": ("scat", "input scatter from device 0"),
+    "replicate": ("repl", "parameter broadcast from device 0"),
+    "forward": ("fwd", "forward"),
+    "launch": ("lnch", "kernel launches the device waits for"),
+    "gather": ("gath", "output gather to device 0"),
+    "loss": ("loss", "loss"),
+    "backward": ("bwd", "backward"),
+    "reduce": ("red", "gradient reduce to device 0"),
+    "all_reduce": ("a-red", "exposed all-reduce"),
+    "all_gather": ("a-gat", "exposed parameter all-gathers"),
+    "reduce_scatter": ("r-sct", "exposed gradient reduce-scatter"),
+    "optimizer": ("opt", "optimizer step"),
+    "overhead": ("other", "Python per step and threads"),
+}
+LINE_STYLES = ["-", "--", "-.", ":", (0, (5, 1)), (0, (3, 1, 1, 1, 1, 1)), (0, (1, 3)), (0, (8, 2, 2, 2))]
+LINE_STYLE_KEYS = ("color", "linestyle", "markersize", "linewidth")
+EQUAL_WITHIN = 0.01  # lines whose every point is this close draw over each other
+
+
+def _step_milliseconds(seconds: float) -> str:
+    """Two decimals below 100 ms: steps that differ by little still differ."""
+    ms = seconds * 1e3
+    return f"{ms:.2f}" if ms < 100 else f"{ms:.1f}" if ms < 1000 else f"{ms:,.0f}"
+
+
+def _milliseconds(seconds: float) -> str:
+    """Three significant figures, at most two decimals: 0.02, 4.89, 16.5, 165."""
+    ms = seconds * 1e3
+    return f"{ms:.2f}" if ms < 10 else f"{ms:.1f}" if ms < 100 else f"{ms:,.0f}"
+
+
+def _colours(count: int) -> list[Any]:
+    import matplotlib
+
+    palette = matplotlib.colormaps["tab10" if count <= 10 else "tab20"]
+    return [palette(index % palette.N) for index in range(count)]
+
+
+def equal_lines(throughput: dict[str, list[tuple[int, float]]]) -> list[list[str]]:
+    """Groups of strategies whose lines coincide: the same device counts (two or more), every point within 1%."""
+    groups: list[list[str]] = []
+    for strategy, points in throughput.items():
+        counts = dict(points)
+        for group in groups:
+            other = dict(throughput[group[0]])
+            if (
+                len(counts) > 1
+                and counts.keys() == other.keys()
+                and all(abs(counts[n] - other[n]) <= EQUAL_WITHIN * max(counts[n], other[n]) for n in counts)
+            ):
+                group.append(strategy)
+                break
+        else:
+            groups.append([strategy])
+    return [group for group in groups if len(group) > 1]
+
+
+def faster_link(hardware: Hardware, links: Mapping[str, Link], devices: int) -> Link | None:
+    """The fastest of `links` that joins `devices` devices and is faster than the hardware's own (None if none)."""
+    joining = [link for link in links.values() if link.max_devices is None or link.max_devices >= devices]
+    fastest = max(joining, key=lambda link: link.achieved_bytes_per_second, default=None)
+    if fastest is None or fastest.achieved_bytes_per_second <= hardware.link.achieved_bytes_per_second:
         return None
-    return replace(hardware, link=fastest, interprocess=None)
+    return fastest
 
 
 def make_plan(
@@ -123,55 +257,68 @@ def make_plan(
     hardware: Hardware,
     strategies: list[str],
     device_counts: list[int],
-    batch_per_device: int,
+    batch_per_device: int | BatchSize,
     precision: str = "32",
     constants: CostConstants = CostConstants(),
     optimizer: str = "adam",
-    links: dict[str, Link] | None = None,
-    networks: dict[str, Link] | None = None,
+    links: Mapping[str, Link] | None = None,
+    networks: Mapping[str, Link] | None = None,
 ) -> Plan:
-    predictions = predict_all(
-        profile, hardware, strategies, device_counts, batch_per_device, precision, constants, optimizer
-    )
+    """Every prediction and the recommendation. A plain number is a batch per device. `links` (the catalogue's)
+    and `networks` let the advice re-run the plan with a faster link, among the links the GPU can have
+    (`hardware.gpu.links`), and a faster network."""
+    batch = as_batch(batch_per_device)
+    predictions = predict_all(profile, hardware, strategies, device_counts, batch, precision, constants, optimizer)
+    gpu_links = {name: links[name] for name in hardware.gpu.links if name in links} if links else {}
 
-    def what_if(change: str) -> list[Prediction]:
+    def rerun(machine: Hardware, changed: BatchSize = batch) -> list[Prediction]:
+        return predict_all(profile, machine, strategies, device_counts, changed, precision, constants, optimizer)
+
+    def what_if(change: str, devices: int) -> tuple[str, list[Prediction]] | None:
         if change == "faster-link":
-            other = faster_link(hardware, links) if links else None
+            link = faster_link(hardware, gpu_links, devices)
+            if link is None:
+                return None
             return (
-                predict_all(
-                    profile, other, strategies, device_counts, batch_per_device, precision, constants, optimizer
-                )
-                if other
-                else []
+                f"{link.name}, the fastest link for {hardware.gpu.name}",
+                rerun(replace(hardware, link=link, interprocess=None)),
             )
         if change == "faster-network":
             if hardware.nodes < 2 or not networks or hardware.network is None:
-                return []
+                return None
             fastest = max(networks.values(), key=lambda link: link.achieved_bytes_per_second)
             if fastest.achieved_bytes_per_second <= hardware.network.achieved_bytes_per_second:
-                return []
-            return predict_all(
-                profile,
-                replace(hardware, network=fastest),
-                strategies,
-                device_counts,
-                batch_per_device,
-                precision,
-                constants,
-                optimizer,
-            )
+                return None
+            return f"{fastest.name}, the fastest network", rerun(replace(hardware, network=fastest))
         if change == "double-batch":
-            return predict_all(
-                profile, hardware, strategies, device_counts, 2 * batch_per_device, precision, constants, optimizer
+            doubled = batch.doubled()
+            words = (
+                f"twice the batch per device ({doubled.samples})"
+                if batch.per_device
+                else f"twice the batch ({doubled.samples})"
             )
-        return []
+            return words, rerun(hardware, doubled)
+        return None
+
+    def payoff(strategy: str, devices: int) -> str | None:
+        """From which batch `strategy` on `devices` devices outruns one device, in the plan's batch terms."""
+        if hardware.nodes > 1:
+            return None
+        pays = break_even_batch(
+            profile, hardware, strategy, devices, precision, constants, optimizer, per_device=batch.per_device
+        )
+        unit = "per device" if batch.per_device else "in all"
+        if pays is None:
+            return f"it does not pay at any batch up to {MOST_SAMPLES:,} {unit}"
+        return f"it would pay from a batch of {pays:,} {unit}"
 
     recommendation = recommend(
         predictions,
         hardware.link.name,
         hardware.network.name if hardware.network else "",
         what_if,
-        Sizing(profile, hardware, batch_per_device, precision, optimizer, constants),
+        Sizing(profile, hardware, batch, precision, optimizer, constants),
+        payoff,
     )
     return Plan(
         profile,
@@ -180,5 +327,9 @@ def make_plan(
         recommendation,
         constants,
         precision,
-        {"batch_size_per_device": batch_per_device, "optimizer": optimizer},
+        {
+            "batch_size": None if batch.per_device else batch.samples,
+            "batch_size_per_device": batch.samples if batch.per_device else None,
+            "optimizer": optimizer,
+        },
     )

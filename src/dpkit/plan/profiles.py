@@ -28,6 +28,9 @@ from torch import nn
 from dpkit.strategies.fsdp import DEFAULT_UNIT_PARAMETERS, shard_units
 
 FP32_BYTES = 4
+# a transformer block's modules as Hugging Face's GPT-2 builds it (two layer norms, attention with its two
+# projections and two dropouts, the MLP with its two projections, activation and dropout); the model adds about 8
+MODULES_PER_BLOCK = 13
 UNIT_MIN_PARAMETERS = DEFAULT_UNIT_PARAMETERS  # the sharded strategy's default: a module this large is a unit
 
 
@@ -46,6 +49,16 @@ class ModelProfile:
     # (0: unknown; then the whole model counts as one unit, the most a sharded strategy could gather)
     largest_unit_parameters: int = 0
     shard_units: int = 0
+    # modules in the model, the root included (model.modules()): what DataParallel re-makes in Python for every
+    # replica at every step (0: unknown; then estimated from the parameter tensors)
+    modules: int = 0
+
+    @property
+    def module_count(self) -> int:
+        """Modules a replica re-makes: the measured count, or about one per weight and bias pair plus the root."""
+        if self.modules:
+            return self.modules
+        return max(1, self.parameter_tensors // 2 + 1) if self.parameter_tensors else 1
 
     @property
     def parameter_bytes(self) -> int:
@@ -98,6 +111,20 @@ def shard_unit_sizes(model: nn.Module, min_parameters: int = UNIT_MIN_PARAMETERS
     return sizes + ([root] if root else [])
 
 
+def meta_copy(model: nn.Module) -> nn.Module:
+    """A copy of `model` on the meta device, made without copying its weights (each parameter and buffer is
+    replaced by a meta tensor of its shape before the deep copy reaches it)."""
+    import copy
+
+    memo: dict[int, Any] = {}
+    for tensor in list(model.parameters()) + list(model.buffers()):
+        if id(tensor) in memo:
+            continue
+        meta = torch.empty_like(tensor, device="meta")
+        memo[id(tensor)] = nn.Parameter(meta, tensor.requires_grad) if isinstance(tensor, nn.Parameter) else meta
+    return copy.deepcopy(model, memo)
+
+
 def _tensor_bytes(value: Any) -> int:
     if isinstance(value, torch.Tensor):
         return value.numel() * value.element_size()
@@ -127,9 +154,7 @@ def measure_model(
     if isinstance(model_or_factory, nn.Module):
         model = model_or_factory
         if device == "meta":
-            import copy
-
-            model = copy.deepcopy(model).to("meta")
+            model = meta_copy(model)
     else:
         with torch.device(device):
             model = model_or_factory()
@@ -177,6 +202,7 @@ def measure_model(
         source=f"measured on the {device} device with FlopCounterMode (input {tuple(input_shape)})",
         largest_unit_parameters=max(units, default=0),
         shard_units=len(units),
+        modules=len(list(model.modules())),
     )
 
 
@@ -193,9 +219,11 @@ def _cnn(
     source: str,
     largest_unit: int = 0,
     units: int = 0,
+    modules: int = 0,
 ) -> Callable[..., ModelProfile]:
     """A convolutional net whose work and activations scale with the image area; `largest_unit` and `units`
-    as the sharded strategy's default rule cuts it (`shard_unit_sizes` of the torchvision architecture)."""
+    as the sharded strategy's default rule cuts it (`shard_unit_sizes` of the torchvision architecture);
+    `modules`: the torchvision architecture's len(list(model.modules()))."""
 
     def build(input_shape: Sequence[int] | None = None, seq_len: int | None = None) -> ModelProfile:
         shape = tuple(input_shape) if input_shape else (3, 224, 224)
@@ -216,6 +244,7 @@ def _cnn(
             source + f"; scaled to input {shape}",
             largest_unit,
             units,
+            modules,
         )
 
     return build
@@ -267,6 +296,7 @@ def _transformer(
             source + f"; seq_len {seq}",
             largest_unit,
             units,
+            MODULES_PER_BLOCK * layers + 8,
         )
 
     return build
@@ -284,6 +314,7 @@ BUILTIN_PROFILES: dict[str, Callable[..., ModelProfile]] = {
         "activations ~103 MB/sample fp32 (an estimate from the feature-map sizes)",
         largest_unit=2_359_296,  # a layer4 3x3 convolution, 512x512x3x3; 17 units and the root
         units=18,
+        modules=151,  # 53 convolutions, 53 batch norms, 17 ReLUs, 16 bottlenecks, 8 containers, pools, fc, root
     ),
     "resnet101": _cnn(
         "resnet101",
@@ -296,6 +327,7 @@ BUILTIN_PROFILES: dict[str, Callable[..., ModelProfile]] = {
         "activations ~155 MB/sample fp32 (estimated the same way)",
         largest_unit=2_359_296,
         units=35,
+        modules=287,  # 104 convolutions, 104 batch norms, 34 ReLUs, 33 bottlenecks, 8 containers, pools, fc, root
     ),
     "bert-base": _transformer(
         "bert-base",

@@ -41,11 +41,21 @@ from tqdm import tqdm
 
 from dpkit.checks import check_int, check_number
 from dpkit.devices import DeviceLike, keep_freed_host_memory, resolve_devices
+from dpkit.launch import launched
 from dpkit.launch.heartbeat import busy
 from dpkit.parallel import hooks
 from dpkit.parallel.nested import map_leaves
+from dpkit.plan.auto import Choice
 from dpkit.precision import Precision
-from dpkit.strategies import PER_DEVICE, DeferredOutput, Strategy, create_strategy, matching, strategy_class
+from dpkit.strategies import (
+    PER_DEVICE,
+    DeferredOutput,
+    Strategy,
+    create_strategy,
+    matching,
+    reference,
+    strategy_class,
+)
 from dpkit.strategies.named_state import numbered_optimizer_state
 from dpkit.strategies.replica_optimizers import ELEMENTWISE
 from dpkit.training.checkpoint import (
@@ -263,7 +273,9 @@ class Engine:
     """Set up model, optimizer, criterion and loader for a strategy; backward, reduce, gather, save.
 
     Args:
-        strategy: "single", "dp", "dp-balanced", "replicated" or "ddp" (see dpkit.strategies).
+        strategy: "single", "dp", "dp-balanced", "replicated", "ddp" or "fsdp" (see dpkit.strategies); "auto"
+            (one device: single; under a launcher: ddp); or the Choice dpkit.choose_strategy(model, inputs,
+            batch_size, devices) returns, which weighs every strategy for the model (its reason is printed).
         accelerator: "cpu" (virtual CPU devices), "cuda" or "auto".
         devices: a count, a list ("cpu:0", 1, …) or "auto" (1 for single; all GPUs, else 2 CPU devices).
             Under ddp it is the number of processes per node, one device each.
@@ -275,7 +287,7 @@ class Engine:
 
     def __init__(
         self,
-        strategy: str = "single",
+        strategy: str | Choice = "single",
         accelerator: str = "auto",
         devices: int | str | Sequence[DeviceLike] = "auto",
         precision: str = "32",
@@ -284,6 +296,7 @@ class Engine:
         **strategy_options: Any,
     ):
         check_int(accumulate, "accumulate", meaning="micro-batches per optimizer step")
+        strategy, devices = self._resolve_auto(strategy, accelerator, devices)
         most = strategy_class(strategy).traits.max_devices
         if devices == "auto" and most is not None:
             devices = most
@@ -320,6 +333,29 @@ class Engine:
                 precision,
                 accumulate,
             )
+
+    @staticmethod
+    def _resolve_auto(strategy: Any, accelerator: str, devices: Any) -> tuple[str, Any]:
+        """strategy="auto", or the Choice dpkit.choose_strategy returned: the strategy's name and its devices, the
+        choice said in one line (rank 0)."""
+        if isinstance(strategy, Choice):
+            if not launched() or os.environ.get("RANK") == "0":
+                print(strategy.reason, flush=True)
+            if strategy.devices == 1 and not launched():
+                devices = resolve_devices(accelerator, devices)[:1]
+            return strategy.strategy, devices
+        if strategy != "auto":
+            return strategy, devices
+        if launched() and int(os.environ["WORLD_SIZE"]) > 1:  # a launcher started a process per device
+            return "ddp", devices
+        resolved = resolve_devices(accelerator, devices)
+        if len(resolved) == 1:
+            return reference(), resolved
+        raise ValueError(
+            f"strategy: 'auto' on {len(resolved)} devices in one process decides from the model and the batch; pass "
+            "strategy=dpkit.choose_strategy(model, inputs, batch_size, devices) (it weighs every strategy and says "
+            "why), or train with `dpkit train --strategy auto`"
+        )
 
     # --- where we are ------------------------------------------------------------------------------
     @property

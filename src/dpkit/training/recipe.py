@@ -49,6 +49,7 @@ from dpkit.devices import check_process_count, resolve_devices
 from dpkit.errors import DpkitError
 from dpkit.launch import Command, LaunchError, StoppedBySignal, launched, relaunch, relaunched, restart_count
 from dpkit.launch.environment import LAUNCHER_PID_VARIABLE
+from dpkit.plan.auto import choose_strategy
 from dpkit.precision import PRECISIONS, Precision
 from dpkit.strategies import PER_DEVICE, available_strategies, strategy_class
 from dpkit.training.checkpoint import atomic_write
@@ -99,6 +100,8 @@ BAD_INPUT_EXIT_CODE = 2
 # the run folder whose lock `run` holds for them
 JOB_VARIABLE = "DPKIT_TRAIN_JOB"
 LOCKED_VARIABLE = "DPKIT_TRAIN_LOCKED"
+# the strategy strategy="auto" chose, for the processes the run starts
+AUTO_VARIABLE = "DPKIT_TRAIN_AUTO"
 STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, name))
 
 
@@ -212,6 +215,7 @@ def run(config: TrainConfig) -> dict[str, Any] | None:
     """Check, then train (starting one process per device first where the strategy needs it). Returns the
     metrics written (None on the ranks other than 0); for a finished run given resume=True, its metrics."""
     config = resolve_batch(config)
+    config = resolve_auto(config)
     prepared = prepare(config)
     try:
         if prepared.plan is not None and prepared.plan.finished and not launched():
@@ -673,6 +677,37 @@ def resolve_batch(config: TrainConfig) -> TrainConfig:
     return dataclasses.replace(config, batch_size=config.batch_size_per_device * count, batch_size_per_device=None)
 
 
+def resolve_auto(config: TrainConfig) -> TrainConfig:
+    """strategy="auto": the config with the strategy (and device count) dpkit.choose_strategy picks for this model,
+    batch and these devices, said in one line. The processes it starts are told the choice (AUTO_VARIABLE); under
+    another launcher, which has started a process per device, the choice is ddp."""
+    if config.strategy != "auto":
+        return config
+    if launched():  # the processes a run started are told its choice; another launcher's run ddp
+        return dataclasses.replace(config, strategy=os.environ.get(AUTO_VARIABLE) or "ddp")
+    check_int(config.batch_size, "batch_size")
+    check_seed(config.seed)
+    devices = resolve_devices(config.accelerator, config.devices)
+    source = model_source(config.example, config.model, config.data)
+    torch.manual_seed(config.seed)
+    model = source.build_model()
+    x_train = source.load_classification_data(config.seed)[0]
+    choice = choose_strategy(
+        model,
+        x_train[: min(config.batch_size, len(x_train))],
+        config.batch_size,
+        devices,
+        precision=config.precision,
+        optimizer=config.optimizer,
+        can_launch=config.relaunch is not None,
+    )
+    print(f"dpkit train: {choice.reason}", flush=True)
+    devices_given = devices[: choice.devices] if choice.devices < len(devices) else config.devices
+    if isinstance(devices_given, list):
+        devices_given = [str(device) for device in devices_given]
+    return dataclasses.replace(config, strategy=choice.strategy, devices=devices_given)
+
+
 def _remove_run(out: Path) -> None:
     """overwrite=True: only what a run writes goes, nothing else the folder holds."""
     for name in RUN_FILES:
@@ -745,7 +780,11 @@ def run_processes(config: TrainConfig, prepared: Prepared | None = None) -> dict
     before = _newest_state(out)
     job = prepared.plan.job if prepared is not None and prepared.plan is not None else f"process {uuid.uuid4().hex}"
     held = prepared is not None and prepared.lock is not None
-    workers = {JOB_VARIABLE: job, LOCKED_VARIABLE: str(out.absolute()) if held else None}
+    workers = {
+        JOB_VARIABLE: job,
+        LOCKED_VARIABLE: str(out.absolute()) if held else None,
+        AUTO_VARIABLE: config.strategy,  # what strategy="auto" chose, for processes whose command line says auto
+    }
     try:
         with _environment(workers):
             relaunch(
@@ -864,6 +903,7 @@ class LossLog:
 def train(config: TrainConfig, prepared: Prepared | None = None) -> dict[str, Any] | None:
     """Train in this process (one of the strategy's processes under a launcher); the metrics on rank 0."""
     config = resolve_batch(config)
+    config = resolve_auto(config)
     if prepared is not None:
         return _train(config, prepared)
     prepared = prepare(config)
