@@ -1,5 +1,6 @@
 """The built-in examples (dpkit.examples.EXAMPLES): each builds, loads its data the way `dpkit train` needs
-it, and runs a forward; `wide-blocks` is what sharding is for: fsdp holds at most 0.6x of ddp's training state."""
+it, and runs a forward; `wide-blocks` is what sharding is for: fsdp holds at most 0.6x of ddp's training state;
+the launch-bound ones are many small layers on small inputs, and learn."""
 
 import json
 
@@ -25,6 +26,34 @@ def test_every_example_builds_loads_class_labels_and_runs_a_forward(name):
         logits = model(x_test[:8])
     assert logits.shape[0] == 8 and logits.shape[1] > int(max(y_train.max(), y_test.max()))
     assert len(y_train.unique()) > 1  # more than one class to learn
+
+
+@pytest.mark.parametrize("name", ["launch-bound", "launch-bound-conv"])
+def test_launch_bound_examples_are_many_small_layers_on_small_inputs(name):
+    model = get_example(name).build_model()
+    x = get_example(name).load_data(0)[0]
+    weighted = [m for m in model.modules() if isinstance(m, (torch.nn.Linear, torch.nn.Conv2d))]
+    assert len(weighted) >= 12 and all(m.weight.numel() <= 32 * 32 for m in weighted)
+    assert sum(p.numel() for p in model.parameters()) < 50_000 and x[0].numel() <= 64
+    assert len(list(model.modules())) >= 2 * len(weighted)  # every activation is a module too: replicas copy it
+
+
+def test_the_launch_bound_mlp_learns_in_a_few_steps():
+    torch.manual_seed(0)
+    example = get_example("launch-bound")
+    model = example.build_model()
+    x, y, x_test, y_test = example.load_data(0)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with torch.no_grad():
+        before = torch.nn.functional.cross_entropy(model(x_test), y_test)
+    for step in range(60):
+        rows = slice(32 * step, 32 * step + 32)
+        optimizer.zero_grad()
+        torch.nn.functional.cross_entropy(model(x[rows]), y[rows]).backward()
+        optimizer.step()
+    with torch.no_grad():
+        after = torch.nn.functional.cross_entropy(model(x_test), y_test)
+    assert after < 0.8 * before
 
 
 def test_wide_blocks_weights_dominate_and_each_block_is_an_fsdp_unit():

@@ -83,7 +83,8 @@ BAD = [
     (["--strategy", "ddp", "--devices", "100"], "--devices: 100 processes on"),
     (
         ["--strategy", "single", "--devices", "2"],
-        "--devices: strategy 'single' runs on 1 device(s), got 2; to train on 2 devices pass a strategy for several (dp, ",
+        "--devices: strategy 'single' runs on 1 device(s), got 2; to train on 2 devices pass a strategy for "
+        "several (dp, ",
     ),
     (["--hang-timeout", "nan"], "--hang-timeout: expected a finite number"),
     (["--resume", "--overwrite"], "--resume/--overwrite: give one"),

@@ -114,12 +114,18 @@ def test_nothing_runs_when_no_observer_is_started(monkeypatch):
         "replicate",
         lambda module, devices, primary: replicate_calls.append(list(devices)) or original(module, devices, primary),
     )
-    dp = dpkit.DataParallel(nn.Linear(4, 4), dpkit.cpu_devices(2))
+    dp = dpkit.DataParallel(nn.Linear(4, 4), dpkit.cpu_devices(2), cache_replicas=False)
     dp(torch.randn(4, 4))
     assert replicate_calls == [dpkit.cpu_devices(2)]  # all at once: no per-device phase for anyone to time
     with Observer():
         dp(torch.randn(4, 4))
     assert replicate_calls[1:] == [[torch.device("cpu", 0)], [torch.device("cpu", 1)]]
+    assert active() == () and not hooks.listening() and _get_current_dispatch_mode() is None
+    cached = dpkit.DataParallel(nn.Linear(4, 4), dpkit.cpu_devices(2))  # kept replicas: the same promise
+    cached(torch.randn(4, 4))
+    with Observer() as obs:
+        cached(torch.randn(4, 4))
+    assert all("replicate" in obs.report().device(d).seconds_by_phase for d in ("cpu:0", "cpu:1"))
     assert active() == () and not hooks.listening() and _get_current_dispatch_mode() is None
 
 

@@ -159,3 +159,68 @@ def test_parallel_apply_matches_the_modules_own_outputs_and_checks_lengths():
         parallel_apply(modules, inputs, [{}])
     with pytest.raises(ValueError, match="devices"):
         parallel_apply(modules, inputs, None, ["cpu:0", "cpu:0"])
+
+
+def test_turns_learn_the_faster_way_and_measure_again_later():
+    turns = apply.Turns(relearn=30)
+    ways = []
+    for _ in range(turns.WARMUP + 2 * turns.SAMPLES):  # warm-up, then the two ways in alternation
+        way = turns.next()
+        ways.append(way)
+        turns.ran(way, 1.0 if way else 2.0)  # taking turns is faster here
+    assert ways[: turns.WARMUP] == [False] * turns.WARMUP
+    assert sorted(ways[turns.WARMUP :]) == [False] * turns.SAMPLES + [True] * turns.SAMPLES
+    assert turns.taking is True and turns.next() is True
+    while turns.taking is not None:  # `relearn` runs later it measures again
+        turns.ran(turns.next(), 1.0)
+    for _ in range(2 * turns.SAMPLES):
+        way = turns.next()
+        turns.ran(way, 3.0 if way else 1.0)  # now side by side is faster
+    assert turns.taking is False
+    off = apply.Turns(enabled=False)
+    for _ in range(20):
+        assert off.next() is False
+        off.ran(False, 1.0)
+    assert off.runs == 0 and off.taking is None
+
+
+def test_jobs_that_take_turns_run_one_at_a_time(monkeypatch):
+    monkeypatch.setattr(apply, "TURN_TIMEOUT_SECONDS", 60.0)  # no job gives up waiting for its turn here
+    running, most = [0], [0]
+    lock = threading.Lock()
+
+    def job(i: int) -> int:
+        with lock:
+            running[0] += 1
+            most[0] = max(most[0], running[0])
+        time.sleep(0.005)  # lets the GIL go: side by side, another job would start meanwhile
+        with lock:
+            running[0] -= 1
+        return i
+
+    turns = apply.Turns()
+    turns.taking = True
+    for _ in range(5):
+        assert run_replicas(DEVICES, job, generators=False, turns=turns) == [0, 1, 2]
+    assert most[0] == 1
+
+
+def test_jobs_that_wait_for_each_other_finish_when_taking_turns():
+    # a job holding its turn waits for the others, who wait for their turn only TURN_TIMEOUT_SECONDS
+    barrier = threading.Barrier(len(DEVICES))
+    turns = apply.Turns()
+    turns.taking = True
+    assert run_replicas(DEVICES, lambda i: barrier.wait(timeout=30) >= 0 and i, turns=turns) == [0, 1, 2]
+
+
+def test_data_parallel_learns_per_training_mode_and_copies_learn_anew():
+    import copy
+
+    dp = dpkit.DataParallel(nn.Linear(4, 4), DEVICES)
+    for _ in range(3):
+        dp(torch.randn(6, 4))
+    assert dp.turns[True].runs == 3 and dp.turns[False].runs == 0
+    with torch.no_grad():
+        dp.eval()(torch.randn(6, 4))
+    assert dp.turns[False].runs == 1
+    assert copy.deepcopy(dp).turns[True].runs == 0

@@ -1,7 +1,7 @@
 """balance="memory" / "speed": the solver, the calibration, limits, exactness, no replica without rows."""
 
+import contextlib
 import copy
-import importlib
 
 import pytest
 import torch
@@ -12,10 +12,10 @@ from dpkit.examples.wide_output import WideOutputNet
 from dpkit.observe import Observer
 from dpkit.observe.measured_balance import Balancer
 from dpkit.observe.report import DeviceReport, Report
+from dpkit.parallel import hooks
 from dpkit.parallel.balance import CALIBRATION_CALLS, LinearCost, fill_rows, fit_linear, solve, spread_within_slack
 
 # dpkit.parallel.data_parallel is the function, as in torch; this is the module
-data_parallel_module = importlib.import_module("dpkit.parallel.data_parallel")
 CLASSES, HIDDEN, BATCH = 20_000, 32, 256
 
 
@@ -145,7 +145,7 @@ def test_balanced_split_keeps_loss_and_every_gradient_exact_and_evens_the_peaks(
         torch.testing.assert_close(gradient, expected_param.grad, rtol=1e-10, atol=1e-12)
 
 
-def test_a_device_limit_is_never_exceeded_and_a_device_that_holds_nothing_gets_no_replica(monkeypatch):
+def test_a_device_limit_is_never_exceeded_and_a_device_that_holds_nothing_gets_no_replica():
     free = dpkit.DataParallel(wide_model(), dpkit.cpu_devices(3), loss_fn=F.cross_entropy, balance="memory")
     calibrate(free)
     cost, free_sizes = free.balancer.cost, free.balancer.plan(BATCH)[0]
@@ -157,35 +157,43 @@ def test_a_device_limit_is_never_exceeded_and_a_device_that_holds_nothing_gets_n
         model, dpkit.cpu_devices(3), loss_fn=F.cross_entropy, balance="memory", max_bytes_per_device=limits
     )
     optimizer = calibrate(dp)
-    replicated_to = []
-    original = data_parallel_module.replicate
-    monkeypatch.setattr(
-        data_parallel_module,
-        "replicate",
-        lambda module, devices, primary: replicated_to.extend(devices) or original(module, devices, primary),
-    )
     x, y = batch(seed=11)
     optimizer.zero_grad(set_to_none=True)
-    with Observer(models=[model], optimizers=[optimizer]) as obs:
+    with hooks.listening_to(ReplicateRecorder()) as recorder, Observer(models=[model], optimizers=[optimizer]) as obs:
         dp(x, target=y).backward()
         optimizer.step()
     sizes = dp.last_split_sizes
     assert sizes[1] == 0 and 0 < sizes[2] <= free_sizes[2] // 2 and sum(sizes) == BATCH
-    assert torch.device("cpu", 1) not in replicated_to and torch.device("cpu", 1) not in dp.last_devices
+    assert recorder.devices == ["cpu:0", "cpu:2"] and torch.device("cpu", 1) not in dp.last_devices
     assert obs.report().device("cpu:2").peak_bytes <= limit
 
 
-def test_zero_row_chunk_is_not_replicated(monkeypatch):
-    replicated_to = []
-    original = data_parallel_module.replicate
-    monkeypatch.setattr(
-        data_parallel_module,
-        "replicate",
-        lambda module, devices, primary: replicated_to.extend(devices) or original(module, devices, primary),
+class ReplicateRecorder:
+    """A seam listener: the devices a replica was made for, in order (DataParallel announces each one's
+    "replicate", once or in parts)."""
+
+    def __init__(self):
+        self.seen = {}
+
+    @property
+    def devices(self):
+        return list(self.seen)
+
+    @contextlib.contextmanager
+    def phase(self, name, device):
+        if name == "replicate":
+            self.seen[str(device)] = True
+        yield
+
+
+@pytest.mark.parametrize("cache_replicas", [True, False])
+def test_zero_row_chunk_is_not_replicated(cache_replicas):
+    dp = dpkit.DataParallel(
+        torch.nn.Linear(3, 2), dpkit.cpu_devices(3), chunk_sizes=[2, 0, 2], cache_replicas=cache_replicas
     )
-    dp = dpkit.DataParallel(torch.nn.Linear(3, 2), dpkit.cpu_devices(3), chunk_sizes=[2, 0, 2])
-    assert dp(torch.randn(4, 3)).shape == (4, 2)
-    assert replicated_to == [torch.device("cpu", 0), torch.device("cpu", 2)]
+    with hooks.listening_to(ReplicateRecorder()) as recorder:
+        assert dp(torch.randn(4, 3)).shape == (4, 2)
+    assert recorder.devices == ["cpu:0", "cpu:2"]
 
 
 def test_impossible_limits_are_a_clear_error():
@@ -267,7 +275,6 @@ def test_a_dominant_device_zero_still_gets_rows_within_the_slack():
 
 def test_one_data_parallel_measures_through_the_planner_plugged_into_the_seam(monkeypatch):
     from dpkit.observe.measured_balance import MeasuredBalance
-    from dpkit.parallel import hooks
     from dpkit.parallel.data_parallel import DataParallel as ParallelDataParallel
 
     assert dpkit.DataParallel is dpkit.parallel.DataParallel is ParallelDataParallel

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 import dpkit
-from dpkit.parallel.reduce import GradientSum, plan_buckets
+from dpkit.parallel.reduce import GradientSum, plan_buckets, plan_shares
 
 
 def replicas(n: int, width: int = 24) -> list[nn.Module]:
@@ -35,14 +35,19 @@ def manual_sums(models, rows) -> list[torch.Tensor]:
     return [sum(g for g in group if g is not None) for group in zip(*grads)]
 
 
+@pytest.mark.parametrize("coalesce", [True, False])
 @pytest.mark.parametrize("overlap", [True, False])
 @pytest.mark.parametrize("bucket_cap_bytes", [1, 1000, 10**9])
 @pytest.mark.parametrize("rows", [[4, 4, 4], [9, 2, 1], [3, 0, 2]])
-def test_every_replica_holds_the_sum_bitwise_equal_to_the_manual_sum(overlap, bucket_cap_bytes, rows):
+def test_every_replica_holds_the_sum_bitwise_equal_to_the_manual_sum(coalesce, overlap, bucket_cap_bytes, rows):
     expected = manual_sums(replicas(3), rows)
     models = replicas(3)
     gradient_sum = GradientSum(
-        [list(m.parameters()) for m in models], dpkit.cpu_devices(3), bucket_cap_bytes=bucket_cap_bytes, overlap=overlap
+        [list(m.parameters()) for m in models],
+        dpkit.cpu_devices(3),
+        bucket_cap_bytes=bucket_cap_bytes,
+        overlap=overlap,
+        coalesce=coalesce,
     )
     gradient_sum.backward(roots(models, rows), sync=True)
     for model in models:
@@ -103,6 +108,39 @@ def test_buckets_run_backwards_through_the_parameters_within_the_cap():
     params = [torch.zeros(10), torch.zeros(10), torch.zeros(30), torch.zeros(5)]  # 40, 40, 120, 20 bytes
     assert plan_buckets(params, 100) == [[3], [2], [1, 0]]
     assert plan_buckets(params, 1) == [[3], [2], [1], [0]]
+
+
+@pytest.mark.parametrize("shares", [1, 2, 3, 5])
+def test_a_bucket_is_cut_in_shares_of_about_equal_size_covering_every_element_once(shares):
+    generator = torch.Generator().manual_seed(shares)
+    for _ in range(50):
+        params = [
+            torch.zeros(int(n)) for n in torch.randint(1, 300, (int(torch.randint(1, 9, (1,))),), generator=generator)
+        ]
+        bucket = list(reversed(range(len(params))))
+        cut = plan_shares(params, bucket, shares)
+        assert len(cut) == shares
+        covered = {position: [] for position in bucket}
+        for share in cut:
+            for position, lo, hi in share:
+                covered[position].append((lo, hi))
+        for position, runs in covered.items():  # each parameter's elements exactly once, in runs
+            runs.sort()
+            assert runs[0][0] == 0 and runs[-1][1] == params[position].numel()
+            assert all(a[1] == b[0] for a, b in zip(runs, runs[1:]))
+        sizes = [sum(hi - lo for _, lo, hi in share) for share in cut]
+        total = sum(p.numel() for p in params)
+        assert sum(sizes) == total and max(sizes) - min(sizes) <= total // shares + 1
+
+
+def test_with_one_bucket_no_parameter_is_hooked_and_with_several_each_is():
+    models = replicas(2)
+    params = [list(m.parameters()) for m in models]
+    one = GradientSum(params, dpkit.cpu_devices(2))  # a few KB: one bucket
+    several = GradientSum(params, dpkit.cpu_devices(2), bucket_cap_bytes=100)
+    assert len(one.buckets) == 1 and not one.hooked and one._handles == []
+    assert len(several.buckets) > 1 and several.hooked and len(several._handles) == 2 * len(params[0])
+    several.remove_hooks()
 
 
 def test_bad_arguments_are_named():

@@ -2,7 +2,9 @@
 
 On CPU autograd runs every node in the thread that called backward, so dpkit marks the nodes behind each
 replica's outputs with the replica's device; a marked node's work is charged (as gradients) and timed on
-that device. The original parameters' AccumulateGrad nodes are the reduction onto the home device.
+that device. The original parameters' AccumulateGrad nodes are the reduction onto the home device, and so
+is the one node of a step that sums the replicas' gradients before them (DataParallel's broadcast on virtual
+CPU devices, parallel/replica_cache.py).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import torch
 from dpkit.observe.timing import PhaseClock
 
 _ACCUMULATE_GRAD = "torch::autograd::AccumulateGrad"
+_BROADCAST = "BroadcastParametersBackward"  # one per step, reached from every replica's outputs
 
 
 class BackwardMarker:
@@ -27,6 +30,7 @@ class BackwardMarker:
         self.home_device = home_device
         self._local = threading.local()  # .stack: marked nodes running in this thread
         self._accumulate_nodes: dict[int, Any] = {}  # strong refs: hooked once per node, ids stay unique
+        self._broadcast: Any = None  # the last broadcast node hooked (a strong ref: its id stays unique)
         self._handles: list[Any] = []
         self.seconds_off_home = 0.0  # time spent in nodes of other devices (taken out of the home's backward)
 
@@ -37,7 +41,7 @@ class BackwardMarker:
 
     def mark(self, roots: Iterable[Any], device: str, stop: Iterable[Any] = ()) -> None:
         """Mark the nodes behind `roots` with `device`, stopping at the nodes in `stop` (the graph the
-        replica's inputs came from) and at AccumulateGrad nodes (hooked once as the home's "reduce")."""
+        replica's inputs came from) and at the reduction's nodes (hooked once as the home's "reduce")."""
         stop_ids = {id(node) for node in stop if node is not None}
         stack = [root.grad_fn for root in roots if isinstance(root, torch.Tensor) and root.grad_fn is not None]
         seen: set[int] = set()
@@ -46,15 +50,21 @@ class BackwardMarker:
             if node is None or id(node) in seen or id(node) in stop_ids:
                 continue
             seen.add(id(node))
-            if node.name() == _ACCUMULATE_GRAD:
+            name = node.name()
+            if name == _ACCUMULATE_GRAD:
                 if id(node) not in self._accumulate_nodes:
                     self._accumulate_nodes[id(node)] = node
                     self._hook(node, self.home_device(), "reduce")
                 continue
+            if name == _BROADCAST:
+                if node is not self._broadcast:
+                    self._broadcast = node
+                    self._hook(node, self.home_device(), "reduce", keep=False)
+                continue
             self._hook(node, device, "backward")
             stack.extend(next_node for next_node, _ in node.next_functions)
 
-    def _hook(self, node: Any, device: str, phase: str) -> None:
+    def _hook(self, node: Any, device: str, phase: str, keep: bool | None = None) -> None:
         def enter(*_: Any) -> None:
             stack = getattr(self._local, "stack", None)
             if stack is None:
@@ -72,11 +82,12 @@ class BackwardMarker:
                 self.clock.end(token)
 
         handles = (node.register_prehook(enter), node.register_hook(leave))
-        if phase == "reduce":  # AccumulateGrad nodes outlive the step; the others die with their graph
-            self._handles.extend(handles)
+        if phase == "reduce" if keep is None else keep:  # AccumulateGrad nodes outlive the step; the others die
+            self._handles.extend(handles)  # with their graph
 
     def close(self) -> None:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
         self._accumulate_nodes.clear()
+        self._broadcast = None

@@ -37,6 +37,7 @@ from dpkit.observe.graph import BackwardMarker
 from dpkit.observe.memory import CATEGORIES, AllocationTracker, MemoryLedger, account_key, device_key
 from dpkit.observe.optimizers import OptimizerWatch
 from dpkit.observe.report import DeviceReport, Report
+from dpkit.observe.step_split import OBSERVER, StepSplit
 from dpkit.observe.threads import PHASE_CATEGORY, TRACKING, ReplicaScope, in_backward
 from dpkit.observe.timing import PHASES, PhaseClock
 from dpkit.parallel import hooks
@@ -58,6 +59,11 @@ class Observer:
         trace: keep the spans for `Report.save_trace`.
         models, optimizers: charge their existing parameters, gradients and state from the start; a model
             given as (module, device) is charged to that device (a replica's copy).
+        backward_by_device: mark the autograd nodes of DataParallel's replicas with their devices, so that
+            the backward the calling thread runs for them is timed and charged there. Marking costs Python
+            work per node in every step (milliseconds for a model of many small layers); without it that
+            backward is the home device's. Leave it off, with memory off too, to time a launch-bound step
+            by thread (Report.threads) as it runs unobserved.
     """
 
     def __init__(
@@ -69,9 +75,11 @@ class Observer:
         trace: bool = True,
         models: Iterable[nn.Module | tuple[nn.Module, Any]] = (),
         optimizers: Iterable[torch.optim.Optimizer] = (),
+        backward_by_device: bool = True,
     ):
         self.home = None if device is None else device_key(device)
         self.memory = memory
+        self.backward_by_device = backward_by_device
         self.timing = timing
         self.trace = trace
         self._initial_models = list(models)
@@ -85,6 +93,7 @@ class Observer:
         self.backward = BackwardMarker(self.clock if timing else None, self.home_device)
         self.optimizer_watch = OptimizerWatch(self)
         self.allocator_peaks = AllocatorPeaks()
+        self.step_split = StepSplit() if timing else None  # the step by thread (step_split.py)
         self._thread = threading.local()  # .phases: this thread's phase stack; .scope: its replica scope
         self._handles: list[Any] = []  # gradient hooks of watched parameters
         self._watched: set[int] = set()
@@ -99,7 +108,10 @@ class Observer:
         self._started = True
         self.clock.origin, self.clock.origin_unix_seconds = time.perf_counter(), time.time()
         self.allocator_peaks.start(alone=not active())
-        TRACKING.join(self)
+        if self.step_split is not None:
+            self.step_split.start()
+        if self.memory:  # the calling thread's dispatch mode only keeps memory accounts
+            TRACKING.join(self)
         self.optimizer_watch.start()
         self._listening = hooks.register(self)
         for model in self._initial_models:
@@ -121,6 +133,8 @@ class Observer:
         self._handles.clear()
         TRACKING.leave(self)
         self.clock.resolve()
+        if self.step_split is not None:
+            self.step_split.stop()
 
     @property
     def optimizers_seen(self):
@@ -198,6 +212,8 @@ class Observer:
         nested = any(entry[0] == name for entry in stack)  # e.g. optimizer hooks inside a caller's phase
         token = self.clock.begin(key, name) if self.timing and not nested else None
         stack.append((name, key, token, in_backward()))
+        if self.step_split is not None:
+            self.step_split.enter(name)
         return token
 
     def leave_phase(self, name: str, off_home_before: float | None = None) -> None:
@@ -210,6 +226,8 @@ class Observer:
         if not stack or stack[-1][0] != name:
             return
         _, key, token, _ = stack.pop()
+        if self.step_split is not None:
+            self.step_split.leave(name)
         if token is None:
             return
         if name == "backward" and token.start_event is None and off_home_before is not None:
@@ -244,17 +262,26 @@ class Observer:
         scope = ReplicaScope(key, self.clock if self.timing else None)
         tracker = AllocationTracker(self.ledger, scope.where) if self.memory else None
         outer = self.replica_scope()
-        self._thread.scope = scope
-        if tracker is not None:
-            tracker.__enter__()
-        scope.start()
-        try:
-            yield
-        finally:
-            scope.close()
-            self._thread.scope = outer
+        with self.step_split.job(key) if self.step_split is not None else contextlib.nullcontext():
+            self._thread.scope = scope
             if tracker is not None:
-                tracker.__exit__(None, None, None)
+                tracker.__enter__()
+            scope.start()
+            try:
+                yield
+            finally:
+                scope.close()
+                self._thread.scope = outer
+                if tracker is not None:
+                    tracker.__exit__(None, None, None)
+
+    def handing_off(self, devices: Sequence[torch.device]) -> contextlib.AbstractContextManager:
+        """The calling thread hands jobs to the replica threads and waits for them (step_split.py)."""
+        return self.step_split.handing_off(devices) if self.step_split is not None else contextlib.nullcontext()
+
+    def peer_wait(self) -> contextlib.AbstractContextManager:
+        """Inside a replica's job: a wait for the other replicas (step_split.py)."""
+        return self.step_split.peer_wait() if self.step_split is not None else contextlib.nullcontext()
 
     def span(
         self, name: str, device: torch.device | str, start_seconds: float, seconds: float, hidden_seconds: float = 0.0
@@ -282,19 +309,35 @@ class Observer:
         self, module: nn.Module, devices: Sequence[torch.device], output_device: torch.device, rows: Sequence[int]
     ) -> None:
         """A step's plan (one per forward): its devices, rows per device; the module lives on devices[0]."""
-        if self.home is None:
-            self.home = device_key(output_device)
-        for device, count in zip(devices, rows):
-            key = device_key(device)
-            self._note_device(key)
-            self.rows[key] = int(count)
-        self.steps += 1
-        self.watch(module, devices[0])
+        with self._bookkeeping():
+            if self.home is None:
+                self.home = device_key(output_device)
+            for device, count in zip(devices, rows):
+                key = device_key(device)
+                self._note_device(key)
+                self.rows[key] = int(count)
+            self.steps += 1
+            self.watch(module, devices[0])
 
     def outputs(self, outputs: Sequence[Any], devices: Sequence[torch.device], stop: Sequence[Any]) -> None:
         """The replicas' outputs: their autograd nodes are their devices' backward."""
-        for output, device in zip(outputs, devices):
-            self.mark_backward(tree_leaves(output), device, stop)
+        if not self.backward_by_device:
+            return
+        with self._bookkeeping():
+            for output, device in zip(outputs, devices):
+                self.mark_backward(tree_leaves(output), device, stop)
+
+    @contextlib.contextmanager
+    def _bookkeeping(self) -> Iterator[None]:
+        """The observer's own work on the calling thread: its own part of the step by thread ("observer")."""
+        if self.step_split is None:
+            yield
+            return
+        self.step_split.enter(OBSERVER)
+        try:
+            yield
+        finally:
+            self.step_split.leave(OBSERVER)
 
     def mark_backward(self, roots: Iterable[Any], device: torch.device | str, stop: Iterable[Any] = ()) -> None:
         """Charge and time the autograd nodes behind `roots` (a replica's outputs) to `device`."""
@@ -363,4 +406,5 @@ class Observer:
             steps=self.steps,
             spans=self.clock.spans() if self.trace else [],
             clock_origin_unix_seconds=self.clock.origin_unix_seconds,
+            threads=self.step_split.summary(self.steps, self.memory) if self.step_split is not None else None,
         )

@@ -21,6 +21,50 @@ def write_json(data: Any, path: str | Path) -> Path:
     return path
 
 
+# the calling thread's phases that exist only because the batch is split among replicas
+SPLITTING = ("scatter", "replicate", "gather")
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.2f}"
+
+
+def thread_lines(threads: dict[str, Any] | None) -> list[str]:
+    """The step by thread under the table: the calling thread's own work and its waits, then what each
+    replica thread did while it waited, and what of the step is the parallelism's rather than the model's."""
+    if not threads or not threads["steps"]:
+        return []
+    caller = threads["calling_thread"]
+    phases = ", ".join(f"{name} {_ms(s)}" for name, s in caller["own_seconds_by_phase"].items() if s >= 5e-6)
+    lines = [
+        f"step {_ms(threads['step_seconds'])} ms by thread (ms per step): calling thread {_ms(caller['own_seconds'])} "
+        f"of its own ({phases}; off the CPU {_ms(caller['descheduled_seconds'] + caller['blocked_seconds'])}) "
+        f"+ {_ms(caller['waiting_seconds'])} waiting for the replica threads in {caller['hand_offs']:g} hand-offs"
+    ]
+    replicas = threads["replica_threads"]
+    if replicas:
+        names = {"running": "running", "gil": "GIL", "descheduled": "descheduled", "peers": "other replicas"}
+        names["hand_off"] = "hand-off"
+        lines.append(
+            "  while it waits: "
+            + "; ".join(
+                f"{r['device']} " + ", ".join(f"{label} {_ms(r[part + '_seconds'])}" for part, label in names.items())
+                for r in replicas
+            )
+        )
+        own = caller["own_seconds_by_phase"]
+        mean = {part: sum(r[part + "_seconds"] for r in replicas) / len(replicas) for part in names}
+        splitting = sum(own.get(p, 0.0) for p in SPLITTING)
+        lines.append(
+            f"  the parallelism's own share: scatter + replicate + gather {_ms(splitting)} "
+            f"on the calling thread; in a replica thread (mean) hand-offs {_ms(mean['hand_off'])}, "
+            f"GIL {_ms(mean['gil'])}, waiting for other replicas {_ms(mean['peers'])}"
+        )
+    if threads["memory_accounting"]:
+        lines.append("  (memory accounting was on: its dispatch modes add Python work to every operator)")
+    return lines
+
+
 @dataclass
 class DeviceReport:
     device: str
@@ -41,6 +85,8 @@ class Report:
     spans: list[Span] = field(default_factory=list)
     meta: dict[str, Any] = field(default_factory=dict)
     clock_origin_unix_seconds: float = 0.0  # wall-clock time of the spans' zero, to line up processes
+    # the step by thread, seconds per step (observe/step_split.py); None when time was not measured
+    threads: dict[str, Any] | None = None
 
     @classmethod
     def merged(cls, reports: list[Report]) -> Report:
@@ -64,6 +110,7 @@ class Report:
             spans=spans,
             meta=dict(reports[0].meta),
             clock_origin_unix_seconds=origin,
+            threads=reports[0].threads,  # each process has its own threads: the first's (rank 0)
         )
 
     @property
@@ -97,6 +144,7 @@ class Report:
                 }
                 for d in self.devices
             ],
+            **({"threads": self.threads} if self.threads is not None else {}),
         }
 
     def save_json(self, path: str | Path) -> Path:
@@ -134,6 +182,7 @@ class Report:
         out = ["  ".join(h.rjust(w) for h, w in zip(header, widths))]
         out += ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in lines]
         out.append(f"imbalance (max/mean of per-device peaks): {self.imbalance:.3f}   steps observed: {self.steps}")
+        out += thread_lines(self.threads)
         return "\n".join(out)
 
     def save_png(self, path: str | Path, title: str | None = None) -> Path:

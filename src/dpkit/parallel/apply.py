@@ -46,6 +46,8 @@ from dpkit.parallel.streams import current_stream, device_context
 WAIT_SLICE_SECONDS = 0.05
 # how long a call waits for a worker still running a job of an earlier, interrupted call
 ABANDONED_WAIT_SECONDS = 10.0
+# how long a job that takes turns waits for its turn before it runs anyway (see Turns)
+TURN_TIMEOUT_SECONDS = 0.02
 
 
 class PeerFailed(RuntimeError):
@@ -244,6 +246,7 @@ def _run_job(
     stream: Any,
     mode: ReplicaGenerator | None,
     threads: int | None,
+    turn: threading.Lock | None = None,
 ) -> Any:
     if threads is not None and torch.get_num_threads() != threads:
         torch.set_num_threads(threads)
@@ -253,7 +256,65 @@ def _run_job(
         if mode is not None:
             stack.enter_context(mode)
         stack.enter_context(hooks.replica(index, device))
+        if turn is not None:
+            with hooks.peer_wait():  # waiting for its turn is waiting for the other replicas
+                taken = turn.acquire(timeout=TURN_TIMEOUT_SECONDS)
+            if taken:
+                stack.callback(turn.release)
         return job(index)
+
+
+class Turns:
+    """Whether one call site's replica jobs run side by side or take turns (one at a time), learned from its
+    runs: whichever made them shorter.
+
+    Side by side, replica threads whose jobs are mostly Python (the forward of a model of many small layers)
+    take the GIL from each other at nearly every operator, since torch lets it go for each, and every hand-over
+    wakes a thread: the jobs together take longer than one after the other. Jobs that spend their time inside
+    long operators (large matrix products), which run without the GIL, gain from running side by side. Both are
+    the same computation; only the order of the threads' work differs, so results do not depend on it.
+
+    The first runs alternate between the two ways (after a warm-up), then the faster by median is kept, and
+    every `relearn` runs it is measured again. A job waits for its turn at most TURN_TIMEOUT_SECONDS and then
+    runs anyway, so jobs that wait for each other (SyncBatchNorm's exchange) never deadlock; call sites where
+    they do should not take turns at all. `enabled=False`: always side by side (for measuring the difference).
+    """
+
+    WARMUP = 2
+    SAMPLES = 4  # runs measured each way
+
+    def __init__(self, relearn: int = 500, enabled: bool = True):
+        self.lock = threading.Lock()
+        self.relearn = relearn
+        self.enabled = enabled
+        self.runs = 0
+        self.seconds: dict[bool, list[float]] = {True: [], False: []}
+        self.taking: bool | None = None  # decided: take turns or not; None while learning
+
+    def __reduce__(self) -> tuple:
+        return (type(self), (self.relearn, self.enabled))  # a copied or pickled wrapper learns again
+
+    def next(self) -> bool:
+        """Whether the next run takes turns."""
+        if not self.enabled:
+            return False
+        if self.taking is not None:
+            return self.taking
+        return self.runs >= self.WARMUP and self.runs % 2 == 0
+
+    def ran(self, took_turns: bool, seconds: float) -> None:
+        """A run finished: learn from it."""
+        if not self.enabled:
+            return
+        self.runs += 1
+        if self.taking is None:
+            if self.runs > self.WARMUP:
+                self.seconds[took_turns].append(seconds)
+            if all(len(values) >= self.SAMPLES for values in self.seconds.values()):
+                medians = {way: sorted(values)[len(values) // 2] for way, values in self.seconds.items()}
+                self.taking = medians[True] < medians[False]
+        elif self.runs % self.relearn == 0:
+            self.taking, self.seconds, self.runs = None, {True: [], False: []}, self.WARMUP
 
 
 def _wait_for_abandoned(devices: Sequence[torch.device]) -> None:
@@ -291,6 +352,7 @@ def run_replicas(
     generators: bool | RandomnessWatch = True,
     threads: int | None = None,
     on_interrupt: Callable[[], None] | None = None,
+    turns: Turns | None = None,
 ) -> list[Any]:
     """[job(0), …, job(n-1)], job(i) run in the worker thread of devices[i], all side by side.
 
@@ -304,6 +366,7 @@ def run_replicas(
         threads: intra-op threads per replica on virtual CPU devices (default: the cores shared evenly).
         on_interrupt: called when the caller stops waiting (KeyboardInterrupt, SystemExit), before those
             jobs that have not started are dropped: jobs that wait for each other use it to give up.
+        turns: the call site's Turns: its jobs run one at a time when that was learned to be faster.
 
     With one device the job runs in the calling thread (nothing to run beside it).
     """
@@ -333,14 +396,20 @@ def run_replicas(
     if _abandoned:
         _wait_for_abandoned(devices)
     call = _Call(n)
+    take_turns = turns is not None and turns.next()
+    turn = turns.lock if take_turns else None
     jobs = [
-        Job(_run_job, (job, i, device, context, stream, mode, threads), call)
+        Job(_run_job, (job, i, device, context, stream, mode, threads, turn), call)
         for i, (device, stream, mode) in enumerate(zip(devices, streams, modes))
     ]
     try:
-        for device, queued in zip(devices, jobs):
-            worker_for(device).jobs.put(queued)
-        call.wait()
+        with hooks.handing_off(devices):
+            began = time.perf_counter()
+            for device, queued in zip(devices, jobs):
+                worker_for(device).jobs.put(queued)
+            call.wait()
+            if turns is not None:
+                turns.ran(take_turns, time.perf_counter() - began)
         for queued in jobs:
             if _passes_through(queued.error):
                 raise queued.error
@@ -382,13 +451,14 @@ def parallel_apply(
     devices: Sequence[DeviceLike] | None = None,
     *,
     generators: bool | RandomnessWatch = True,
+    turns: Turns | None = None,
 ) -> list[Any]:
     """torch.nn.parallel.parallel_apply on dpkit's runner: modules[i](*inputs[i], **kwargs_tup[i]) on devices[i].
 
     As in torch, an input that is a tuple or a list is the argument list and anything else (a bare tensor)
     is one argument. Devices accept dpkit's specs: ints (CUDA indices), "cuda:1", "cpu:3", torch.device;
     without devices, each module runs on its input's device (CPU inputs on cpu:0, cpu:1, …). Outputs come
-    in module order; an error names the replica and device. `generators` is run_replicas'.
+    in module order; an error names the replica and device. `generators` and `turns` are run_replicas'.
     """
     n = len(modules)
     if len(inputs) != n:
@@ -403,4 +473,4 @@ def parallel_apply(
     def job(i: int) -> Any:
         return modules[i](*arguments[i], **(kwargs_tup[i] or {}))
 
-    return run_replicas(device_list, job, generators=generators)
+    return run_replicas(device_list, job, generators=generators, turns=turns)

@@ -12,10 +12,11 @@ from torch import nn
 from dpkit.checks import check_dim
 from dpkit.devices import DeviceLike, parse_device, parse_device_list, tensor_on
 from dpkit.parallel import hooks, sync_batchnorm
-from dpkit.parallel.apply import parallel_apply
+from dpkit.parallel.apply import Turns, parallel_apply
 from dpkit.parallel.balance import BALANCE_MODES
 from dpkit.parallel.gather import gather
 from dpkit.parallel.nested import leaves
+from dpkit.parallel.replica_cache import ReplicaCache
 from dpkit.parallel.replica_rng import TrainingModeWatches
 from dpkit.parallel.replicate import check_replicable, replicate
 from dpkit.parallel.scatter import batch_size_of, check_chunk_sizes, other_sizes, plan_split, scatter, unwrap_broadcasts
@@ -113,6 +114,9 @@ class DataParallel(nn.Module):
         max_bytes_per_device: per-device memory limit for balance="memory" (an int for all or a list);
             default: 90% of a CUDA device's memory, no limit on CPU. No device is given rows past it.
         planner: the ChunkPlanner that chooses rows per call for `balance` (default: balance_planner()).
+        cache_replicas: keep the replicas' module objects between calls and make only their tensors anew
+            (parallel/replica_cache.py: rebuilt whenever the module changed, so never stale); False builds
+            every replica from scratch at every call, as torch does.
 
     The wrapper's parameters are the module's own parameter objects and `state_dict()` keys carry a
     `module.` prefix as in torch; `dpkit.save_model` writes them without it.
@@ -131,6 +135,7 @@ class DataParallel(nn.Module):
         balance: str | None = None,
         max_bytes_per_device: int | Sequence[int | None] | None = None,
         planner: ChunkPlanner | None = None,
+        cache_replicas: bool = True,
     ):
         super().__init__()
         if not isinstance(module, nn.Module):
@@ -169,6 +174,10 @@ class DataParallel(nn.Module):
         self.last_split_sizes: list[int] | None = None
         self.last_devices: list[torch.device] | None = None  # the devices that got rows (and a replica)
         self.randomness = TrainingModeWatches("DataParallel's replicas")  # per-replica generators while they draw
+        self.turns = {True: Turns(), False: Turns()}  # forwards in turns or side by side, per training mode
+        if cache_replicas not in (True, False):
+            raise TypeError(f"cache_replicas: expected True or False, got {cache_replicas!r}")
+        self.replica_cache: ReplicaCache | None = ReplicaCache(module) if cache_replicas else None
 
     def balance_planner(self, mode: str, max_bytes_per_device: list[float | None]) -> ChunkPlanner:
         """The planner for balance=mode: the one plugged into the observation seam (dpkit.observe's)."""
@@ -184,11 +193,13 @@ class DataParallel(nn.Module):
     def primary_device(self) -> torch.device:
         return self.device_ids[0]
 
-    def check_placement(self) -> None:
+    def check_placement(self, cache: ReplicaCache | None = None) -> None:
         """Every parameter and buffer must be on the primary device before any replica runs."""
         primary = self.primary_device
+        if cache is not None and cache.all_on(primary):
+            return  # every forward: the cache's list of the module's tensors
         if all(tensor_on(t, primary) for t in itertools.chain(self.module.parameters(), self.module.buffers())):
-            return  # every forward: without building the names
+            return  # without building the names
         for kind, named in (("parameter", self.module.named_parameters()), ("buffer", self.module.named_buffers())):
             for name, tensor in named:
                 if not tensor_on(tensor, primary):
@@ -198,7 +209,24 @@ class DataParallel(nn.Module):
                     )
 
     def forward(self, *inputs: Any, target: Any = None, **kwargs: Any) -> Any:
-        self.check_placement()
+        cache = self.take_cache()
+        try:
+            return self.split_run_combine(cache, inputs, target, kwargs)
+        finally:
+            if cache is not None:
+                cache.release()
+
+    def take_cache(self) -> ReplicaCache | None:
+        """The replica cache for this call (its module checked), or None: not caching, or another call has it."""
+        cache = self.replica_cache
+        if cache is None:
+            return None
+        if cache.module is not self.module:  # the wrapped module was replaced
+            cache = self.replica_cache = ReplicaCache(self.module)
+        return cache if cache.acquire() else None
+
+    def split_run_combine(self, cache: ReplicaCache | None, inputs: tuple, target: Any, kwargs: dict) -> Any:
+        self.check_placement(cache)
         self.finish_measurement()
         with_loss = self.loss_fn is not None and target is not None
         if target is not None:  # split like the inputs; without loss_fn it is the module's own keyword
@@ -212,14 +240,17 @@ class DataParallel(nn.Module):
         with hooks.phase("scatter"):
             chunks = scatter(inputs, kwargs, plan, self.device_ids, self.dim)
         devices = self.last_devices = [device for device, _, _ in chunks]
-        replicas = self.replicate_to(devices, with_loss)
-        replicas = sync_batchnorm.synced_replicas(self.module, replicas)  # SyncBatchNorm layers meet across replicas
+        replicas = self.replicate_to(devices, with_loss, cache)
+        # SyncBatchNorm layers meet across replicas
+        has_sync = cache.has_sync_batchnorm if cache is not None else None
+        synced = sync_batchnorm.synced_replicas(self.module, replicas, has_sync=has_sync)
         outputs = parallel_apply(
-            replicas,
+            synced,
             [a for _, a, _ in chunks],
             [k for _, _, k in chunks],
             devices,
             generators=self.randomness(self.module),
+            turns=None if synced is not replicas else self.turns[self.module.training],
         )
         if hooks.listening():
             self.announce_outputs(outputs, chunks)
@@ -257,15 +288,20 @@ class DataParallel(nn.Module):
         if self.balancer is not None:
             self.balancer.finish()
 
-    def replicate_to(self, devices: list[torch.device], with_loss: bool) -> list[Any]:
-        """A replica per device that has rows (with its loss when there is a target)."""
-        if not hooks.listening():
-            replicas = replicate(self.module, devices, self.primary_device)
+    def replicate_to(
+        self, devices: list[torch.device], with_loss: bool, cache: ReplicaCache | None = None
+    ) -> list[Any]:
+        """A replica per device that has rows (with its loss when there is a target); from the cache when given."""
+        primary = self.primary_device
+        if cache is not None:
+            replicas = cache.replicas(devices, primary)  # announces each device's "replicate" itself
+        elif not hooks.listening():
+            replicas = replicate(self.module, devices, primary)
         else:
             replicas = []
             for device in devices:  # one at a time, so a listener can charge each copy to its own device
                 with hooks.phase("replicate", device):
-                    replicas.extend(replicate(self.module, [device], self.primary_device))
+                    replicas.extend(replicate(self.module, [device], primary))
         return [ReplicaWithLoss(replica, self.loss_fn) for replica in replicas] if with_loss else replicas
 
     def announce_outputs(self, outputs: list[Any], chunks: list[tuple[torch.device, tuple, dict]]) -> None:

@@ -13,6 +13,10 @@ Calls, all optional for a listener to implement:
                                  ("scatter", "replicate", "gather", "loss", "all_reduce", "optimizer", ...)
     replica(index, device)       context manager around a replica's job, entered in that replica's thread
     replica_phase(name)          context manager inside a replica's job that switches its phase ("loss", ...)
+    handing_off(devices)         context manager in the calling thread around handing one job to each of
+                                 two or more replica threads and waiting for them all (the replica runner)
+    peer_wait()                  context manager inside a replica's job around a wait for other replicas
+                                 (its turn, the gradient sum's queue, SyncBatchNorm's exchange)
     split(module, devices, output_device, rows)   a step's plan: rows per device (0: left out)
     outputs(outputs, devices, stop)               the replicas' outputs, whose autograd nodes belong to
                                                   `devices[i]` up to the nodes in `stop` (the inputs')
@@ -51,6 +55,8 @@ class Listener(Protocol):  # documentation of the calls; a listener implements a
     def phase(self, name: str, device: torch.device | None) -> AbstractContextManager: ...
     def replica(self, index: int, device: torch.device) -> AbstractContextManager: ...
     def replica_phase(self, name: str) -> AbstractContextManager: ...
+    def handing_off(self, devices: Sequence[torch.device]) -> AbstractContextManager: ...
+    def peer_wait(self) -> AbstractContextManager: ...
     def split(
         self, module: Any, devices: Sequence[torch.device], output_device: torch.device, rows: Sequence[int]
     ) -> None: ...
@@ -113,6 +119,14 @@ def replica(index: int, device: torch.device) -> AbstractContextManager:
 
 def replica_phase(name: str) -> AbstractContextManager:
     return _enter_all("replica_phase", name)
+
+
+def handing_off(devices: Sequence[torch.device]) -> AbstractContextManager:
+    return _enter_all("handing_off", devices)
+
+
+def peer_wait() -> AbstractContextManager:
+    return _enter_all("peer_wait")
 
 
 def _notify(method: str, *args: Any) -> None:

@@ -6,13 +6,17 @@ exchange that DDP's all-reduce does between processes, done here between threads
 Parameters are grouped into buckets in reverse registration order (the order backward produces their
 gradients), each up to `bucket_cap_bytes`, as DDP's reducer does.
 
-On virtual CPU devices `backward(...)` runs every replica's backward in its own worker thread. A
-post-accumulate-grad hook on each replica's parameters marks its bucket; a bucket whose gradients are
-final in every replica is queued, split in one slice per thread. A replica thread that has finished its
-own backward sums queued slices while the others are still in theirs, then every thread helps with what
-is left. So the sum fills time that would otherwise be idle (replicas with fewer rows, or with nothing to
-do), and never delays a backward on the cores a busy replica uses. Each element is summed in replica
-order (0 + 1 + …), whatever thread sums it, so the result is bitwise the same with or without buckets.
+On virtual CPU devices `backward(...)` runs every replica's backward in its own worker thread. With
+several buckets, a post-accumulate-grad hook on each replica's parameters marks its bucket; a bucket whose
+gradients are final in every replica is queued, cut in one share per thread (runs of about equal numbers
+of elements: small parameters whole, large ones in pieces). A replica thread that has finished its own
+backward sums queued shares while the others are still in theirs, then every thread helps with what is
+left. So the sum fills time that would otherwise be idle (replicas with fewer rows, or with nothing to
+do), and never delays a backward on the cores a busy replica uses. With one bucket nothing can overlap:
+no hooks (a Python call per parameter in every backward), the shares are queued when the backwards end.
+A share is summed in a few foreach calls, not one call per parameter, which for a model of many small
+layers costs more Python than the arithmetic. Each element is summed in replica order (0 + 1 + …),
+whatever thread sums it, so the result is bitwise the same with or without buckets.
 
 On GPUs torch's own CUDA collectives (torch.cuda.comm, NCCL where available) sum each bucket onto the
 first device and broadcast it back, after the backward, which the autograd engine has already run on
@@ -79,7 +83,7 @@ def fill_missing_grads(group: Sequence[torch.Tensor]) -> bool:
 
 def sum_slice(group: Sequence[torch.Tensor], k: int, slices: int, everywhere: bool = True) -> None:
     """Slice k (of `slices`) of one parameter's gradient, summed over replicas in replica order into
-    replica 0's and, with `everywhere`, written back to every replica."""
+    replica 0's and, with `everywhere`, written back to every replica (GradientSum(coalesce=False))."""
     grads = [p.grad for p in group]
     if grads[0] is None:
         return
@@ -106,6 +110,64 @@ def sum_slice(group: Sequence[torch.Tensor], k: int, slices: int, everywhere: bo
                 part.copy_(total)
 
 
+# a share of one bucket's sum: (parameter position, first element, end element) segments
+Share = list[tuple[int, int, int]]
+
+
+def plan_shares(params: Sequence[torch.Tensor], bucket: Sequence[int], shares: int) -> list[Share]:
+    """The bucket's elements cut into `shares` runs of about equal size, in bucket order: small parameters
+    whole, a parameter that crosses a boundary in pieces. Each thread sums one share in a few foreach calls,
+    where one call per parameter and slice would cost more Python than a small parameter's sum itself."""
+    sizes = [(position, params[position].numel()) for position in bucket]
+    total = sum(n for _, n in sizes)
+    out: list[Share] = [[] for _ in range(shares)]
+    start = 0  # the bucket's running element count
+    for position, numel in sizes:
+        lo = 0
+        while lo < numel:
+            k = min(shares - 1, (start + lo) * shares // total) if total else 0
+            end_of_share = (k + 1) * total // shares
+            hi = numel if k == shares - 1 else min(numel, end_of_share - start)
+            hi = max(hi, lo + 1)
+            out[k].append((position, lo, hi))
+            lo = hi
+        start += numel
+    return out
+
+
+def sum_share(groups: Sequence[Sequence[torch.Tensor]], share: Share, everywhere: bool = True) -> None:
+    """One share of a bucket, summed over replicas in replica order (0 + 1 + …) into replica 0's gradients
+    and, with `everywhere`, written back to every replica's: bitwise what summing each element alone gives."""
+    columns: list[list[torch.Tensor]] = []
+    for position, lo, hi in share:
+        grads = [p.grad for p in groups[position]]
+        if grads[0] is None:
+            continue
+        if lo == 0 and hi == grads[0].numel():
+            columns.append(grads)
+        elif all(g.is_contiguous() for g in grads):
+            columns.append([g.view(-1)[lo:hi] for g in grads])
+        elif lo == 0:  # a rare layout: the whole tensor, by the share that holds its first element
+            columns.append(grads)
+    if not columns:
+        return
+    per_replica = [list(column) for column in zip(*columns)]
+    with torch.no_grad():
+        if any(g.is_sparse for g in per_replica[0]):  # sparse gradients: one parameter at a time
+            for column in columns:
+                total = column[0]
+                for g in column[1:]:
+                    total.add_(g.to(total.device))
+                for g in column[1:] if everywhere else ():
+                    g.copy_(total)
+            return
+        total = per_replica[0]
+        for other in per_replica[1:]:
+            torch._foreach_add_(total, other)
+        for other in per_replica[1:] if everywhere else ():
+            torch._foreach_copy_(other, total)
+
+
 class _Round:
     """One overlapped backward-and-sum on CPU: which buckets are final, and the slices left to sum."""
 
@@ -114,7 +176,8 @@ class _Round:
         self.condition = threading.Condition()
         trainable = [p.requires_grad for p in gradient_sum.params[0]]  # frozen ones never fire a hook
         self.pending_hooks = [
-            sum(trainable[position] for position in bucket) * len(active) for bucket in gradient_sum.buckets
+            sum(trainable[position] for position in bucket) * len(active) if gradient_sum.hooked else -1
+            for bucket in gradient_sum.buckets
         ]
         self.queued = [False] * len(gradient_sum.buckets)
         self.work: collections.deque = collections.deque()
@@ -132,11 +195,13 @@ class _Round:
         if self.queued[bucket]:
             return
         self.queued[bucket] = True
-        slices = self.gradient_sum.slices
-        for position in self.gradient_sum.buckets[bucket]:
-            group = self.gradient_sum.groups[position]
-            if fill_missing_grads(group):
-                self.work.extend((group, k, slices) for k in range(slices))
+        gradient_sum = self.gradient_sum
+        groups, slices = gradient_sum.groups, len(gradient_sum.devices)
+        for position in gradient_sum.buckets[bucket]:
+            if fill_missing_grads(groups[position]) and not gradient_sum.coalesce:
+                self.work.extend((groups[position], k, slices) for k in range(slices))
+        if gradient_sum.coalesce:
+            self.work.extend(share for share in gradient_sum.shares[bucket] if share)
 
     def backward_done(self) -> None:
         with self.condition:
@@ -156,13 +221,17 @@ class _Round:
         while True:
             with self.condition:
                 while not self.work and self.backwards_left > 0 and not self.failed:
-                    self.condition.wait()
+                    with hooks.peer_wait():
+                        self.condition.wait()
                 if self.failed:
                     raise PeerFailed("stopped: another replica failed during backward")
                 if not self.work:
                     return
                 item = self.work.popleft()
-            sum_slice(*item, everywhere=self.gradient_sum.everywhere)
+            if self.gradient_sum.coalesce:
+                sum_share(self.gradient_sum.groups, item, self.gradient_sum.everywhere)
+            else:
+                sum_slice(*item, everywhere=self.gradient_sum.everywhere)
 
 
 class GradientSum:
@@ -177,6 +246,9 @@ class GradientSum:
         threads: intra-op threads per replica thread on virtual CPU devices (default: a fair share).
         everywhere: every replica's .grad receives the sum (an all-reduce); False: only replica 0's, and the
             others' gradients are released after each sum (a reduce; virtual CPU devices only).
+        coalesce: on virtual CPU devices, sum each bucket in one share per thread, a few foreach calls each, and
+            hook the parameters only when there are several buckets to overlap; False: one slice of each
+            parameter per thread and a hook on every parameter, as before (kept for measuring the difference).
     """
 
     def __init__(
@@ -188,6 +260,7 @@ class GradientSum:
         overlap: bool = True,
         threads: int | None = None,
         everywhere: bool = True,
+        coalesce: bool = True,
     ):
         if len(params) != len(devices):
             raise ValueError(
@@ -210,14 +283,19 @@ class GradientSum:
                 "whose replicas share memory"
             )
         self.everywhere = everywhere
+        self.coalesce = coalesce
         self.overlap = overlap
         self.threads = threads
-        self.slices = len(self.devices)
         self.buckets = plan_buckets(self.params[0], bucket_cap_bytes) if self.params else []
+        # each bucket in one share per thread (virtual CPU devices)
+        self.shares = [plan_shares(self.params[0], bucket, len(self.devices)) for bucket in self.buckets]
         self._thread = threading.local()  # .round: the round the backward in this thread belongs to
         self._holding_copies = False  # replicas other than 0 hold the last sum (after an all-reduce)
         self._handles: list[Any] = []
-        if self.on_cpu and len(self.devices) > 1 and overlap:
+        # a bucket can be summed while backwards still run only if there is another one after it: with one
+        # bucket the sum starts when the backwards end, and a hook per parameter would only cost Python work
+        self.hooked = self.on_cpu and len(self.devices) > 1 and overlap and (len(self.buckets) > 1 or not coalesce)
+        if self.hooked:
             bucket_of = {position: b for b, bucket in enumerate(self.buckets) for position in bucket}
             for replica_params in self.params:
                 for position, p in enumerate(replica_params):
@@ -255,8 +333,12 @@ class GradientSum:
 
         def job(k: int) -> None:
             with hooks.replica_phase("all_reduce"):
-                for group in self.groups:
-                    sum_slice(group, k, self.slices, self.everywhere)
+                if not self.coalesce:
+                    for group in self.groups:
+                        sum_slice(group, k, len(self.devices), self.everywhere)
+                    return
+                for shares in self.shares:
+                    sum_share(self.groups, shares[k], self.everywhere)
 
         run_replicas(self.devices, job, generators=False, threads=self.threads)
         self._release_others()

@@ -39,9 +39,9 @@ ModuleT = TypeVar("ModuleT", bound=nn.Module)
 _MODULE_CONTAINERS = frozenset(
     name for name, value in nn.Module().__dict__.items() if isinstance(value, (dict, list, set))
 )
-_RNN_CONTAINERS = frozenset({"_flat_weights", "_flat_weights_names", "_flat_weight_refs", "_all_weights"})
+RNN_CONTAINERS = frozenset({"_flat_weights", "_flat_weights_names", "_flat_weight_refs", "_all_weights"})
 # _parameters, _buffers and _modules are rebuilt for every replica, not copied
-_COPIED = (_MODULE_CONTAINERS | _RNN_CONTAINERS) - {"_parameters", "_buffers", "_modules"}
+_COPIED = (_MODULE_CONTAINERS | RNN_CONTAINERS) - {"_parameters", "_buffers", "_modules"}
 _FAST_COPY = (dict, OrderedDict, list, set)
 
 
@@ -127,7 +127,7 @@ def _shallow_replica(module: nn.Module) -> nn.Module:
     return replica
 
 
-class _TensorCopier:
+class TensorCopier:
     """Each tensor of the original once per device: an alias on the source device, a copy elsewhere;
     differentiable unless `detach` (tied weights stay tied: the same tensor maps to the same copy)."""
 
@@ -168,7 +168,7 @@ class _TensorCopier:
         return source.to(self.device, non_blocking=True, copy=True)
 
 
-def _needs_check(originals: Sequence[nn.Module]) -> bool:
+def needs_check(originals: Sequence[nn.Module]) -> bool:
     """A quick look for what check_replicable refuses (it then finds and names the module)."""
     eval_frame = sys.modules.get("torch._dynamo.eval_frame")
     compiled_type = eval_frame.OptimizedModule if eval_frame is not None else ()
@@ -185,9 +185,13 @@ def _needs_check(originals: Sequence[nn.Module]) -> bool:
 def _replicate_one(
     module: nn.Module, device: torch.device, is_source: bool, detach: bool, originals: Sequence[nn.Module] | None = None
 ) -> nn.Module:
-    copier = _TensorCopier(device, is_source, detach)
     if originals is None:
         originals = list(module.modules())  # each shared submodule once, so sharing is kept
+    return replicate_tree(originals, TensorCopier(device, is_source, detach))[0]
+
+
+def replicate_tree(originals: Sequence[nn.Module], copier: TensorCopier) -> list[nn.Module]:
+    """A replica of every module of a tree (`originals[0]` its root, each module once), in that order."""
     replicas = {id(m): _shallow_replica(m) for m in originals}
     for original in originals:
         replica = replicas[id(original)]
@@ -200,12 +204,12 @@ def _replicate_one(
         for name, buffer in original._buffers.items():
             buffers[name] = None if buffer is None else copier.buffer(buffer)
         if isinstance(original, nn.RNNBase):
-            _point_rnn_at_replica_weights(replica)
+            point_rnn_at_replica_weights(replica)
         sync_batchnorm.link_replica(original, replica)  # SyncBatchNorm: whole-batch statistics inside a step
-    return replicas[id(module)]
+    return [replicas[id(m)] for m in originals]
 
 
-def _point_rnn_at_replica_weights(replica: nn.RNNBase) -> None:
+def point_rnn_at_replica_weights(replica: nn.RNNBase) -> None:
     # RNNs keep a list of their weights beside _parameters; it must hold the replica's, not the original's
     weights = [replica._parameters.get(name) for name in replica._flat_weights_names]
     replica.__dict__["_flat_weights"] = weights
@@ -218,7 +222,7 @@ def replicate_to(
     """One replica of `module` on `device` (see the module docstring). `is_source`: `device` is where the
     module lives and the replica aliases its tensors there."""
     originals = list(module.modules())
-    if _needs_check(originals):
+    if needs_check(originals):
         check_replicable(module)
     return _replicate_one(module, device, is_source, detach, originals)
 
@@ -242,7 +246,7 @@ def replicate(network: ModuleT, devices: Sequence[DeviceLike], detach: bool = Fa
     if not isinstance(network, nn.Module):
         raise TypeError(f"network: expected a torch.nn.Module, got {type(network).__name__}")
     originals = list(network.modules())  # each shared submodule once, so sharing is kept
-    if _needs_check(originals):
+    if needs_check(originals):
         check_replicable(network, "network")
     if not devices:
         return []

@@ -36,6 +36,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from dpkit.parallel import hooks
 from dpkit.parallel.apply import PeerFailed
 
 _current = threading.local()  # .member: (StepGroup, index) of the replica job running in this thread
@@ -116,7 +117,8 @@ class StepGroup:
                         f"replica {gone[0]}, whose forward ended after {self.calls[gone[0]]} SyncBatchNorm calls; "
                         "every replica must call the same SyncBatchNorm layers in the same order"
                     )
-                self.condition.wait()
+                with hooks.peer_wait():
+                    self.condition.wait()
             if len(slot) > 1:
                 self.joined = True
             return [slot[i] for i in range(self.size)]
@@ -140,11 +142,16 @@ def synced_job(
     return member_job, group
 
 
-def synced_replicas(module: nn.Module, replicas: Sequence[Callable[..., Any]]) -> list[Callable[..., Any]]:
-    """One callable per replica that joins this step's rendezvous (for parallel_apply); the replicas
-    themselves when `module` has no SyncBatchNorm in training mode."""
-    if not replicas or not module.training or not has_sync_batchnorm(module):
-        return list(replicas)
+def synced_replicas(
+    module: nn.Module, replicas: Sequence[Callable[..., Any]], *, has_sync: bool | None = None
+) -> list[Callable[..., Any]]:
+    """One callable per replica that joins this step's rendezvous (for parallel_apply); `replicas` itself (the
+    same list) when `module` has no SyncBatchNorm in training mode. `has_sync`: what has_sync_batchnorm(module)
+    returns, when the caller knows (it walks every submodule)."""
+    if not replicas or not module.training:
+        return replicas
+    if not (has_sync if has_sync is not None else has_sync_batchnorm(module)):
+        return replicas
     group = StepGroup(len(replicas))
     return [group.wrap(replica, i) for i, replica in enumerate(replicas)]
 

@@ -36,7 +36,7 @@ from torch import nn
 from dpkit.checks import check_int
 from dpkit.devices import cpu_threads_per_device, keep_freed_host_memory
 from dpkit.parallel import hooks, sync_batchnorm
-from dpkit.parallel.apply import run_replicas
+from dpkit.parallel.apply import Turns, run_replicas
 from dpkit.parallel.gather import gather
 from dpkit.parallel.reduce import GradientSum
 from dpkit.parallel.replica_rng import TrainingModeWatches
@@ -75,7 +75,7 @@ class Replicated(Strategy):
     traits = Traits(
         processes=ONE_PROCESS, loss=IN_REPLICAS, replicas=PERSISTENT, shares_host_weights=True, grad_scaler=False
     )
-    options = ("threads_per_device", "overlap_reduce", "share_weights")
+    options = ("threads_per_device", "overlap_reduce", "share_weights", "coalesce_reduce")
 
     def __init__(
         self,
@@ -84,6 +84,7 @@ class Replicated(Strategy):
         threads_per_device: int | None = None,
         overlap_reduce: bool = True,
         share_weights: bool | None = None,
+        coalesce_reduce: bool = True,
     ):
         super().__init__(devices)
         self.on_cpu = all(device.type == "cpu" for device in self.devices)
@@ -104,6 +105,7 @@ class Replicated(Strategy):
         # intra-op threads per replica: a fair share of the cores unless given
         self.threads = (threads_per_device or cpu_threads_per_device(len(self.devices))) if self.on_cpu else None
         self.overlap_reduce = bool(overlap_reduce)
+        self.coalesce_reduce = bool(coalesce_reduce)  # False: the per-parameter sum of before (for measuring)
         self.replicas: list[nn.Module] = []
         self.params: list[list[nn.Parameter]] = []
         self.buffers: list[list[torch.Tensor]] = []
@@ -112,6 +114,8 @@ class Replicated(Strategy):
         self._replica_backwards = 0  # backwards that went through the replicas' loss node
         self.has_sync_batchnorm = False  # set with the replicas
         self.randomness = TrainingModeWatches("replicated's replicas")  # per-replica generators while they draw
+        # the replicas' forwards side by side or in turns, whichever is faster (learned per call site)
+        self.turns = {"forward": Turns(), "forward_loss": Turns()}
 
     @classmethod
     def profile_options(cls) -> dict[str, Any]:
@@ -139,6 +143,7 @@ class Replicated(Strategy):
             overlap=self.overlap_reduce,
             threads=self.threads,
             everywhere=not self.shares_weights,
+            coalesce=self.coalesce_reduce,
         )
         return ReplicatedModule(self, model)
 
@@ -201,7 +206,7 @@ class Replicated(Strategy):
             args_k, kwargs_k = chunks[k]
             return self.replicas[active[k]](*args_k, **kwargs_k)
 
-        forward_one, _ = sync_batchnorm.synced_job(
+        forward_one, group = sync_batchnorm.synced_job(
             self.replicas[0], forward_one, len(active), has_sync=self.has_sync_batchnorm
         )
         outputs = run_replicas(
@@ -209,6 +214,7 @@ class Replicated(Strategy):
             forward_one,
             threads=self.threads,
             generators=self.randomness(self.replicas[0]),
+            turns=self.turns["forward"] if group is None else None,  # SyncBatchNorm's replicas wait for each other
         )
         with hooks.phase("gather", self.root_device):
             return gather(outputs, self.root_device, 0)
@@ -245,6 +251,7 @@ class Replicated(Strategy):
             forward_and_loss,
             threads=self.threads,
             generators=self.randomness(self.replicas[0]),
+            turns=self.turns["forward_loss"] if group is None else None,
         )
         step = ReplicaStep(active, losses, weights, self.gradients, sync=lambda: self._sync, ran=self._count_backward)
         step.joined = group is not None and group.joined  # SyncBatchNorm joined the replicas' graphs

@@ -169,8 +169,15 @@ def profile(spec: ProfileSpec) -> tuple[Report | None, float]:
                 for _ in range(spec.steps):
                     last_loss = step()
                     bar.update()
+            # the step's split between the calling thread and the replica threads, timed again without memory
+            # accounting, which would distort it (observe/step_split.py)
+            with Observer(engine.device, memory=False, trace=False, backward_by_device=False) as timer:
+                for _ in range(spec.steps):
+                    last_loss = step()
         kept = engine.gather_object(kept_bytes(engine.model_copies()[0][0], optimizer)) if cls.traits.sharded else None
-        reports = engine.gather_object(observer.report())
+        here = observer.report()
+        here.threads = timer.report().threads
+        reports = engine.gather_object(here)
         writes = engine.is_global_zero
     finally:
         engine.close()
