@@ -39,7 +39,7 @@ from dpkit.integrations.lightning.replicas import (
     check_options,
     resolve_devices,
 )
-from dpkit.integrations.lightning.trainer import REGISTERED_NAMES, check_precision
+from dpkit.integrations.lightning.trainer import check_precision, register_names
 
 
 class _ReplicaGradientSync(_BackwardSyncControl):
@@ -182,8 +182,4 @@ class FabricDataParallelStrategy(DataParallelStrategy):
 
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:
-        for name, mode in REGISTERED_NAMES.items():
-            if name not in strategy_registry:
-                strategy_registry.register(
-                    name, cls, description=f"dpkit's {mode} in one process (a replica per device)", mode=mode
-                )
+        register_names(cls, strategy_registry)

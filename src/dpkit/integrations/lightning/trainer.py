@@ -41,6 +41,15 @@ from dpkit.strategies import strategy_class
 REGISTERED_NAMES = {"dpkit_dp": "dp", "dpkit_dp_balanced": "dp-balanced", "dpkit_replicated": "replicated"}
 
 
+def register_names(cls: type, strategy_registry: Any) -> None:
+    """REGISTERED_NAMES in a Lightning strategy registry (the Trainer's or Fabric's), each for `cls` in its mode."""
+    for name, mode in REGISTERED_NAMES.items():
+        if name not in strategy_registry:
+            strategy_registry.register(
+                name, cls, description=f"dpkit's {mode} in one process (a replica per device)", mode=mode
+            )
+
+
 def check_precision(precision_plugin: Any, mode: str) -> None:
     """A GradScaler (precision '16-mixed') only with the modes whose dpkit strategy supports one."""
     if getattr(precision_plugin, "scaler", None) is not None and not strategy_class(mode).traits.grad_scaler:
@@ -184,8 +193,4 @@ class DataParallelStrategy(SingleDeviceStrategy):
 
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:
-        for name, mode in REGISTERED_NAMES.items():
-            if name not in strategy_registry:
-                strategy_registry.register(
-                    name, cls, description=f"dpkit's {mode} in one process (a replica per device)", mode=mode
-                )
+        register_names(cls, strategy_registry)
