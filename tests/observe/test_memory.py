@@ -172,3 +172,25 @@ def test_one_device_replica_runs_in_the_calling_thread_and_still_charges_activat
         assert current(obs, "cpu:0", "gathered_outputs") == 4 * 64 * 8  # the replica's output, copied
         assert obs.report().device("cpu:0").peak_bytes_by_category["other"] == 0
     del out
+
+
+def test_an_observer_stopped_from_another_thread_leaves_no_dispatch_mode_behind():
+    """A finalizer may stop an observer in whatever thread garbage collection runs in; the calling thread's mode,
+    which only that thread can exit, is exited at its next touch instead of left on its stack for good."""
+    import threading
+
+    observer = Observer(memory=True).start()
+    assert _get_current_dispatch_mode() is not None
+    errors = []
+
+    def stop_elsewhere():
+        try:
+            observer.stop()
+        except Exception as error:  # pragma: no cover - the failure this test exists for
+            errors.append(error)
+
+    thread = threading.Thread(target=stop_elsewhere)
+    thread.start()
+    thread.join()
+    assert errors == []
+    assert active() == () and _get_current_dispatch_mode() is None

@@ -45,6 +45,7 @@ from dpkit.parallel import hooks
 
 def active() -> tuple[Observer, ...]:
     """The started observers; empty (and cheap to ask) when nothing is being measured."""
+    TRACKING.settle()  # a tracker left idle by an observer stopped from another thread
     return tuple(listener for listener in hooks.listeners() if isinstance(listener, Observer))
 
 

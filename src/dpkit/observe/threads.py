@@ -61,17 +61,24 @@ class CallingThreadTracker(TorchDispatchMode):
 
 
 class SharedTracking:
-    """The one CallingThreadTracker, entered while any observer is started."""
+    """The one CallingThreadTracker, entered while any observer is started.
+
+    torch's mode stack is per thread, so only the thread that entered the tracker can exit it. An observer may
+    be stopped elsewhere: by a finalizer that garbage collection runs in whatever thread allocated at that moment
+    (a balance measurement whose wrapper was dropped). The tracker is then left idle (no observers: it passes
+    every operator through) and the entering thread exits it at its next touch (join, leave or settle)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._mode: CallingThreadTracker | None = None
+        self._owner: int | None = None  # the thread that entered the mode
 
     def join(self, observer: Observer) -> None:
         with self._lock:
             if self._mode is None:
                 self._mode = CallingThreadTracker()
                 self._mode.__enter__()
+                self._owner = threading.get_ident()
             self._mode.observers.append(observer)
 
     def leave(self, observer: Observer) -> None:
@@ -82,13 +89,31 @@ class SharedTracking:
             mode.observers.remove(observer)
             if mode.observers:
                 return
-            self._mode = None
+            if threading.get_ident() != self._owner:
+                return  # idle until the entering thread settles it
             if _get_current_dispatch_mode() is not mode:
                 raise RuntimeError(
                     "Observer.stop: another dispatch mode was entered after the observer started and is "
                     "still active; exit it before stopping the observer"
                 )
-            mode.__exit__(None, None, None)
+            self._exit(mode)
+
+    def settle(self) -> None:
+        """Exit an idle tracker (its observers stopped from another thread), when this thread entered it and it
+        is on top of this thread's modes."""
+        with self._lock:
+            mode = self._mode
+            if (
+                mode is not None
+                and not mode.observers
+                and threading.get_ident() == self._owner
+                and _get_current_dispatch_mode() is mode
+            ):
+                self._exit(mode)
+
+    def _exit(self, mode: CallingThreadTracker) -> None:
+        self._mode, self._owner = None, None
+        mode.__exit__(None, None, None)
 
 
 # The only module-level state: torch's mode stack is per thread and ordered, so the observers of a

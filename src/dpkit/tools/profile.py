@@ -26,7 +26,7 @@ from torch.utils.data import DataLoader, RandomSampler, TensorDataset
 from dpkit.checks import check_int, check_output_file
 from dpkit.devices import resolve_devices
 from dpkit.launch import Command, launched, relaunch
-from dpkit.observe import Observer, Report
+from dpkit.observe import Observer, Report, active
 from dpkit.parallel.balance import CALIBRATION_CALLS
 from dpkit.precision import PRECISIONS as ENGINE_PRECISIONS
 from dpkit.strategies import strategy_class
@@ -169,14 +169,16 @@ def profile(spec: ProfileSpec) -> tuple[Report | None, float]:
                 for _ in range(spec.steps):
                     last_loss = step()
                     bar.update()
+            here = observer.report()
             # the step's split between the calling thread and the replica threads, timed again without memory
-            # accounting, which would distort it (observe/step_split.py)
-            with Observer(engine.device, memory=False, trace=False, backward_by_device=False) as timer:
-                for _ in range(spec.steps):
-                    last_loss = step()
+            # accounting, which would distort it (observe/step_split.py); not while another observer still runs
+            # (dp-balanced calibrating past a short warm-up), whose stop must find its own dispatch mode on top
+            if not active():
+                with Observer(engine.device, memory=False, trace=False, backward_by_device=False) as timer:
+                    for _ in range(spec.steps):
+                        last_loss = step()
+                here.threads = timer.report().threads
         kept = engine.gather_object(kept_bytes(engine.model_copies()[0][0], optimizer)) if cls.traits.sharded else None
-        here = observer.report()
-        here.threads = timer.report().threads
         reports = engine.gather_object(here)
         writes = engine.is_global_zero
     finally:
