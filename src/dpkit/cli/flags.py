@@ -70,17 +70,6 @@ class Flags:
         return _NAME_IS_VALUE.sub(mention, text)
 
 
-def comma_ints(flag: str, text: str) -> list[int]:
-    """'1,2,3' -> [1, 2, 3] for a flag that takes a list of counts or a shape."""
-    try:
-        values = [int(part) for part in text.split(",") if part.strip()]
-    except ValueError:
-        raise ValueError(f"{flag}: expected comma-separated integers such as 1,2,3, got {text!r}") from None
-    if not values:
-        raise ValueError(f"{flag}: expected comma-separated integers such as 1,2,3, got {text!r}")
-    return values
-
-
 def from_args(cls: type, args: argparse.Namespace, **given: Any) -> Any:
     """An instance of the dataclass `cls` (a library spec or config) from parsed arguments: each field from the
     argument of the same name; `given` fields (the ones the command spells or shapes differently) as given."""

@@ -136,12 +136,9 @@ def nproc_per_node(text: str) -> int | str:
     if str(text).strip() == "auto":
         return "auto"
     try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive count of processes or auto, got {text!r}")
-    return value
+        return positive_int(text)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"expected a positive count of processes or auto, got {text!r}") from None
 
 
 def add_nproc_per_node(parser: argparse.ArgumentParser, default: int | str | None, help_more: str = "") -> None:
@@ -212,16 +209,11 @@ def add_batch_size(parser: argparse.ArgumentParser, default: str) -> None:
     )
 
 
-def global_batch(
-    args: argparse.Namespace, devices: int, *, default: int | None = None, per_device_default: int | None = None
-) -> int:
-    """The global batch on `devices` devices from --batch-size or --batch-size-per-device, else the verb's default
-    (a global one, or a per-device one)."""
+def global_batch(args: argparse.Namespace, devices: int, *, default: int) -> int:
+    """The global batch on `devices` devices from --batch-size or --batch-size-per-device, else `default`."""
     if args.batch_size_per_device is not None:
         return args.batch_size_per_device * devices
-    if args.batch_size is not None:
-        return args.batch_size
-    return default if default is not None else per_device_default * devices
+    return args.batch_size if args.batch_size is not None else default
 
 
 def add_precision(parser: argparse.ArgumentParser, choices: Sequence[str] = PRECISIONS) -> None:
