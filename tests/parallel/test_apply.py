@@ -224,3 +224,81 @@ def test_data_parallel_learns_per_training_mode_and_copies_learn_anew():
         dp.eval()(torch.randn(6, 4))
     assert dp.turns[False].runs == 1
     assert copy.deepcopy(dp).turns[True].runs == 0
+
+
+def learned_turns() -> apply.Turns:
+    """Turns that learned, in clean runs, that taking turns is faster: its jobs may run on the calling thread."""
+    turns = apply.Turns()
+    turns.taking, turns.clean_runs = True, turns.SAMPLES
+    return turns
+
+
+class ThreadRecorder(nn.Module):
+    """Dropout and a linear layer; records the thread and intra-op threads each replica's forward ran with."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(6, 4)
+        self.dropout = nn.Dropout(0.5)
+        self.seen: list[tuple[str, int]] = []
+
+    def forward(self, x):
+        self.seen.append((threading.current_thread().name, torch.get_num_threads()))
+        return self.dropout(self.linear(x))
+
+
+def test_learned_turns_run_on_the_calling_thread_with_the_results_of_the_worker_threads():
+    torch.manual_seed(0)
+    original = ThreadRecorder()
+    outputs, grads, seen = {}, {}, {}
+    for way, turns in (("here", learned_turns()), ("side by side", apply.Turns(enabled=False))):
+        model = ThreadRecorder()
+        model.load_state_dict(original.state_dict())
+        dp = dpkit.DataParallel(model, DEVICES)
+        dp.turns[True] = turns
+        torch.manual_seed(1)  # the replicas' dropout generators are seeded from the default one
+        outs = []
+        for _ in range(3):
+            out = dp(torch.ones(9, 6))
+            out.sum().backward()
+            outs.append(out.detach())
+        outputs[way], grads[way] = outs, [p.grad for p in model.parameters()]
+        seen[way] = {name for name, _ in model.seen}  # replicas share the original's list
+    for a, b in zip(outputs["here"], outputs["side by side"]):
+        assert torch.equal(a, b)
+    assert (outputs["here"][0] == 0).any()  # dropout ran
+    assert all(torch.equal(a, b) for a, b in zip(grads["here"], grads["side by side"]))
+    assert seen["here"] == {threading.current_thread().name}
+    assert seen["side by side"] == {f"dpkit-cpu:{i}_0" for i in range(len(DEVICES))}
+
+
+def test_jobs_in_learned_turns_run_on_the_calling_thread_with_their_devices_share_of_threads():
+    share = dpkit.devices.cpu_threads_per_device(len(DEVICES))
+    before = torch.get_num_threads()
+    turns = learned_turns()
+    results = run_replicas(DEVICES, lambda i: (threading.current_thread(), torch.get_num_threads()), turns=turns)
+    assert results == [(threading.current_thread(), share)] * len(DEVICES)
+    assert torch.get_num_threads() == before  # the calling thread's own count is back
+    sides = run_replicas(DEVICES, lambda i: threading.current_thread(), turns=apply.Turns(enabled=False))
+    assert threading.current_thread() not in sides
+
+
+def test_an_error_in_learned_turns_names_the_replica_and_device_and_the_runner_stays_usable():
+    def job(i: int):
+        if i == 1:
+            raise ValueError("bad rows")
+        return i
+
+    with pytest.raises(ValueError, match="in replica 1 on device cpu:1: ValueError: bad rows"):
+        run_replicas(DEVICES, job, turns=learned_turns())
+    assert run_replicas(DEVICES, lambda i: i, turns=learned_turns()) == [0, 1, 2]
+
+
+def test_jobs_that_wait_for_each_other_never_move_to_the_calling_thread():
+    # a job that holds its turn while it waits for the others makes them time out: remembered, so the call
+    # site keeps its worker threads (on the calling thread one after the other, they would never meet)
+    barrier = threading.Barrier(len(DEVICES))
+    turns = apply.Turns()
+    for _ in range(turns.WARMUP + 2 * turns.SAMPLES + 2):
+        assert run_replicas(DEVICES, lambda i: barrier.wait(timeout=30) >= 0 and i, turns=turns) == [0, 1, 2]
+    assert turns.peers_waited and not turns.here()

@@ -1,5 +1,5 @@
 """strategy="auto" in the Engine and in `dpkit train`: the choice is said in one line, what it chose is what
-runs (in every process it starts), and the Engine asks for the model where the choice depends on it."""
+runs (in every process it starts), and the Engine's own "auto" on several devices decides at the model's first call."""
 
 from __future__ import annotations
 
@@ -48,12 +48,10 @@ def test_one_device_or_the_default_devices_stay_single(tmp_path, capsys):
     assert json.loads((tmp_path / "metrics.json").read_text())["strategy"] == "single"
 
 
-def test_the_engine_decides_what_needs_no_model_and_asks_for_the_model_otherwise(capsys):
+def test_the_engine_decides_what_needs_no_model_at_once_and_takes_a_choice_as_made(capsys):
     engine = Engine(strategy="auto", accelerator="cpu", devices=1, progress=False)
     assert engine.strategy.name == "single"
     engine.close()
-    with pytest.raises(ValueError, match=r"^strategy: 'auto' on 2 devices in one process decides from the model"):
-        Engine(strategy="auto", accelerator="cpu", devices=2, progress=False)
     choice = Choice("replicated", 2, "auto: replicated on 2 devices — injected", [], "test")
     engine = Engine(strategy=choice, accelerator="cpu", devices=2, progress=False)
     assert engine.strategy.name == "replicated" and len(engine.devices) == 2
@@ -75,4 +73,109 @@ def test_choose_strategy_with_the_engine_on_a_real_model():
     choice = dpkit.choose_strategy(model, torch.randn(32, 32), 32, ["cpu:0", "cpu:1"], can_launch=False)
     engine = dpkit.Engine(strategy=choice, accelerator="cpu", devices=2, progress=False)
     assert engine.strategy.name == choice.strategy and len(engine.devices) == choice.devices
+    engine.close()
+
+
+def auto_loop(monkeypatch, chosen: str, devices: int = 3, steps: int = 3, decide_by=None):
+    """A loop under Engine(strategy="auto") on `devices` virtual devices whose choice is injected (`chosen` on
+    every device, or single on one); its weights after `steps` steps, the engine, what it printed."""
+    import torch
+    from torch import nn
+
+    from dpkit.training import engine as engine_module
+
+    asked = []
+
+    def choose(model, sample, batch_size, devices_given, precision, optimizer, **options):
+        asked.append((type(model).__name__, tuple(sample.shape), batch_size, len(devices_given), options))
+        n = 1 if chosen == "single" else len(devices_given)
+        return Choice(chosen, n, f"auto: {chosen} on {n} devices — injected", [], "test")
+
+    monkeypatch.setattr(engine_module, "choose_strategy", choose)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 8), nn.ReLU(), nn.Linear(8, 3))
+    engine = Engine(strategy="auto", accelerator="cpu", devices=devices, progress=False)
+    assert engine._undecided is not None and engine.strategy.name == "single"  # the reference until the batch
+    model, optimizer = engine.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    criterion = engine.setup_criterion(nn.CrossEntropyLoss())
+    generator = torch.Generator().manual_seed(1)
+    for _ in range(steps):
+        x, y = torch.randn(7, 5, generator=generator), torch.randint(0, 3, (7,), generator=generator)
+        optimizer.zero_grad()
+        engine.backward(criterion(model(x), y))
+        optimizer.step()
+    return model.state_dict(), engine, asked
+
+
+@pytest.mark.parametrize("chosen", ["single", "dp", "dp-balanced", "replicated"])
+def test_the_engines_auto_on_several_devices_decides_at_the_first_batch_and_trains_as_the_choice(
+    monkeypatch, capsys, chosen
+):
+    import torch
+
+    weights, engine, asked = auto_loop(monkeypatch, chosen)
+    assert asked == [("Sequential", (7, 5), 7, 3, asked[0][4])]  # once, from the model and the first batch
+    assert asked[0][4]["can_launch"] is False and "ddp" not in asked[0][4]["strategies"]  # one process here
+    assert "fsdp" not in asked[0][4]["strategies"]
+    assert engine.strategy.name == chosen and len(engine.devices) == (1 if chosen == "single" else 3)
+    assert capsys.readouterr().out.strip() == f"auto: {chosen} on {1 if chosen == 'single' else 3} devices — injected"
+    engine.close()
+    reference, _, _ = auto_loop(monkeypatch, "single")  # the same loop on one device: the same weights
+    for name, value in weights.items():
+        assert torch.allclose(value, reference[name], atol=1e-6), name
+
+
+def test_the_engines_auto_resumes_with_the_strategy_the_state_was_saved_under(monkeypatch, capsys, tmp_path):
+    import torch
+    from torch import nn
+
+    _, engine, _ = auto_loop(monkeypatch, "replicated", devices=2)
+    engine.save_state(tmp_path)
+    engine.close()
+    capsys.readouterr()
+    resumed = Engine(strategy="auto", accelerator="cpu", devices=2, progress=False)
+    model = nn.Sequential(nn.Linear(5, 8), nn.ReLU(), nn.Linear(8, 3))
+    resumed.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    resumed.load_state(tmp_path)
+    assert resumed.strategy.name == "replicated" and len(resumed.devices) == 2
+    assert "auto: replicated on 2 device(s), the strategy the state in" in capsys.readouterr().out
+    assert resumed.step == 3
+    resumed.close()
+
+
+def test_the_engines_auto_needs_a_batch_dimension_in_the_first_call(capsys):
+    import torch
+    from torch import nn
+
+    engine = Engine(strategy="auto", accelerator="cpu", devices=2, progress=False)
+
+    class Scalar(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.ones(()))
+
+        def forward(self, x):
+            return self.w * x
+
+    model = engine.setup(Scalar())
+    with pytest.raises(ValueError, match=r"^strategy: 'auto' chooses from the model's first batch"):
+        model(torch.tensor(2.0))
+    engine.close()
+
+
+def test_the_engines_auto_on_a_real_model_prints_its_choice(capsys):
+    import torch
+    from torch import nn
+
+    import dpkit
+
+    model = nn.Sequential(*[layer for _ in range(20) for layer in (nn.Linear(32, 32), nn.ReLU())])
+    expected = dpkit.choose_strategy(model, torch.randn(32, 32), 32, ["cpu:0", "cpu:1"], can_launch=False)
+    capsys.readouterr()
+    engine = Engine(strategy="auto", accelerator="cpu", devices=2, progress=False)
+    model = engine.setup(model)
+    model(torch.randn(32, 32))
+    said = capsys.readouterr().out.strip().splitlines()
+    assert said and said[0].startswith(f"auto: {expected.strategy}")
+    assert engine.strategy.name == expected.strategy
     engine.close()

@@ -246,7 +246,7 @@ def _run_job(
     stream: Any,
     mode: ReplicaGenerator | None,
     threads: int | None,
-    turn: threading.Lock | None = None,
+    turns: Turns | None = None,
 ) -> Any:
     if threads is not None and torch.get_num_threads() != threads:
         torch.set_num_threads(threads)
@@ -256,11 +256,13 @@ def _run_job(
         if mode is not None:
             stack.enter_context(mode)
         stack.enter_context(hooks.replica(index, device))
-        if turn is not None:
+        if turns is not None:
             with hooks.peer_wait():  # waiting for its turn is waiting for the other replicas
-                taken = turn.acquire(timeout=TURN_TIMEOUT_SECONDS)
+                taken = turns.lock.acquire(timeout=TURN_TIMEOUT_SECONDS)
             if taken:
-                stack.callback(turn.release)
+                stack.callback(turns.lock.release)
+            else:
+                turns.peers_waited = True  # a job held its turn while it waited for the others
         return job(index)
 
 
@@ -275,9 +277,12 @@ class Turns:
     the same computation; only the order of the threads' work differs, so results do not depend on it.
 
     The first runs alternate between the two ways (after a warm-up), then the faster by median is kept, and
-    every `relearn` runs it is measured again. A job waits for its turn at most TURN_TIMEOUT_SECONDS and then
-    runs anyway, so jobs that wait for each other (SyncBatchNorm's exchange) never deadlock; call sites where
-    they do should not take turns at all. `enabled=False`: always side by side (for measuring the difference).
+    every `relearn` runs it is measured again. While learning, jobs in turns still run in their worker threads,
+    one holding the turn at a time; a job waits for its turn at most TURN_TIMEOUT_SECONDS and then runs anyway,
+    so jobs that wait for each other (SyncBatchNorm's exchange, a user's own synchronisation between replicas)
+    never deadlock, and such a wait is remembered (`peers_waited`). Once turns are chosen and no job of the call
+    site ever waited so, jobs on virtual CPU devices run in turns on the calling thread itself (`here()`),
+    which saves handing each job to a thread. `enabled=False`: always side by side (for measuring the difference).
     """
 
     WARMUP = 2
@@ -290,6 +295,8 @@ class Turns:
         self.runs = 0
         self.seconds: dict[bool, list[float]] = {True: [], False: []}
         self.taking: bool | None = None  # decided: take turns or not; None while learning
+        self.peers_waited = False  # a job waited past its turn's timeout: its jobs wait for each other
+        self.clean_runs = 0  # runs in turns in the worker threads in which no job waited past its turn
 
     def __reduce__(self) -> tuple:
         return (type(self), (self.relearn, self.enabled))  # a copied or pickled wrapper learns again
@@ -301,6 +308,11 @@ class Turns:
         if self.taking is not None:
             return self.taking
         return self.runs >= self.WARMUP and self.runs % 2 == 0
+
+    def here(self) -> bool:
+        """Whether jobs in turns may run on the calling thread: turns were learned to be faster, in runs (in the
+        worker threads) where no job waited for the others."""
+        return self.taking is True and not self.peers_waited and self.clean_runs >= self.SAMPLES
 
     def ran(self, took_turns: bool, seconds: float) -> None:
         """A run finished: learn from it."""
@@ -368,7 +380,8 @@ def run_replicas(
             jobs that have not started are dropped: jobs that wait for each other use it to give up.
         turns: the call site's Turns: its jobs run one at a time when that was learned to be faster.
 
-    With one device the job runs in the calling thread (nothing to run beside it).
+    With one device the job runs in the calling thread (nothing to run beside it); so do jobs in turns on
+    virtual CPU devices once `turns` has learned that they may (Turns.here).
     """
     devices = list(devices)
     context = CallerContext.capture()
@@ -385,6 +398,7 @@ def run_replicas(
         )
     on_cpu = all(device.type == "cpu" for device in devices)
     watch = generators if on_cpu and isinstance(generators, RandomnessWatch) else None
+    state_before = None
     if watch is not None:
         modes, state_before = watch.begin(n)
     else:
@@ -395,11 +409,12 @@ def run_replicas(
         threads = None
     if _abandoned:
         _wait_for_abandoned(devices)
-    call = _Call(n)
     take_turns = turns is not None and turns.next()
-    turn = turns.lock if take_turns else None
+    if take_turns and on_cpu and turns.here():
+        return _run_in_turns_here(devices, job, context, modes, threads, turns, on_interrupt, watch, state_before)
+    call = _Call(n)
     jobs = [
-        Job(_run_job, (job, i, device, context, stream, mode, threads, turn), call)
+        Job(_run_job, (job, i, device, context, stream, mode, threads, turns if take_turns else None), call)
         for i, (device, stream, mode) in enumerate(zip(devices, streams, modes))
     ]
     try:
@@ -410,6 +425,8 @@ def run_replicas(
             call.wait()
             if turns is not None:
                 turns.ran(take_turns, time.perf_counter() - began)
+                if take_turns and not turns.peers_waited:
+                    turns.clean_runs += 1
         for queued in jobs:
             if _passes_through(queued.error):
                 raise queued.error
@@ -425,6 +442,47 @@ def run_replicas(
     if watch is not None:
         watch.end(modes, state_before)
     return [queued.value for queued in jobs]
+
+
+def _run_in_turns_here(
+    devices: list[torch.device],
+    job: Callable[[int], Any],
+    context: CallerContext,
+    modes: Sequence[ReplicaGenerator | None],
+    threads: int | None,
+    turns: Turns,
+    on_interrupt: Callable[[], None] | None,
+    watch: RandomnessWatch | None,
+    state_before: Any,
+) -> list[Any]:
+    """run_replicas' jobs in turns on virtual CPU devices: one after the other on the calling thread, each in its
+    device's context, intra-op threads and generator as in its worker thread, so the results are the same, but
+    without handing each job to a thread and waking the caller afterwards."""
+    own_threads = torch.get_num_threads()
+    results: list[Any] = []
+    failure: tuple[int, torch.device, BaseException] | None = None
+    began = time.perf_counter()
+    try:
+        for i, (device, mode) in enumerate(zip(devices, modes)):
+            try:
+                results.append(_run_job(job, i, device, context, None, mode, threads))
+            except Exception as error:
+                results.append(None)
+                if failure is None or isinstance(failure[2], PeerFailed):
+                    failure = (i, device, error)
+    except BaseException:
+        if on_interrupt is not None:
+            on_interrupt()
+        raise
+    finally:
+        if torch.get_num_threads() != own_threads:
+            torch.set_num_threads(own_threads)
+    turns.ran(True, time.perf_counter() - began)
+    if failure is not None:
+        _rethrow(*failure)
+    if watch is not None:
+        watch.end(modes, state_before)
+    return results
 
 
 def _as_device_list(devices: Sequence[DeviceLike] | None, inputs: Sequence[Any], n: int) -> list[torch.device]:

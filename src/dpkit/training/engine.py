@@ -44,8 +44,8 @@ from dpkit.devices import DeviceLike, keep_freed_host_memory, resolve_devices
 from dpkit.launch import launched
 from dpkit.launch.heartbeat import busy
 from dpkit.parallel import hooks
-from dpkit.parallel.nested import map_leaves
-from dpkit.plan.auto import Choice
+from dpkit.parallel.nested import leaves, map_leaves
+from dpkit.plan.auto import Choice, choose_strategy
 from dpkit.precision import Precision
 from dpkit.strategies import (
     PER_DEVICE,
@@ -93,6 +93,8 @@ from dpkit.training.state import (
 
 log = logging.getLogger("dpkit")
 
+UNDECIDED = "auto, from the first batch"  # _resolve_auto's answer for several devices in one process
+
 
 class EngineModule(nn.Module):
     """The strategy's model, run under the precision's autocast.
@@ -118,6 +120,9 @@ class EngineModule(nn.Module):
         self.__dict__["user_module"] = user_module
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        decide = self.__dict__.get("decide")
+        if decide is not None:  # strategy="auto" on several devices: chosen from the first batch
+            decide(args, kwargs)
         # the strategy announces its forward through the observation seam (dpkit.parallel.hooks)
         with self.precision.autocast(), self.strategy.forward_context(args, kwargs):
             return self.module(*args, **kwargs)
@@ -274,8 +279,10 @@ class Engine:
 
     Args:
         strategy: "single", "dp", "dp-balanced", "replicated", "ddp" or "fsdp" (see dpkit.strategies); "auto"
-            (one device: single; under a launcher: ddp); or the Choice dpkit.choose_strategy(model, inputs,
-            batch_size, devices) returns, which weighs every strategy for the model (its reason is printed).
+            (one device: single; under a launcher: ddp; several devices in one process: the model's first call
+            chooses among the one-process strategies by dpkit.choose_strategy's rules, from the model, that
+            batch and the devices, and prints its choice and the reason); or the Choice that
+            dpkit.choose_strategy(model, inputs, batch_size, devices) returns (its reason is printed).
         accelerator: "cpu" (virtual CPU devices), "cuda" or "auto".
         devices: a count, a list ("cpu:0", 1, …) or "auto" (1 for single; all GPUs, else 2 CPU devices).
             Under ddp it is the number of processes per node, one device each.
@@ -297,6 +304,10 @@ class Engine:
     ):
         check_int(accumulate, "accumulate", meaning="micro-batches per optimizer step")
         strategy, devices = self._resolve_auto(strategy, accelerator, devices)
+        # strategy="auto" on several devices in one process: these devices, until the first batch decides
+        self._undecided: list[torch.device] | None = None
+        if strategy == UNDECIDED:
+            self._undecided, strategy, devices = devices, reference(), devices[:1]  # the reference until then
         most = strategy_class(strategy).traits.max_devices
         if devices == "auto" and most is not None:
             devices = most
@@ -307,6 +318,7 @@ class Engine:
             # (devices.keep_freed_host_memory; DPKIT_KEEP_HOST_MEMORY=0 leaves malloc alone)
             keep_freed_host_memory()
         self.strategy: Strategy = create_strategy(strategy, self.devices, **strategy_options)
+        self._strategy_options = strategy_options
         self.precision = Precision(precision, self.devices[0].type)
         self.strategy.precision = self.precision.precision
         if self.precision.scaler is not None and not self.strategy.traits.grad_scaler:
@@ -324,6 +336,8 @@ class Engine:
         self._pending_loaders: list[tuple[dict, dict | None]] = []  # positions loaded before their loader was set up
         self._model: EngineModule | None = None
         self._bare_model: nn.Module | None = None  # the user's model object (replica 0 / the DDP module)
+        self._given_optimizers: list[torch.optim.Optimizer] = []  # as given to setup, for a strategy decided later
+        self._criteria: list[list[Callable]] = []  # [criterion, what the strategy made of it] from setup_criterion
         self.strategy.setup_environment()
         if self.is_global_zero:
             log.debug(
@@ -351,11 +365,7 @@ class Engine:
         resolved = resolve_devices(accelerator, devices)
         if len(resolved) == 1:
             return reference(), resolved
-        raise ValueError(
-            f"strategy: 'auto' on {len(resolved)} devices in one process decides from the model and the batch; pass "
-            "strategy=dpkit.choose_strategy(model, inputs, batch_size, devices) (it weighs every strategy and says "
-            "why), or train with `dpkit train --strategy auto`"
-        )
+        return UNDECIDED, resolved
 
     # --- where we are ------------------------------------------------------------------------------
     @property
@@ -384,15 +394,84 @@ class Engine:
             raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
         if self._model is not None:
             raise RuntimeError("engine.setup: this engine already set up a model; create one Engine per model")
+        if optimizer is not None and (not hasattr(optimizer, "step") or not hasattr(optimizer, "param_groups")):
+            raise TypeError(f"optimizer: expected a torch.optim.Optimizer, got {type(optimizer).__name__}")
         self._bare_model = model
         self._model = EngineModule(self.strategy.wrap_model(model), self.precision, self.strategy, model)
+        if self._undecided is not None:
+            self._model.__dict__["decide"] = self._decide_from_batch
         if optimizer is None:
             return self._model
-        if not hasattr(optimizer, "step") or not hasattr(optimizer, "param_groups"):
-            raise TypeError(f"optimizer: expected a torch.optim.Optimizer, got {type(optimizer).__name__}")
         engine_optimizer = EngineOptimizer(self.strategy.wrap_optimizer(optimizer), self._accumulation, self.precision)
         self._optimizers.append(engine_optimizer)
+        self._given_optimizers.append(optimizer)
         return self._model, engine_optimizer
+
+    # --- strategy="auto" on several devices: decided by the first batch ------------------------------------------
+    def _decide_from_batch(self, args: tuple, kwargs: dict) -> None:
+        """The model's first call: choose the strategy from the model, this batch and the devices (one-process
+        strategies only: this process drives every device), say it, and set it up in place of the reference."""
+        sample = next(
+            (leaf for _, leaf in leaves((args, kwargs), "inputs") if isinstance(leaf, torch.Tensor) and leaf.dim() > 0),
+            None,
+        )
+        if sample is None:
+            raise ValueError(
+                "strategy: 'auto' chooses from the model's first batch, and its first call got no tensor with a batch "
+                "dimension; pass the strategy by name, or strategy=dpkit.choose_strategy(model, inputs, batch_size, "
+                "devices)"
+            )
+        precision = self.precision.precision
+        candidates = matching(
+            lambda traits: traits.processes != PER_DEVICE and (self.precision.scaler is None or traits.grad_scaler)
+        )
+        with torch.enable_grad():  # a brief measurement may train the probe models, even under no_grad
+            choice = choose_strategy(
+                self._bare_model,
+                sample,
+                int(sample.shape[0]),
+                self._undecided,
+                precision,
+                self._given_optimizers[0] if self._given_optimizers else "sgd",
+                can_launch=False,
+                strategies=candidates,
+            )
+        print(choice.reason, flush=True)
+        self._adopt(choice.strategy, self._undecided[: choice.devices])
+
+    def _adopt(self, name: str, devices: list[torch.device]) -> None:
+        """Set up strategy `name` on `devices` in place of the reference that ran until the decision: the model,
+        the optimizers, the criteria and the loaders set up so far follow it."""
+        self._undecided = None
+        self._model.__dict__.pop("decide", None)
+        if name == self.strategy.name and len(devices) == len(self.devices):
+            return
+        self.devices = devices
+        self.strategy = create_strategy(name, devices, **self._strategy_options)
+        self.strategy.precision = self.precision.precision
+        self.strategy.setup_environment()
+        self._model.module = self.strategy.wrap_model(self._bare_model)
+        self._model.strategy = self.strategy
+        for engine_optimizer, given in zip(self._optimizers, self._given_optimizers):
+            engine_optimizer.optimizer = self.strategy.wrap_optimizer(given)
+        for criterion in self._criteria:
+            criterion[1] = self.strategy.wrap_criterion(criterion[0])
+        for loader in self._loaders:
+            loader.rule = self.strategy  # one-process strategies share the data rule: only the loss weight is read
+
+    def _decide_from_state(self, saved: Any, where: Path) -> None:
+        """engine.load_state before the first batch under strategy="auto": resume with the strategy the state was
+        saved under when this process can run it; otherwise the first batch still decides."""
+        if saved not in matching(lambda traits: traits.processes != PER_DEVICE) or (
+            self.precision.scaler is not None and not strategy_class(saved).traits.grad_scaler
+        ):
+            return
+        most = strategy_class(saved).traits.max_devices
+        devices = self._undecided[: most or len(self._undecided)]
+        print(
+            f"auto: {saved} on {len(devices)} device(s), the strategy the state in {where} was saved under", flush=True
+        )
+        self._adopt(saved, devices)
 
     def setup_criterion(self, criterion: Callable) -> Callable:
         """The criterion to call as criterion(model(x), y); under dp-balanced and replicated it runs the
@@ -403,13 +482,14 @@ class Engine:
             )
         if self._model is None:
             raise RuntimeError("engine.setup_criterion: call engine.setup(model, optimizer) first")
-        in_replicas = self.strategy.wrap_criterion(criterion)
+        in_replicas = [criterion, self.strategy.wrap_criterion(criterion)]  # wrapped anew if "auto" decides later
+        self._criteria.append(in_replicas)
         precision, device = self.precision, self.device
 
         def engine_criterion(output: Any, *targets: Any, **kwargs: Any) -> torch.Tensor:
             if isinstance(output, DeferredOutput):  # the replicas announce their own loss phases
                 with precision.autocast():
-                    return in_replicas(output, *targets, **kwargs)
+                    return in_replicas[1](output, *targets, **kwargs)
             with hooks.phase("loss", device):
                 return criterion(output, *targets, **kwargs)
 
@@ -649,6 +729,8 @@ class Engine:
             raise RuntimeError("engine.load_state: call engine.setup(model, optimizer) first")
         # read onto the CPU: load_state_dict moves weights and optimizer state to their parameters' devices
         chosen, shared, mine = read_state_directory(directory, self.rank, map_location="cpu")
+        if self._undecided is not None:
+            self._decide_from_state(shared.get("strategy"), chosen)
         source = chosen / "state.pt"
         bare = unwrap_model(self._bare_model)
         optimizers = [optimizer.optimizer for optimizer in self._optimizers]
