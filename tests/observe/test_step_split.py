@@ -141,3 +141,26 @@ def test_phases_from_another_thread_do_not_enter_the_calling_threads_split():
             pass
     own = observer.report().threads["calling_thread"]["own_seconds_by_phase"]
     assert "loss" not in own and "optimizer" in own
+
+
+def test_replicas_that_take_turns_on_the_calling_thread_are_its_replicas_phase(tmp_path):
+    from dpkit.observe.report import thread_lines
+    from dpkit.parallel.apply import Turns
+
+    torch.manual_seed(0)
+    dp = dpkit.DataParallel(nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4)), DEVICES)
+    learned = Turns()
+    learned.taking, learned.clean_runs = True, learned.SAMPLES  # turns won: the jobs run on the calling thread
+    dp.turns[True] = learned
+    x = torch.randn(12, 8)
+    with Observer("cpu:0", memory=False) as observer:
+        for _ in range(3):
+            dp(x).sum().backward()
+    report = observer.report()
+    caller = report.threads["calling_thread"]
+    assert report.threads["replica_threads"] == [] and caller["hand_offs"] == 0
+    own = caller["own_seconds_by_phase"]
+    assert own["replicas"] > 0 and list(own).index("replicas") == list(own).index("replicate") + 1
+    assert own["replicas"] + sum(v for k, v in own.items() if k != "replicas") == pytest.approx(caller["own_seconds"])
+    assert report.device("cpu:1").seconds_by_phase["forward"] > 0  # each replica's forward is still its device's
+    assert any("replica jobs that ran in turns on the calling thread" in line for line in thread_lines(report.threads))

@@ -302,3 +302,14 @@ def test_jobs_that_wait_for_each_other_never_move_to_the_calling_thread():
     for _ in range(turns.WARMUP + 2 * turns.SAMPLES + 2):
         assert run_replicas(DEVICES, lambda i: barrier.wait(timeout=30) >= 0 and i, turns=turns) == [0, 1, 2]
     assert turns.peers_waited and not turns.here()
+
+
+def test_turns_are_measured_on_the_calling_thread_after_safe_runs_in_the_worker_threads():
+    turns = apply.Turns()
+    ran_in = []
+    while turns.taking is None:
+        run_replicas(DEVICES, lambda i: ran_in.append(threading.current_thread().name), turns=turns)
+    here = threading.current_thread().name
+    in_turns = [ran_in[k : k + 3] for k in range(0, len(ran_in), 3)][turns.WARMUP :: 2]  # runs alternate ways
+    assert [set(names) == {here} for names in in_turns] == [False] * turns.SAFETY + [True] * turns.SAMPLES
+    assert turns.clean_runs == turns.SAFETY and len(turns.seconds[True]) == turns.SAMPLES

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from dpkit.observe.memory import CATEGORIES
+from dpkit.observe.step_split import REPLICAS
 from dpkit.observe.timing import PHASES, Span
 
 SCHEMA_VERSION = 1
@@ -60,6 +61,13 @@ def thread_lines(threads: dict[str, Any] | None) -> list[str]:
             f"on the calling thread; in a replica thread (mean) hand-offs {_ms(mean['hand_off'])}, "
             f"GIL {_ms(mean['gil'])}, waiting for other replicas {_ms(mean['peers'])}"
         )
+    in_turns = caller["own_seconds_by_phase"].get(REPLICAS, 0.0)
+    if in_turns >= 5e-6:
+        said = f"  replica jobs that ran in turns on the calling thread: {REPLICAS} {_ms(in_turns)} (no hand-off)"
+        if not replicas:
+            splitting = sum(caller["own_seconds_by_phase"].get(p, 0.0) for p in SPLITTING)
+            said += f"; the parallelism's own share: scatter + replicate + gather {_ms(splitting)}"
+        lines.append(said)
     if threads["memory_accounting"]:
         lines.append("  (memory accounting was on: its dispatch modes add Python work to every operator)")
     return lines

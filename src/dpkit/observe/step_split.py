@@ -17,7 +17,9 @@ observed steps so that every part is named:
   its turn, the gradient sum's queue, SyncBatchNorm's exchange) and, after its job, waiting for the slowest
   replica's job. A thread whose job starts while another replica's job runs was waiting for the GIL to
   start: that part of its start is booked as GIL, not hand-off. Those parts add up to the caller's wait,
-  for every replica thread that took part.
+  for every replica thread that took part;
+- replica jobs that the runner runs in turns on the calling thread itself (no hand-off, no replica thread)
+  are the calling thread's "replicas" phase.
 
 On-CPU time is the thread's CPU clock; descheduled time is the kernel's per-thread run-queue delay
 (/proc/thread-self/schedstat; 0 where there is none, and then it counts as off the CPU). Off-CPU time
@@ -43,6 +45,7 @@ _local = threading.local()  # .schedstat: this thread's open schedstat file (or 
 OTHER = "other"  # the calling thread outside any phase
 OBSERVER = "observer"  # the calling thread doing an observer's bookkeeping (marking autograd nodes, ...)
 WAITING = "waiting"  # the calling thread inside the replica runner, waiting for the replica threads
+REPLICAS = "replicas"  # the calling thread running the replicas' jobs itself, in turns (parallel/apply.py)
 # a replica thread's share of each wait, in the order they are printed
 REPLICA_PARTS = ("running", "gil", "descheduled", "peers", "hand_off")
 
@@ -209,9 +212,19 @@ class StepSplit:
     # --- the replica threads ---------------------------------------------------------------------------
     @contextlib.contextmanager
     def job(self, device: str) -> Iterator[None]:
-        """Around a replica's job, in its thread."""
+        """Around a replica's job, in its thread (or in the calling thread, when the jobs take turns there)."""
         jobs = self._current
-        if jobs is None or device not in jobs.devices or threading.get_ident() == self.caller:
+        if threading.get_ident() == self.caller:
+            if jobs is not None:
+                yield
+                return
+            self.enter(REPLICAS)
+            try:
+                yield
+            finally:
+                self.leave(REPLICAS)
+            return
+        if jobs is None or device not in jobs.devices:
             yield
             return
         job = _Job(thread_clock())
@@ -256,6 +269,7 @@ class StepSplit:
         running = min(cpu, own_wall)
         descheduled = min(runnable, own_wall - running)
         order = [*PHASES, OBSERVER, OTHER]
+        order.insert(order.index("replicate") + 1 if "replicate" in order else 0, REPLICAS)
         return {
             "steps": steps,
             "memory_accounting": memory_accounting,

@@ -277,16 +277,18 @@ class Turns:
     the same computation; only the order of the threads' work differs, so results do not depend on it.
 
     The first runs alternate between the two ways (after a warm-up), then the faster by median is kept, and
-    every `relearn` runs it is measured again. While learning, jobs in turns still run in their worker threads,
-    one holding the turn at a time; a job waits for its turn at most TURN_TIMEOUT_SECONDS and then runs anyway,
-    so jobs that wait for each other (SyncBatchNorm's exchange, a user's own synchronisation between replicas)
-    never deadlock, and such a wait is remembered (`peers_waited`). Once turns are chosen and no job of the call
-    site ever waited so, jobs on virtual CPU devices run in turns on the calling thread itself (`here()`),
-    which saves handing each job to a thread. `enabled=False`: always side by side (for measuring the difference).
+    every `relearn` runs it is measured again. Jobs in turns first run in their worker threads, one holding the
+    turn at a time; a job waits for its turn at most TURN_TIMEOUT_SECONDS and then runs anyway, so jobs that wait
+    for each other (SyncBatchNorm's exchange, a user's own synchronisation between replicas) never deadlock, and
+    such a wait is remembered (`peers_waited`). After SAFETY such runs with no wait, jobs in turns on virtual CPU
+    devices run on the calling thread itself (`here()`), which saves handing each job to a thread and waking the
+    caller; those runs, not the safety runs, are what turns are measured by there. A call site whose jobs waited
+    for each other keeps its threads. `enabled=False`: always side by side (for measuring the difference).
     """
 
     WARMUP = 2
     SAMPLES = 4  # runs measured each way
+    SAFETY = 2  # runs in turns in the worker threads, none waiting for another, before any on the calling thread
 
     def __init__(self, relearn: int = 500, enabled: bool = True):
         self.lock = threading.Lock()
@@ -310,17 +312,22 @@ class Turns:
         return self.runs >= self.WARMUP and self.runs % 2 == 0
 
     def here(self) -> bool:
-        """Whether jobs in turns may run on the calling thread: turns were learned to be faster, in runs (in the
-        worker threads) where no job waited for the others."""
-        return self.taking is True and not self.peers_waited and self.clean_runs >= self.SAMPLES
+        """Whether jobs in turns may run on the calling thread: SAFETY runs in turns in the worker threads went by
+        without a job waiting for the others, and turns are not ruled out."""
+        return self.taking is not False and not self.peers_waited and self.clean_runs >= self.SAFETY
 
-    def ran(self, took_turns: bool, seconds: float) -> None:
-        """A run finished: learn from it."""
+    def counts(self, took_turns: bool, here: bool) -> bool:
+        """Whether a run on virtual CPU devices measures its way: not a run in turns in the worker threads that
+        only showed the jobs safe to move to the calling thread (where they then run, and are measured)."""
+        return not took_turns or here or self.peers_waited
+
+    def ran(self, took_turns: bool, seconds: float, counted: bool = True) -> None:
+        """A run finished: learn from it (from its time when `counted`)."""
         if not self.enabled:
             return
         self.runs += 1
         if self.taking is None:
-            if self.runs > self.WARMUP:
+            if self.runs > self.WARMUP and counted:
                 self.seconds[took_turns].append(seconds)
             if all(len(values) >= self.SAMPLES for values in self.seconds.values()):
                 medians = {way: sorted(values)[len(values) // 2] for way, values in self.seconds.items()}
@@ -365,6 +372,7 @@ def run_replicas(
     threads: int | None = None,
     on_interrupt: Callable[[], None] | None = None,
     turns: Turns | None = None,
+    in_turns: Turns | None = None,
 ) -> list[Any]:
     """[job(0), …, job(n-1)], job(i) run in the worker thread of devices[i], all side by side.
 
@@ -379,6 +387,8 @@ def run_replicas(
         on_interrupt: called when the caller stops waiting (KeyboardInterrupt, SystemExit), before those
             jobs that have not started are dropped: jobs that wait for each other use it to give up.
         turns: the call site's Turns: its jobs run one at a time when that was learned to be faster.
+        in_turns: run one at a time, as this Turns says (in the worker threads or on the calling thread), for a
+            caller that chose to and measures the ways itself (it calls next() and ran()); instead of turns.
 
     With one device the job runs in the calling thread (nothing to run beside it); so do jobs in turns on
     virtual CPU devices once `turns` has learned that they may (Turns.here).
@@ -409,9 +419,14 @@ def run_replicas(
         threads = None
     if _abandoned:
         _wait_for_abandoned(devices)
-    take_turns = turns is not None and turns.next()
+    learn = in_turns is None
+    if not learn:
+        turns = in_turns
+    take_turns = turns is not None and (not learn or turns.next())
     if take_turns and on_cpu and turns.here():
-        return _run_in_turns_here(devices, job, context, modes, threads, turns, on_interrupt, watch, state_before)
+        return _run_in_turns_here(
+            devices, job, context, modes, threads, turns if learn else None, on_interrupt, watch, state_before
+        )
     call = _Call(n)
     jobs = [
         Job(_run_job, (job, i, device, context, stream, mode, threads, turns if take_turns else None), call)
@@ -424,7 +439,9 @@ def run_replicas(
                 worker_for(device).jobs.put(queued)
             call.wait()
             if turns is not None:
-                turns.ran(take_turns, time.perf_counter() - began)
+                if learn:
+                    counted = not on_cpu or turns.counts(take_turns, here=False)
+                    turns.ran(take_turns, time.perf_counter() - began, counted)
                 if take_turns and not turns.peers_waited:
                     turns.clean_runs += 1
         for queued in jobs:
@@ -450,7 +467,7 @@ def _run_in_turns_here(
     context: CallerContext,
     modes: Sequence[ReplicaGenerator | None],
     threads: int | None,
-    turns: Turns,
+    turns: Turns | None,
     on_interrupt: Callable[[], None] | None,
     watch: RandomnessWatch | None,
     state_before: Any,
@@ -477,7 +494,8 @@ def _run_in_turns_here(
     finally:
         if torch.get_num_threads() != own_threads:
             torch.set_num_threads(own_threads)
-    turns.ran(True, time.perf_counter() - began)
+    if turns is not None:  # None: the caller measures
+        turns.ran(True, time.perf_counter() - began)
     if failure is not None:
         _rethrow(*failure)
     if watch is not None:

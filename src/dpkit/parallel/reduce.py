@@ -40,14 +40,15 @@ from __future__ import annotations
 
 import collections
 import threading
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
 from dpkit.checks import check_int
 from dpkit.parallel import hooks
-from dpkit.parallel.apply import PeerFailed, run_replicas
+from dpkit.parallel.apply import PeerFailed, Turns, run_replicas
 
 DEFAULT_BUCKET_CAP_BYTES = 4 * 1024 * 1024
 
@@ -249,6 +250,9 @@ class GradientSum:
         coalesce: on virtual CPU devices, sum each bucket in one share per thread, a few foreach calls each, and
             hook the parameters only when there are several buckets to overlap; False: one slice of each
             parameter per thread and a hook on every parameter, as before (kept for measuring the difference).
+            With coalesce, the replicas' backwards also take turns (one after the other, then the sum) where that
+            is learned to be faster than side by side (apply.Turns): for models of many small operators, whose
+            backwards gain nothing from running side by side on the cores and lose the hand-offs.
     """
 
     def __init__(
@@ -292,6 +296,8 @@ class GradientSum:
         self._thread = threading.local()  # .round: the round the backward in this thread belongs to
         self._holding_copies = False  # replicas other than 0 hold the last sum (after an all-reduce)
         self._handles: list[Any] = []
+        # the replicas' backwards one after the other, or side by side with the sum overlapped: learned
+        self.turns = Turns() if self.on_cpu and len(self.devices) > 1 and coalesce else None
         # a bucket can be summed while backwards still run only if there is another one after it: with one
         # bucket the sum starts when the backwards end, and a hook per parameter would only cost Python work
         self.hooked = self.on_cpu and len(self.devices) > 1 and overlap and (len(self.buckets) > 1 or not coalesce)
@@ -409,6 +415,36 @@ class GradientSum:
                 torch.autograd.backward(loss, grad)
                 del loss, grad  # the graph goes here, in this replica's thread
 
+        turns = self.turns if len(active) > 1 else None
+        if turns is not None:
+            in_turns = turns.next()
+            here = turns.here()
+            began = time.perf_counter()
+            if in_turns:  # one after the other (on the calling thread once learned), then the sum
+                run_replicas(
+                    [self.devices[i] for i in active],
+                    lambda k: run_backward(active[k]),
+                    generators=False,
+                    threads=self.threads,
+                    in_turns=turns,
+                )
+                if sync:
+                    self.sum_now()
+            else:
+                self._side_by_side(active, by_replica, run_backward, sync)
+            turns.ran(in_turns, time.perf_counter() - began, turns.counts(in_turns, here))
+            return
+        self._side_by_side(active, by_replica, run_backward, sync)
+
+    def _side_by_side(
+        self,
+        active: list[int],
+        by_replica: dict[int, tuple[torch.Tensor, torch.Tensor]],
+        run_backward: Callable[[int], None],
+        sync: bool,
+    ) -> None:
+        """The replicas' backwards side by side, each in its worker thread, and with sync the sum: overlapped
+        with them where buckets allow (see the module doc)."""
         if not (sync and self.overlap and len(self.devices) > 1 and self.groups):
             run_replicas(
                 [self.devices[i] for i in active],
