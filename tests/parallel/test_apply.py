@@ -313,3 +313,16 @@ def test_turns_are_measured_on_the_calling_thread_after_safe_runs_in_the_worker_
     in_turns = [ran_in[k : k + 3] for k in range(0, len(ran_in), 3)][turns.WARMUP :: 2]  # runs alternate ways
     assert [set(names) == {here} for names in in_turns] == [False] * turns.SAFETY + [True] * turns.SAMPLES
     assert turns.clean_runs == turns.SAFETY and len(turns.seconds[True]) == turns.SAMPLES
+
+
+@pytest.mark.parametrize("way", [True, False])
+def test_turns_decided_runs_every_call_site_that_way_and_learns_nothing(way):
+    turns = apply.Turns()
+    here = threading.current_thread().name
+    with apply.turns_decided(way):
+        for _ in range(turns.WARMUP + 2 * (turns.SAMPLES + turns.SAFETY)):
+            ran_in = run_replicas(DEVICES, lambda i: threading.current_thread().name, turns=turns)
+            assert (set(ran_in) == {here}) is way  # in turns: on the calling thread at once; else the threads
+    assert turns.runs == 0 and turns.taking is None  # nothing learned inside the block
+    side = run_replicas(DEVICES, lambda i: threading.current_thread().name, turns=turns)
+    assert here not in side  # after it, the call site learns as before (its first runs side by side)

@@ -30,7 +30,7 @@ import os
 import queue
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -307,6 +307,9 @@ class Turns:
         """Whether the next run takes turns."""
         if not self.enabled:
             return False
+        forced = getattr(_forced, "way", None)
+        if forced is not None:
+            return forced
         if self.taking is not None:
             return self.taking
         return self.runs >= self.WARMUP and self.runs % 2 == 0
@@ -314,6 +317,9 @@ class Turns:
     def here(self) -> bool:
         """Whether jobs in turns may run on the calling thread: SAFETY runs in turns in the worker threads went by
         without a job waiting for the others, and turns are not ruled out."""
+        forced = getattr(_forced, "way", None)
+        if forced is not None:
+            return forced and not self.peers_waited
         return self.taking is not False and not self.peers_waited and self.clean_runs >= self.SAFETY
 
     def counts(self, took_turns: bool, here: bool) -> bool:
@@ -323,7 +329,7 @@ class Turns:
 
     def ran(self, took_turns: bool, seconds: float, counted: bool = True) -> None:
         """A run finished: learn from it (from its time when `counted`)."""
-        if not self.enabled:
+        if not self.enabled or getattr(_forced, "way", None) is not None:
             return
         self.runs += 1
         if self.taking is None:
@@ -334,6 +340,22 @@ class Turns:
                 self.taking = medians[True] < medians[False]
         elif self.runs % self.relearn == 0:
             self.taking, self.seconds, self.runs = None, {True: [], False: []}, self.WARMUP
+
+
+_forced = threading.local()  # .way: every Turns of this thread takes turns (True) or not (False); unset: learn
+
+
+@contextlib.contextmanager
+def turns_decided(way: bool) -> Iterator[None]:
+    """Within the block, every call site's Turns in this thread runs its jobs in turns (`way` True: on the calling
+    thread on virtual CPU devices) or side by side (False), and learns nothing: for measuring a model whose better
+    way is known (dpkit.plan.probe's fixed models), as a call site runs once it has learned."""
+    before = getattr(_forced, "way", None)
+    _forced.way = way
+    try:
+        yield
+    finally:
+        _forced.way = before
 
 
 def _wait_for_abandoned(devices: Sequence[torch.device]) -> None:

@@ -5,10 +5,12 @@ many devices compute at full speed at once (free cores), what a kernel launch, a
 hand-off cost, how the replica threads of one process serialise on the GIL. `dpkit bench --json` and
 `dpkit plan --calibration` measure these on the user's model; when no calibration is given, this probe measures
 them on two small fixed models instead (never the user's): one whose step is mostly launches (12
-Linear(32, 32) + ReLU layers, 32 samples) and one whose step is mostly arithmetic (two 512-wide layers, 512
+Linear(32, 32) + ReLU layers, 32 samples) and one whose step is mostly arithmetic (two 1024-wide layers, 1024
 samples). Each is trained a few steps under the reference strategy on one device and under the one-process
 strategies on N devices (DataParallel's per-step replicas, persistent replicas), in interleaved rounds so that
-a busy machine's load hits them alike, one intra-op thread per device as `dpkit bench` runs them; the constants
+a busy machine's load hits them alike, one intra-op thread per device as `dpkit bench` runs them, the replicas'
+jobs of each in the way a long run settles into (apply.turns_decided: in turns for the first, side by side for
+the second; learning the way would take more steps than the probe has); the constants
 are then fitted to those step times exactly as `dpkit plan --calibration` fits a bench run.
 
 This module is the one place of plan/ that runs anything, and only these probes; the user's model is only
@@ -31,6 +33,7 @@ import torch
 from torch import nn
 
 from dpkit.devices import available_cores, cpu_devices, keep_freed_host_memory
+from dpkit.parallel.apply import turns_decided
 from dpkit.plan.calibration import BenchRun, Calibration, calibrate
 from dpkit.plan.profiles import measure_model
 from dpkit.strategies import (
@@ -58,6 +61,9 @@ class ProbeModel:
     build: Callable[[], nn.Module]
     features: int
     batch: int  # global batch, split across the devices
+    # its replicas' jobs in turns (a step of many small operators) or side by side (long matrix products): the
+    # way a call site learns to run them, fixed here, so that a few steps measure what a long run settles into
+    in_turns: bool
 
 
 def _launch_probe() -> nn.Module:
@@ -68,12 +74,12 @@ def _launch_probe() -> nn.Module:
 
 
 def _compute_probe() -> nn.Module:
-    return nn.Sequential(nn.Linear(64, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, CLASSES))
+    return nn.Sequential(nn.Linear(64, 1024), nn.ReLU(), nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, CLASSES))
 
 
 PROBES = (
-    ProbeModel("probe: 12 Linear(32, 32) layers", _launch_probe, 32, 32),
-    ProbeModel("probe: two 512-wide layers", _compute_probe, 64, 512),
+    ProbeModel("probe: 12 Linear(32, 32) layers", _launch_probe, 32, 32, in_turns=True),
+    ProbeModel("probe: two 1024-wide layers", _compute_probe, 64, 1024, in_turns=False),
 )
 
 
@@ -143,12 +149,14 @@ def measure_probes(devices: int, budget_seconds: float = BUDGET_SECONDS) -> list
                 contenders.append((index, _Contender(reference(), 1, model, x, y)))
                 contenders += [(index, _Contender(name, devices, model, x, y)) for name in probe_strategies()]
             for _ in range(WARMUP_ROUNDS):
-                for _, contender in contenders:
-                    contender.step()
+                for index, contender in contenders:
+                    with turns_decided(PROBES[index].in_turns):
+                        contender.step()
             started = time.perf_counter()
             for round_index in range(ROUNDS):
-                for _, contender in contenders:
-                    contender.times.append(contender.step())
+                for index, contender in contenders:
+                    with turns_decided(PROBES[index].in_turns):
+                        contender.times.append(contender.step())
                 if round_index + 1 >= MINIMUM_ROUNDS and time.perf_counter() - started > budget_seconds:
                     break
     finally:
