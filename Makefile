@@ -4,6 +4,9 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.dpkit-installed
+# pytest-xdist workers: most tests that start processes spend their time waiting on them, so two workers keep a
+# 2-core machine busy; test files are dealt out whole, the slowest first (tests/conftest.py)
+TEST_WORKERS ?= 2
 TEST_STAMP := $(VENV)/.dpkit-test-installed
 
 .PHONY: demo test bench clean
@@ -25,7 +28,7 @@ demo: $(STAMP)
 test: $(TEST_STAMP)
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/ruff check .
-	$(PY) -m pytest
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=20
 
 bench: $(STAMP)
 	$(PY) benchmarks/strategies_throughput.py

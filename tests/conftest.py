@@ -3,6 +3,8 @@ import signal
 import pytest
 import torch
 
+from launched_group import Groups
+
 # A shell that starts `make test` in the background without job control hands it SIGINT ignored, and a
 # process that inherits an ignored SIGINT never sees Ctrl-C (nor do the processes it starts). The tests of
 # Ctrl-C need the terminal's behaviour: Python's own handler here, the default disposition in children.
@@ -16,10 +18,44 @@ def _seed():
     yield
 
 
+# The test files that take longest, slowest first (`make test` prints the slowest tests). `make test` deals
+# whole files out to its workers in collection order, so starting with these keeps one worker from finishing
+# a long file alone at the end.
+SLOWEST_FILES = [
+    "tests/test_docs.py",
+    "tests/launch/test_restarts_and_progress.py",
+    "tests/training/test_recipe_faults.py",
+    "tests/cli/test_train.py",
+    "tests/launch/test_launch.py",
+    "tests/strategies/test_fsdp.py",
+    "tests/strategies/test_multinode.py",
+    "tests/cli/test_bench.py",
+    "tests/strategies/test_faults.py",
+    "tests/strategies/test_equivalence.py",
+    "tests/training/test_engine_equivalence.py",
+    "tests/cli/test_profile.py",
+    "tests/launch/test_slurm.py",
+]
+
+
+def _slowest_first(items: list) -> None:
+    rank = {name: position for position, name in enumerate(SLOWEST_FILES)}
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))  # stable: the rest keep order
+
+
 def pytest_collection_modifyitems(config, items):
+    _slowest_first(items)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
     for item in items:
         if "cuda" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def groups(tmp_path_factory):
+    """groups(N): N processes under dpkit's launcher, started once and reused by every test (launched_group.py)."""
+    started = Groups(tmp_path_factory.mktemp("groups"))
+    yield started
+    started.stop()

@@ -5,24 +5,27 @@ import importlib.abc
 import importlib.util
 import sys
 import warnings
+from typing import TYPE_CHECKING
 
-from dpkit import observe
-from dpkit.devices import cpu_devices
-from dpkit.errors import DpkitError
-from dpkit.observe import Observer
-from dpkit.parallel import Broadcast, DataParallel, split_sizes
-from dpkit.plan.auto import choose_strategy
-from dpkit.training.checkpoint import (
-    CheckpointCorruptError,
-    CheckpointMismatchError,
-    CheckpointRefusedError,
-    CheckpointWriteError,
-    load_model,
-    save_model,
-    strip_prefixes,
-    unwrap_model,
-)
-from dpkit.training.engine import Engine
+if TYPE_CHECKING:  # the names below load on first use (__getattr__), so `import dpkit.launch` stays light
+    from dpkit import observe
+    from dpkit.devices import cpu_devices
+    from dpkit.errors import DpkitError
+    from dpkit.observe import Observer
+    from dpkit.parallel import Broadcast, DataParallel, split_sizes
+    from dpkit.plan.auto import choose_strategy
+    from dpkit.training.checkpoint import (
+        CheckpointCorruptError,
+        CheckpointMismatchError,
+        CheckpointRefusedError,
+        CheckpointWriteError,
+        load_model,
+        save_model,
+        strip_prefixes,
+        unwrap_model,
+    )
+    from dpkit.training.engine import Engine
+    from dpkit.training.loop_checks import NonFiniteLoss
 
 __version__ = "0.1.0"
 
@@ -35,6 +38,7 @@ __all__ = [
     "DataParallel",
     "DpkitError",
     "Engine",
+    "NonFiniteLoss",
     "Observer",
     "choose_strategy",
     "cpu_devices",
@@ -45,6 +49,46 @@ __all__ = [
     "strip_prefixes",
     "unwrap_model",
 ]
+
+
+# Where each public name lives. A launched worker imports dpkit.launch.worker before the user's script: with
+# every name loaded eagerly, each worker would pay for torch, torch.distributed.tensor and the planner even when
+# the script needs none of them (seconds per process on a small machine).
+PUBLIC_NAMES = {
+    "Broadcast": "dpkit.parallel",
+    "CheckpointCorruptError": "dpkit.training.checkpoint",
+    "CheckpointMismatchError": "dpkit.training.checkpoint",
+    "CheckpointRefusedError": "dpkit.training.checkpoint",
+    "CheckpointWriteError": "dpkit.training.checkpoint",
+    "DataParallel": "dpkit.parallel",
+    "DpkitError": "dpkit.errors",
+    "Engine": "dpkit.training.engine",
+    "NonFiniteLoss": "dpkit.training.loop_checks",
+    "Observer": "dpkit.observe",
+    "choose_strategy": "dpkit.plan.auto",
+    "cpu_devices": "dpkit.devices",
+    "load_model": "dpkit.training.checkpoint",
+    "save_model": "dpkit.training.checkpoint",
+    "split_sizes": "dpkit.parallel",
+    "strip_prefixes": "dpkit.training.checkpoint",
+    "unwrap_model": "dpkit.training.checkpoint",
+}
+
+
+def __getattr__(name: str):
+    """A public name, or a subpackage (`dpkit.observe`, `dpkit.parallel`, …), imported on first use."""
+    if name in PUBLIC_NAMES:
+        value = getattr(importlib.import_module(PUBLIC_NAMES[name]), name)
+    elif importlib.util.find_spec(f"{__name__}.{name}") is not None:
+        value = importlib.import_module(f"{__name__}.{name}")
+    else:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})
 
 
 # Modules that moved when the package was grouped by job: their old names still import, with a warning.

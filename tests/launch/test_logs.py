@@ -215,13 +215,12 @@ def test_log_dir_keeps_every_attempt_of_every_rank_and_a_hidden_rank_s_failure_p
 
 
 def test_a_relaunched_command_s_workers_write_without_prefixes(monkeypatch):
-    import sys
 
+    import dpkit.launch.agent
     from dpkit.launch import Command, relaunch
 
-    relaunch_module = sys.modules["dpkit.launch.relaunch"]  # dpkit.launch.relaunch is also the function
     calls = []
-    monkeypatch.setattr(relaunch_module, "launch", lambda *args, **kwargs: calls.append(kwargs))
+    monkeypatch.setattr(dpkit.launch.agent, "launch", lambda *args, **kwargs: calls.append(kwargs))
     relaunch(Command("dpkit.cli.main", ("train",)), 2, max_restarts=1)
     relaunch(Command("dpkit.cli.main", ("train",)), 2, rank_prefix=True, log_dir="logs")
     assert calls[0]["rank_prefix"] is False and calls[0]["max_restarts"] == 1

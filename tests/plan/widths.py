@@ -1,4 +1,4 @@
-"""Model factories of two widths for the calibration test (imported by the bench and its workers)."""
+"""Model factories of two widths for the plan and bench tests (imported by name, as `--model widths:narrow`)."""
 
 from torch import nn
 

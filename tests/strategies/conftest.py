@@ -5,6 +5,6 @@ from strategy_runs import Runs
 
 
 @pytest.fixture(scope="session")
-def train_run(tmp_path_factory) -> Runs:
+def train_run(tmp_path_factory, groups) -> Runs:
     """train_run(strategy, devices, batch_size) -> the run's folder (model.pt, metrics.json)."""
-    return Runs(tmp_path_factory.mktemp("train-runs"))
+    return Runs(tmp_path_factory.mktemp("train-runs"), groups)

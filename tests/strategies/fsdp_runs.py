@@ -1,12 +1,9 @@
 """Training runs for the fsdp tests: one Engine loop, run here (the single-device reference) or in every
-process under dpkit's launcher (`launched_runs`), several runs per launch to keep the tests fast."""
+process in a launched group of the session (`launched_runs`), several runs per job."""
 
 from __future__ import annotations
 
-import json
-import textwrap
 from dataclasses import asdict, dataclass
-from pathlib import Path
 
 import torch
 from torch import nn
@@ -111,28 +108,14 @@ def train(spec: RunSpec, close: bool = True) -> dict:
     return {"weights": weights, "norms": norms}
 
 
-WORKER = textwrap.dedent("""
-    import json, os, sys
-    import torch
-    sys.path.insert(0, {here!r})
-    from fsdp_runs import RunSpec, train
-
-    specs = [RunSpec(**spec) for spec in json.loads({specs!r})]
-    results = [train(spec, close=index == len(specs) - 1) for index, spec in enumerate(specs)]
-    torch.save(results, {out!r} + f"-{{os.environ['RANK']}}.pt")
-""")
+def train_many(specs: list[dict]) -> list[dict]:
+    """Every spec's result in this process, one after another (the Engine closed after the last)."""
+    return [train(RunSpec(**spec), close=index == len(specs) - 1) for index, spec in enumerate(specs)]
 
 
-def launched_runs(specs: list[RunSpec], devices: int, tmp_path: Path, name: str = "runs") -> list[list[dict]]:
-    """Every spec's result in every process (results[rank][index]), run one after another in one launch."""
-    from dpkit.launch import launch
-
-    script, out = tmp_path / f"{name}.py", tmp_path / name
-    script.write_text(
-        WORKER.format(here=str(Path(__file__).parent), specs=json.dumps([asdict(s) for s in specs]), out=str(out))
-    )
-    launch(str(script), nproc_per_node=devices)
-    return [torch.load(f"{out}-{rank}.pt", weights_only=True) for rank in range(devices)]
+def launched_runs(specs: list[RunSpec], devices: int, groups) -> list[list[dict]]:
+    """Every spec's result in every process (results[rank][index]), run one after another in a launched group."""
+    return groups(devices).run(train_many, [asdict(spec) for spec in specs])
 
 
 def max_difference(mine: dict, theirs: dict) -> float:

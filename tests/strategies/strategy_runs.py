@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 
 from dpkit.cli.main import main
+from dpkit.strategies import PER_DEVICE, strategy_class
 
 STEPS = 20
 LR = 0.1
@@ -40,16 +41,30 @@ def train_args(strategy: str, devices: int, batch_size: int, out: Path, *extra: 
     ]
 
 
+def train_here(argv: list[str]) -> int:
+    """`dpkit train ARGV` in this process: under a launcher, as this process's rank of the run."""
+    return main(argv)
+
+
 class Runs:
-    def __init__(self, root: Path):
+    """Runs cached by their arguments. A strategy with a process per device runs in a launched group of the
+    session (`groups`) as under `dpkit launch`; `dpkit train` starting its own processes is tested in
+    tests/cli/test_train.py."""
+
+    def __init__(self, root: Path, groups):
         self.root = root
+        self.groups = groups
         self.done: dict[tuple, Path] = {}
 
     def __call__(self, strategy: str, devices: int, batch_size: int, *extra: str) -> Path:
         key = (strategy, devices, batch_size, *extra)
         if key not in self.done:
             out = self.root / "-".join(map(str, key)).replace("--", "")
-            assert main(train_args(strategy, devices, batch_size, out, *extra)) == 0
+            argv = train_args(strategy, devices, batch_size, out, *extra)
+            if strategy_class(strategy).traits.processes == PER_DEVICE:
+                assert self.groups(devices).run(train_here, argv) == [0] * devices
+            else:
+                assert train_here(argv) == 0
             self.done[key] = out
         return self.done[key]
 

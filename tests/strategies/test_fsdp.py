@@ -5,7 +5,16 @@ from __future__ import annotations
 
 import pytest
 import torch
-from fsdp_runs import Blocks, RunSpec, launched_runs, max_difference, train
+from fsdp_runs import (
+    Blocks,
+    RunSpec,
+    launched_runs,
+    max_difference,
+    mismatched_resume,
+    observed_memory,
+    plain_save_and_load_refused,
+    train,
+)
 from torch import nn
 
 from dpkit.strategies.fsdp import FSDP, shard_units
@@ -34,7 +43,7 @@ def test_the_default_units_are_the_blocks_then_large_modules_never_a_tied_weight
     assert shard_units(tied, min_parameters=10) == [tied.inner]
 
 
-def test_fsdp_equals_one_device_with_sgd_adam_uneven_batches_accumulation_and_clipping(tmp_path):
+def test_fsdp_equals_one_device_with_sgd_adam_uneven_batches_accumulation_and_clipping(groups):
     specs = [
         RunSpec(batch_size=64, optimizer="sgd", clip=0.5),
         RunSpec(batch_size=67, optimizer="adam"),  # 34 + 33 rows on 2 processes, 23 + 22 + 22 on 3
@@ -47,17 +56,17 @@ def test_fsdp_equals_one_device_with_sgd_adam_uneven_batches_accumulation_and_cl
         sharded = [
             RunSpec(**{**spec.__dict__, "strategy": "fsdp", "devices": devices, "options": options}) for spec in specs
         ]
-        for rank, results in enumerate(launched_runs(sharded, devices, tmp_path, f"exact-{devices}")):
+        for rank, results in enumerate(launched_runs(sharded, devices, groups)):
             for spec, single, result in zip(specs, singles, results):
                 where = f"{devices} processes, reshard_after_forward={reshard}, rank {rank}, {spec}"
                 assert max_difference(result["weights"], single["weights"]) <= TOLERANCE, where
                 assert result["norms"] == pytest.approx(single["norms"], rel=1e-5), where
 
 
-def test_bf16_mixed_gathers_in_bf16_and_stays_close_to_one_device(tmp_path):
+def test_bf16_mixed_gathers_in_bf16_and_stays_close_to_one_device(groups):
     spec = RunSpec(precision="bf16-mixed", optimizer="adam")
     single = train(spec)
-    (result,), _ = launched_runs([RunSpec(**{**spec.__dict__, "strategy": "fsdp", "devices": 2})], 2, tmp_path)
+    (result,), _ = launched_runs([RunSpec(**{**spec.__dict__, "strategy": "fsdp", "devices": 2})], 2, groups)
     difference = max_difference(result["weights"], single["weights"])
     # bf16 keeps 8 bits of mantissa: the two runs round differently, but train the same model
     assert 0 < difference < 0.05
@@ -83,7 +92,7 @@ def test_options_are_checked_before_any_work(monkeypatch):
         FSDP(cpu, units=[nn.Linear(1, 1)])
 
 
-def test_a_sharded_state_resumes_bitwise_reshards_and_reads_back_whole_anywhere(tmp_path, capsys):
+def test_a_sharded_state_resumes_bitwise_reshards_and_reads_back_whole_anywhere(tmp_path, capsys, groups):
     state, model_file = str(tmp_path / "state"), str(tmp_path / "model.pt")
     fsdp = {"strategy": "fsdp", "devices": 2, "optimizer": "adam", "batch_size": 67}
     in_one_go = RunSpec(**fsdp, steps=12, save_model=model_file)
@@ -94,7 +103,7 @@ def test_a_sharded_state_resumes_bitwise_reshards_and_reads_back_whole_anywhere(
     before_any_step = RunSpec(**fsdp, steps=0, save_at=0, state=at_zero)
     resumed_from_zero = RunSpec(**fsdp, steps=12, resume=True, state=at_zero)
     runs = [in_one_go, stopped, resumed, before_any_step, resumed_from_zero]
-    for results in launched_runs(runs, 2, tmp_path, "resume"):
+    for results in launched_runs(runs, 2, groups):
         whole_run, _, finished, _, finished_from_zero = results
         for result in (finished, finished_from_zero):
             assert all(torch.equal(result["weights"][k], whole_run["weights"][k]) for k in whole_run["weights"])
@@ -117,11 +126,11 @@ def test_a_sharded_state_resumes_bitwise_reshards_and_reads_back_whole_anywhere(
     train(RunSpec(optimizer="adam", batch_size=67, steps=5, save_at=5, state=single_state))
     from_single = RunSpec(**fsdp, steps=12, resume=True, state=single_state)
     loaded = RunSpec(**fsdp, steps=0, load_model=model_file)
-    from_single, loaded = launched_runs([from_single, loaded], 2, tmp_path, "whole")[0]
+    from_single, loaded = launched_runs([from_single, loaded], 2, groups)[0]
     assert max_difference(from_single["weights"], whole_run["weights"]) <= TOLERANCE
     assert max_difference(loaded["weights"], whole_run["weights"]) == 0
-    on_three = launched_runs([RunSpec(**{**resumed.__dict__, "devices": 3})], 3, tmp_path, "three")
-    on_ddp = launched_runs([RunSpec(**{**resumed.__dict__, "strategy": "ddp"})], 2, tmp_path, "ddp")
+    on_three = launched_runs([RunSpec(**{**resumed.__dict__, "devices": 3})], 3, groups)
+    on_ddp = launched_runs([RunSpec(**{**resumed.__dict__, "strategy": "ddp"})], 2, groups)
     on_one = train(RunSpec(optimizer="adam", batch_size=67, steps=12, resume=True, state=state))
     for result in (on_three[0][0], on_ddp[0][0], on_one):
         assert max_difference(result["weights"], whole_run["weights"]) <= TOLERANCE
@@ -141,26 +150,10 @@ def test_a_sharded_state_resumes_bitwise_reshards_and_reads_back_whole_anywhere(
     assert max_difference(dict(fresh.named_parameters()), stopped_one["weights"]) <= TOLERANCE
 
 
-MISMATCH = """
-import os, sys, torch
-sys.path.insert(0, {here!r})
-from fsdp_runs import mismatched_resume
-torch.save(mismatched_resume({state!r}), {out!r} + "-" + os.environ["RANK"] + ".pt")
-"""
-
-
-def test_a_sharded_state_of_another_model_is_refused_before_anything_changes(tmp_path):
-    from pathlib import Path
-
-    from dpkit.launch import launch
-
+def test_a_sharded_state_of_another_model_is_refused_before_anything_changes(tmp_path, groups):
     state = str(tmp_path / "state")
-    launched_runs([RunSpec(strategy="fsdp", devices=2, steps=2, save_at=2, state=state, optimizer="adam")], 2, tmp_path)
-    script, out = tmp_path / "mismatch.py", tmp_path / "mismatch"
-    script.write_text(MISMATCH.format(here=str(Path(__file__).parent), state=state, out=str(out)))
-    launch(str(script), nproc_per_node=2)
-    for rank in range(2):
-        result = torch.load(f"{out}-{rank}.pt", weights_only=True)
+    launched_runs([RunSpec(strategy="fsdp", devices=2, steps=2, save_at=2, state=state, optimizer="adam")], 2, groups)
+    for result in groups(2).run(mismatched_resume, state):
         assert (
             "shape mismatches" in result["message"]
             and "embed.weight: checkpoint (32, 20) vs model (48, 20)" in (result["message"])
@@ -168,9 +161,9 @@ def test_a_sharded_state_of_another_model_is_refused_before_anything_changes(tmp
         assert result["unchanged"] and result["optimizer_fresh"] and result["step"] == 0
 
 
-def test_a_damaged_shard_is_named_by_every_process(tmp_path):
+def test_a_damaged_shard_is_named_by_every_process(tmp_path, groups):
     state = str(tmp_path / "state")
-    launched_runs([RunSpec(strategy="fsdp", devices=2, steps=2, save_at=2, state=state)], 2, tmp_path)
+    launched_runs([RunSpec(strategy="fsdp", devices=2, steps=2, save_at=2, state=state)], 2, groups)
     shard = sorted((tmp_path / "state" / "step-00000002" / "shards").glob("*.distcp"))[0]
     data = bytearray(shard.read_bytes())
     data[len(data) // 2] ^= 0xFF
@@ -181,25 +174,15 @@ def test_a_damaged_shard_is_named_by_every_process(tmp_path):
         train(RunSpec(steps=3, resume=True, state=state))
 
 
-MEMORY_WORKER = """
-import os, sys, torch
-sys.path.insert(0, {here!r})
-from fsdp_runs import observed_memory, plain_save_and_load_refused
-refused = plain_save_and_load_refused({out!r} + "-plain.pt")
-torch.save([observed_memory(True), observed_memory(False), refused], {out!r} + "-" + os.environ["RANK"] + ".pt")
-"""
+def memory_job(plain_path: str) -> list:
+    refused = plain_save_and_load_refused(plain_path)
+    return [observed_memory(True), observed_memory(False), refused]
 
 
-def test_the_observer_books_the_shards_and_the_gathered_units_as_torch_holds_them(tmp_path):
-    from pathlib import Path
-
-    from dpkit.launch import launch
-
-    script, out = tmp_path / "memory.py", tmp_path / "memory"
-    script.write_text(MEMORY_WORKER.format(here=str(Path(__file__).parent), out=str(out)))
-    launch(str(script), nproc_per_node=2)
+def test_the_observer_books_the_shards_and_the_gathered_units_as_torch_holds_them(tmp_path, groups):
+    results = groups(2).run(memory_job, str(tmp_path / "plain.pt"))
     for rank in range(2):
-        resharding, keeping, refused = torch.load(f"{out}-{rank}.pt", weights_only=True)
+        resharding, keeping, refused = results[rank]
         # a plain save or load of one process's shards would be wrong: both say what to call instead
         assert [m.split("; ")[-1] for m in refused] == [
             "call engine.save(model, path) in every process instead (it gathers the whole state dict and rank 0 "
@@ -221,52 +204,47 @@ def test_the_observer_books_the_shards_and_the_gathered_units_as_torch_holds_the
 
 
 @pytest.mark.cuda
-def test_on_cuda_over_nccl_with_cpu_offload_and_bf16_it_trains_like_one_device(tmp_path):
+def test_on_cuda_over_nccl_with_cpu_offload_and_bf16_it_trains_like_one_device(groups):
     single = train(RunSpec(accelerator="cuda", optimizer="adam"))
     specs = [
         RunSpec(strategy="fsdp", accelerator="cuda", optimizer="adam", options={"offload": True}),
         RunSpec(strategy="fsdp", accelerator="cuda", optimizer="adam", precision="bf16-mixed"),
     ]
-    offloaded, bf16 = launched_runs(specs, 1, tmp_path, "cuda")[0]
+    offloaded, bf16 = launched_runs(specs, 1, groups)[0]
     assert max_difference(offloaded["weights"], single["weights"]) <= 1e-4  # CUDA kernels may differ in rounding
     assert 0 < max_difference(bf16["weights"], single["weights"]) < 0.05
 
 
-GPT2 = """
-import sys, torch
-from torch.utils.data import DataLoader, RandomSampler, TensorDataset
-from transformers import GPT2Config, GPT2LMHeadModel
-import dpkit
+def gpt2_run(strategy: str, out: str) -> None:
+    """Four AdamW steps with clipping of a tiny GPT-2 (tied embeddings), saved whole to `out`."""
+    from torch.utils.data import DataLoader, RandomSampler, TensorDataset
+    from transformers import GPT2Config, GPT2LMHeadModel
 
-strategy, out = sys.argv[1], sys.argv[2]
-engine = dpkit.Engine(strategy=strategy, accelerator="cpu", devices=1 if strategy == "single" else 2, progress=False)
-torch.manual_seed(0)
-config = GPT2Config(n_layer=3, n_embd=64, n_head=4, vocab_size=500, n_positions=32, resid_pdrop=0.0,
-                    embd_pdrop=0.0, attn_pdrop=0.0)
-model, optimizer = engine.setup(model := GPT2LMHeadModel(config), torch.optim.AdamW(model.parameters(), lr=1e-3))
-tokens = torch.randint(0, 500, (40, 16), generator=torch.Generator().manual_seed(1))
-order = RandomSampler(range(40), generator=torch.Generator().manual_seed(2))
-for (x,) in engine.setup_dataloader(DataLoader(TensorDataset(tokens), batch_size=10, sampler=order)):
-    optimizer.zero_grad()
-    engine.backward(model(input_ids=x, labels=x).loss)
-    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-    optimizer.step()
-engine.save(model, out)
-engine.close()
-"""
+    import dpkit
+
+    devices = 1 if strategy == "single" else 2
+    engine = dpkit.Engine(strategy=strategy, accelerator="cpu", devices=devices, progress=False)
+    torch.manual_seed(0)
+    config = GPT2Config(
+        n_layer=3, n_embd=64, n_head=4, vocab_size=500, n_positions=32, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0
+    )
+    model = GPT2LMHeadModel(config)
+    model, optimizer = engine.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+    tokens = torch.randint(0, 500, (40, 16), generator=torch.Generator().manual_seed(1))
+    order = RandomSampler(range(40), generator=torch.Generator().manual_seed(2))
+    for (x,) in engine.setup_dataloader(DataLoader(TensorDataset(tokens), batch_size=10, sampler=order)):
+        optimizer.zero_grad()
+        engine.backward(model(input_ids=x, labels=x).loss)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+    engine.save(model, out)
+    engine.close()
 
 
-def test_a_transformers_gpt2_with_tied_embeddings_trains_like_one_device(tmp_path):
+def test_a_transformers_gpt2_with_tied_embeddings_trains_like_one_device(tmp_path, groups):
     pytest.importorskip("transformers")
-    import subprocess
-    import sys
-
-    from dpkit.launch import launch
-
-    script = tmp_path / "gpt2.py"
-    script.write_text(GPT2)
-    subprocess.run([sys.executable, str(script), "single", str(tmp_path / "single.pt")], check=True)
-    launch(str(script), ["fsdp", str(tmp_path / "fsdp.pt")], nproc_per_node=2)
+    gpt2_run("single", str(tmp_path / "single.pt"))
+    groups(2).run(gpt2_run, "fsdp", str(tmp_path / "fsdp.pt"))
     single, sharded = (torch.load(tmp_path / f"{name}.pt", weights_only=True) for name in ("single", "fsdp"))
     assert sorted(single) == sorted(sharded)
     # the blocks are units, the tied wte / lm_head weight stays with the root; AdamW and clipping, 4 steps

@@ -2,29 +2,19 @@
 
 from __future__ import annotations
 
-import textwrap
+from dpkit.training.engine import Engine
 
-from dpkit.launch import launch
 
-AGAIN_AND_AGAIN = textwrap.dedent("""
-    import os, sys
-    import torch
-    from dpkit.training.engine import Engine
-
+def again_and_again() -> list[float]:
     sums = []
     for round, strategy in enumerate(["ddp", "fsdp", "ddp", "fsdp", "ddp", "fsdp"]):
         engine = Engine(strategy=strategy, accelerator="cpu", devices=2, progress=False)
         sums.append(float(engine.reduce(float(engine.rank + round), "sum")))
         engine.close()
-    with open(sys.argv[1] + os.environ["RANK"], "w") as out:
-        out.write(repr(sums))
-""")
+    return sums
 
 
-def test_an_engine_made_after_another_closed_joins_a_fresh_process_group(tmp_path):
+def test_an_engine_made_after_another_closed_joins_a_fresh_process_group(groups):
     # each group's rendezvous keys are its own: gloo would otherwise connect to a closed group's addresses
-    script = tmp_path / "again.py"
-    script.write_text(AGAIN_AND_AGAIN)
-    launch(str(script), nproc_per_node=2, script_args=[str(tmp_path / "sums-")])
-    for rank in range(2):
-        assert (tmp_path / f"sums-{rank}").read_text() == repr([1.0 + 2 * round for round in range(6)])
+    for sums in groups(2).run(again_and_again):
+        assert sums == [1.0 + 2 * round for round in range(6)]

@@ -1,14 +1,11 @@
 """The central property at the Engine, for every strategy in the registry: the same loop, the same seed and
 the same global batches give the single-device gradients and weights (up to float rounding).
 
-Strategies with a process per device run this module's `engine_run` in each process under dpkit's launcher;
+Strategies with a process per device run this module's `engine_run` in each process of a launched group;
 the others run it here. A strategy added to the registry is checked here without a line of this file changing.
 """
 
 from __future__ import annotations
-
-import textwrap
-from pathlib import Path
 
 import pytest
 import torch
@@ -65,40 +62,11 @@ def engine_run(
     return {"gradients": first_gradients or [], "weights": weights, "norms": torch.tensor(norms)}
 
 
-WORKER = textwrap.dedent("""
-    import sys
-    import torch
-    sys.path.insert(0, {tests!r})
-    from test_engine_equivalence import engine_run
-
-    result = engine_run({strategy!r}, {devices}, {batch_size}, {accumulate}, {clip!r})
-    import os
-    torch.save(result, {out!r} + f"-{{os.environ['RANK']}}.pt")
-""")
-
-
-def run(
-    strategy: str, devices: int, batch_size: int, tmp_path: Path, accumulate: int = 1, clip: float | None = None
-) -> list[dict]:
-    """The results of every process that ran the loop (one here, or one per device under the launcher)."""
+def run(strategy: str, devices: int, batch_size: int, groups, accumulate: int = 1, clip: float | None = None) -> list:
+    """The results of every process that ran the loop (one here, or one per device in a launched group)."""
     if strategy_class(strategy).traits.processes != PER_DEVICE:
         return [engine_run(strategy, devices, batch_size, accumulate, clip)]
-    from dpkit.launch import launch
-
-    script, out = tmp_path / "worker.py", tmp_path / f"{strategy}-{devices}-{batch_size}"
-    script.write_text(
-        WORKER.format(
-            tests=str(Path(__file__).parent),
-            strategy=strategy,
-            devices=devices,
-            batch_size=batch_size,
-            accumulate=accumulate,
-            clip=clip,
-            out=str(out),
-        )
-    )
-    launch(str(script), nproc_per_node=devices)
-    return [torch.load(f"{out}-{rank}.pt", weights_only=True) for rank in range(devices)]
+    return groups(devices).run(engine_run, strategy, devices, batch_size, accumulate, clip)
 
 
 def assert_close(mine: list[torch.Tensor], theirs: list[torch.Tensor], what: str) -> None:
@@ -125,26 +93,26 @@ MULTI_DEVICE = [name for name in available_strategies() if strategy_class(name).
 
 @pytest.mark.parametrize("devices,batch_size", [(2, 64), (3, 67)], ids=["2-even", "3-uneven"])
 @pytest.mark.parametrize("strategy", MULTI_DEVICE)
-def test_every_strategy_takes_the_single_device_step(strategy, devices, batch_size, single_runs, tmp_path):
+def test_every_strategy_takes_the_single_device_step(strategy, devices, batch_size, single_runs, groups):
     single = single_runs(batch_size)
-    for rank, result in enumerate(run(strategy, devices, batch_size, tmp_path)):
+    for rank, result in enumerate(run(strategy, devices, batch_size, groups)):
         where = f"{strategy} on {devices} devices, batch {batch_size}, process {rank}"
         assert_close(result["gradients"], single["gradients"], f"{where}: first gradients")
         assert_close(result["weights"], single["weights"], f"{where}: weights after {STEPS} steps")
 
 
 @pytest.mark.parametrize("strategy", MULTI_DEVICE)
-def test_accumulated_micro_batches_take_the_single_device_step(strategy, single_runs, tmp_path):
+def test_accumulated_micro_batches_take_the_single_device_step(strategy, single_runs, groups):
     single = single_runs(33, accumulate=2)
-    for result in run(strategy, 2, 33, tmp_path, accumulate=2):
+    for result in run(strategy, 2, 33, groups, accumulate=2):
         assert_close(result["weights"], single["weights"], f"{strategy} with accumulate=2")
 
 
 @pytest.mark.parametrize("strategy", MULTI_DEVICE)
-def test_clipped_gradients_take_the_single_device_step(strategy, single_runs, tmp_path):
+def test_clipped_gradients_take_the_single_device_step(strategy, single_runs, groups):
     single = single_runs(67, clip=0.25)
     assert (single["norms"] > 0.25).all()  # the clip acts on every step
-    for rank, result in enumerate(run(strategy, 3, 67, tmp_path, clip=0.25)):
+    for rank, result in enumerate(run(strategy, 3, 67, groups, clip=0.25)):
         where = f"{strategy} clipped, on 3 devices, batch 67, process {rank}"
         assert_close(list(result["norms"]), list(single["norms"]), f"{where}: norms before clipping")
         assert_close(result["weights"], single["weights"], f"{where}: weights after {STEPS} steps")

@@ -177,35 +177,27 @@ def test_resume_under_another_strategy_and_world_size(tmp_path, first, second):
         assert loss == pytest.approx(reference_losses[step], rel=1e-5, abs=1e-6)
 
 
-DDP_SCRIPT = """
-import sys
-from pathlib import Path
-import torch
-sys.path.insert(0, {tests!r})
-from test_resume import run
-
-out = Path(sys.argv[1])
-# one process group for the three runs: each Engine finds it initialised; only the last one closes it
-reference, reference_losses = run("ddp", 2, out / "unused", close=False)
-_, first_losses = run("ddp", 2, out / "state", stop_at={stop_at}, close=False)
-run("ddp", 2, out / "cross", stop_at={stop_at}, seeded_order=True, dropout=0.0, close=False)  # resumed elsewhere below
-weights, resumed_losses = run("ddp", 2, out / "state", resume=True)
-rank = int(__import__("os").environ["RANK"])
-torch.save({{"reference": reference, "reference_losses": reference_losses, "weights": weights,
-            "losses": {{**first_losses, **resumed_losses}}}}, out / f"result-{{rank}}.pt")
-"""
+def ddp_resume_job(out: str, stop_at: int) -> dict:
+    """In each process of a group: an uninterrupted ddp run, a run saved at `stop_at`, a fresh Engine that resumes
+    it; one process group for the runs (each Engine finds it initialised; only the last one closes it)."""
+    folder = Path(out)
+    reference, reference_losses = run("ddp", 2, folder / "unused", close=False)
+    _, first_losses = run("ddp", 2, folder / "state", stop_at=stop_at, close=False)
+    run("ddp", 2, folder / "cross", stop_at=stop_at, seeded_order=True, dropout=0.0, close=False)  # resumed below
+    weights, resumed_losses = run("ddp", 2, folder / "state", resume=True)
+    return {
+        "reference": reference,
+        "reference_losses": reference_losses,
+        "weights": weights,
+        "losses": {**first_losses, **resumed_losses},
+    }
 
 
-def test_ddp_resume_equals_uninterrupted_bitwise(tmp_path):
-    """Two processes under dpkit's launcher: an uninterrupted run, a run saved at step 5 (mid-epoch), and a
+def test_ddp_resume_equals_uninterrupted_bitwise(tmp_path, groups):
+    """Two processes of a launched group: an uninterrupted run, a run saved at step 5 (mid-epoch), and a
     fresh Engine that resumes it, all in the same process group; each rank's weights and losses compare."""
-    from dpkit.launch import launch
-
-    script = tmp_path / "ddp_resume.py"
-    script.write_text(DDP_SCRIPT.format(tests=str(Path(__file__).parent), stop_at=5))
-    launch(str(script), [str(tmp_path)], nproc_per_node=2)
-    for rank in range(2):
-        result = torch.load(tmp_path / f"result-{rank}.pt", weights_only=True)
+    results = groups(2).run(ddp_resume_job, str(tmp_path), 5)
+    for rank, result in enumerate(results):
         assert_bitwise(result["reference"], result["weights"], f"ddp rank {rank}")
         assert result["losses"] == result["reference_losses"] and len(result["losses"]) == STEPS
     assert sorted(p.name for p in (tmp_path / "state" / "step-00000005").iterdir()) == [

@@ -427,51 +427,47 @@ def test_any_failure_midway_through_a_save_leaves_nothing_behind(tmp_path, monke
     assert sorted(p.name for p in tmp_path.iterdir()) == before and (tmp_path / "latest").read_bytes() == pointer
 
 
-def test_a_full_disk_in_one_process_raises_in_every_process_and_keeps_the_state(tmp_path):
-    """Two processes under dpkit's launcher: rank 1's disk fills during the second save; both raise (none waits
-    for the other at a barrier), and the first state and `latest` are untouched."""
-    from dpkit.launch import launch
+def full_disk_job(out: str) -> str:
+    """In each process of a group: a ddp state saved, then a second save during which rank 1's disk fills."""
+    import errno
 
-    script = tmp_path / "full_disk.py"
-    script.write_text(FULL_DISK.format(tests=str(Path(__file__).parent)))
-    launch(str(script), [str(tmp_path)], nproc_per_node=2)
-    results = [(tmp_path / f"result-{rank}.txt").read_text() for rank in range(2)]
+    import dpkit
+
+    folder = Path(out)
+    engine = dpkit.Engine(strategy="ddp", accelerator="cpu", devices=2, progress=False)
+    model = nn.Linear(3, 2)
+    model, optimizer = engine.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    optimizer.zero_grad()
+    engine.backward(model(torch.ones(4, 3)).sum())
+    optimizer.step()
+    engine.save_state(folder / "state")
+    write = checkpoint._HashingWriter.write
+    if engine.rank == 1:
+
+        def full(self, data):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        checkpoint._HashingWriter.write = full
+    try:
+        engine.save_state(folder / "state", note="second")
+        result = "saved"
+    except Exception as error:
+        result = f"{type(error).__name__} {error}"
+    finally:
+        checkpoint._HashingWriter.write = write  # the group's process runs other tests' jobs next
+    engine.close()
+    return result
+
+
+def test_a_full_disk_in_one_process_raises_in_every_process_and_keeps_the_state(tmp_path, groups):
+    """Two processes of a launched group: rank 1's disk fills during the second save; both raise (none waits
+    for the other at a barrier), and the first state and `latest` are untouched."""
+    results = groups(2).run(full_disk_job, str(tmp_path))
     assert results[1].startswith("CheckpointWriteError no space left on device while writing")
     assert results[0].startswith("CheckpointWriteError process 1 could not write its part of the state")
     assert all(result.count("the previous state is intact") == 1 for result in results)
     assert sorted(p.name for p in (tmp_path / "state").iterdir()) == ["latest", "step-00000001"]
     assert state.read_latest(tmp_path / "state").name == "step-00000001"
-
-
-FULL_DISK = """
-import errno, os, sys
-from pathlib import Path
-sys.path.insert(0, {tests!r})
-import torch
-from torch import nn
-import dpkit
-from dpkit.training import checkpoint
-
-out = Path(sys.argv[1])
-engine = dpkit.Engine(strategy="ddp", accelerator="cpu", devices=2, progress=False)
-model = nn.Linear(3, 2)
-model, optimizer = engine.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
-optimizer.zero_grad()
-engine.backward(model(torch.ones(4, 3)).sum())
-optimizer.step()
-engine.save_state(out / "state")
-if engine.rank == 1:
-    def full(self, data):
-        raise OSError(errno.ENOSPC, "No space left on device")
-    checkpoint._HashingWriter.write = full
-try:
-    engine.save_state(out / "state", note="second")
-    result = "saved"
-except Exception as error:
-    result = f"{{type(error).__name__}} {{error}}"
-(out / f"result-{{engine.rank}}.txt").write_text(result)
-engine.close()
-"""
 
 
 def test_the_cli_says_a_full_disk_in_one_line(tmp_path, monkeypatch, capsys):

@@ -3,13 +3,12 @@
 Its keys are the bare module's (no `module.` chains), so plain `torch.save(model.state_dict())` files load into a
 bare module, a bare module's state dict loads into it, and what loads reaches every copy the strategy trains: the
 next step equals one device's from the loaded weights. Strategies with a process per device run `findings` in
-each process under dpkit's launcher (two processes, a few seconds); the others run it here.
+each process of a launched group (two processes); the others run it here.
 """
 
 from __future__ import annotations
 
 import gc
-import textwrap
 from pathlib import Path
 
 import pytest
@@ -145,17 +144,6 @@ def findings(strategy: str, devices: int, folder: str, options: dict | None = No
     return found
 
 
-WORKER = textwrap.dedent("""
-    import os
-    import sys
-    import torch
-    sys.path.insert(0, {tests!r})
-    from test_wrapped_keys import findings
-
-    torch.save(findings({strategy!r}, 2, {folder!r}), os.path.join({folder!r}, f"findings-{{os.environ['RANK']}}.pt"))
-""")
-
-
 def one_process_cases() -> list:
     cases = []
     for name in available_strategies():
@@ -169,19 +157,14 @@ def one_process_cases() -> list:
     return cases
 
 
-def run(strategy: str, devices: int, options: dict, folder: Path) -> list[dict]:
+def run(strategy: str, devices: int, options: dict, folder: Path, groups) -> list[dict]:
     if strategy_class(strategy).traits.processes != PER_DEVICE:
         found = findings(strategy, devices, str(folder), options)
         # an engine left in dp-balanced's calibration keeps its Observer started until it is collected; collected
         # here, where no other dispatch mode is active, it stops cleanly
         gc.collect()
         return [found]
-    from dpkit.launch import launch
-
-    script = folder / "worker.py"
-    script.write_text(WORKER.format(tests=str(Path(__file__).parent), strategy=strategy, folder=str(folder)))
-    launch(str(script), nproc_per_node=2)
-    return [torch.load(folder / f"findings-{rank}.pt", weights_only=True) for rank in range(2)]
+    return groups(2).run(findings, strategy, 2, str(folder))
 
 
 PER_DEVICE_CASES = [
@@ -192,10 +175,10 @@ PER_DEVICE_CASES = [
 
 
 @pytest.mark.parametrize("strategy,devices,options", one_process_cases() + PER_DEVICE_CASES)
-def test_the_wrapped_model_has_the_user_modules_state_dict(strategy, devices, options, tmp_path):
+def test_the_wrapped_model_has_the_user_modules_state_dict(strategy, devices, options, tmp_path, groups):
     keys = list(Net().state_dict())
     sharded = strategy_class(strategy).traits.sharded
-    for found in run(strategy, devices, options, tmp_path):
+    for found in run(strategy, devices, options, tmp_path, groups):
         where = f"{strategy} rank {found['rank']}"
         assert found["keys"] == keys, where
         assert found["state_is_the_set_up_model"], where

@@ -26,12 +26,27 @@ and the agent polls its workers every monitor interval, so a worker that died of
 collective lost its peer) can look as early as the culprit; `ExitWatch` notes when each worker exited.
 """
 
-from dpkit.launch.agent import launch
+import importlib
+from typing import TYPE_CHECKING
+
 from dpkit.launch.environment import LAUNCH_VARIABLES, launched, restart_count
 from dpkit.launch.failures import LaunchError, StoppedBySignal
 from dpkit.launch.heartbeat import busy
 from dpkit.launch.network import free_port, loopback_interface, port_in_use
 from dpkit.launch.relaunch import Command, relaunch, relaunched
+
+if TYPE_CHECKING:
+    from dpkit.launch.agent import launch
+
+
+def __getattr__(name: str):
+    """`launch` loads torch's launcher on first use: a worker's first code (dpkit.launch.worker) needs none of it."""
+    if name != "launch":
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = importlib.import_module(f"{__name__}.agent").launch
+    globals()[name] = value
+    return value
+
 
 __all__ = [
     "LAUNCH_VARIABLES",

@@ -11,7 +11,6 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from dpkit.launch.agent import launch
 from dpkit.launch.environment import RELAUNCHED_VARIABLE
 
 
@@ -30,6 +29,8 @@ def relaunch(command: Command, processes: int, **launch_options: Any) -> None:
     The workers write to the console themselves, without rank prefixes (unless launch_options ask for them):
     only rank 0 of a relaunched command speaks, and its lines (the progress bar, `dpkit train: error: …`) read
     as the command's own."""
+    from dpkit.launch.agent import launch  # torch's launcher: only a process that starts workers needs it
+
     launch_options.setdefault("rank_prefix", False)
     launch(
         command.module,
