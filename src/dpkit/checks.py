@@ -116,3 +116,34 @@ def check_output_file(path: str | os.PathLike | None, argument: str) -> Path | N
         raise ValueError(f"{argument}: {str(path)!r} is not writable; choose a file you can write")
     check_output_folder(path.parent, argument)
     return path
+
+
+def check_batch_split(batch_size: int, devices: int, argument: str = "batch_size") -> None:
+    """A global batch that gives each of `devices` devices (or processes) at least one row per step; the same
+    rule for every strategy, in one process or one per device."""
+    if devices > 1 and batch_size < devices:
+        raise ValueError(
+            f"{argument}: {batch_size} row(s) per step cannot give each of the {devices} devices one, so a device "
+            f"would sit idle; give a batch of at least {devices}, or fewer devices"
+        )
+
+
+def check_last_batch(batch_size: int, rows: int, devices: int, argument: str = "batch_size") -> None:
+    """The last batch of a pass over `rows` rows also gives each device a row: the rule of check_batch_split for
+    the batch that is left over, with a batch size near the one given that keeps it."""
+    last = rows % batch_size
+    if devices < 2 or last == 0 or last >= devices:
+        return
+
+    def keeps(size: int) -> bool:
+        return devices <= size <= rows and (rows % size == 0 or rows % size >= devices)
+
+    nearby = sorted(
+        range(max(devices, batch_size - 64), min(rows, batch_size + 64) + 1), key=lambda s: abs(s - batch_size)
+    )
+    near = next((size for size in nearby if keeps(size)), None)
+    raise ValueError(
+        f"{argument}: {batch_size} leaves a last batch of {last} row(s) of the {rows} training rows, fewer than the "
+        f"{devices} devices, so a device would sit idle in that step; give a batch size that leaves at least "
+        f"{devices}" + (f", such as {near}" if near else "") + ", or fewer devices"
+    )

@@ -289,21 +289,28 @@ def test_ctrl_c_under_ddp_is_one_line_130_and_resumable(tmp_path):
     assert len(json.loads((out / "metrics.json").read_text())["loss"]) == steps_saved + 2
 
 
-def test_fsdp_trains_digits_like_one_device_and_resumes_bitwise(tmp_path):
-    """The issue's check: fsdp on 2 virtual CPU devices ends with single's weights, and 5 steps then --resume
-    to 12 equal 12 in one go, bit for bit."""
+def dpkit_here(argv: list[str]) -> int:
+    """`dpkit ARGV` in this process (in a launched group's process: as its rank, as under `dpkit launch`)."""
+    return main(argv)
 
-    def train(name: str, *flags: str) -> dict[str, torch.Tensor]:
+
+def test_fsdp_trains_digits_like_one_device_and_resumes_bitwise(tmp_path, groups):
+    """The issue's check: fsdp on 2 virtual CPU devices ends with single's weights, and 5 steps then --resume
+    to 12 equal 12 in one go, bit for bit. The run in one go starts its own processes; the stopped and resumed
+    runs run in a launched group, as under `dpkit launch`."""
+
+    def train(name: str, *flags: str, group: bool = False) -> dict[str, torch.Tensor]:
         argv = ["train", "--accelerator", "cpu", "--batch-size", "63", "--lr", "0.2", "--momentum", "0.9"]
-        assert main([*argv, "--out", str(tmp_path / name), "--no-progress", *flags]) == 0
+        argv += ["--out", str(tmp_path / name), "--no-progress", *flags]
+        assert (groups(2).run(dpkit_here, argv) if group else [main(argv)]) == [0] * (2 if group else 1)
         return torch.load(tmp_path / name / "model.pt", weights_only=True)
 
     single = train("single", "--strategy", "single", "--steps", "12")
     fsdp = ["--strategy", "fsdp", "--devices", "2"]
     in_one_go = train("fsdp", *fsdp, "--steps", "12")
-    train("resumed", *fsdp, "--steps", "5", "--checkpoint-every", "5")
+    train("resumed", *fsdp, "--steps", "5", "--checkpoint-every", "5", group=True)
     assert (tmp_path / "resumed" / "state" / "step-00000005" / "shards").is_dir()
-    resumed = train("resumed", *fsdp, "--steps", "12", "--resume")
+    resumed = train("resumed", *fsdp, "--steps", "12", "--resume", group=True)
     assert max((in_one_go[k] - single[k]).abs().max().item() for k in single) <= 1e-5
     assert all(torch.equal(resumed[k], in_one_go[k]) for k in in_one_go)
     losses = json.loads((tmp_path / "fsdp" / "metrics.json").read_text())["loss"]

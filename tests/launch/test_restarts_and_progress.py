@@ -79,6 +79,22 @@ def test_a_crash_or_a_kill_is_still_retried(tmp_path, how):
     assert _attempts(tmp_path) == {0, 1}  # restarted once, as asked
     assert error.value.exit_code == 2  # the launcher's own "failed"
     assert "not retried" not in str(error.value)
+    if how == "kill":  # who sent a SIGKILL: the kernel counted no out-of-memory kill, so another process
+        assert "was killed by signal SIGKILL (not for memory: " in str(error.value), str(error.value)
+
+
+def test_a_sigkill_says_whether_the_kernel_killed_for_memory():
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    from dpkit.launch.failures import failure_summary, oom_kills
+
+    assert isinstance(oom_kills(), int)  # Linux counts them in /proc/vmstat
+    error = ChildFailedError("worker", _failures((1, -signal.SIGKILL)))
+    assert "was killed by signal SIGKILL (out of memory: the kernel killed 2 process(es) for memory" in (
+        failure_summary(error, oom_kills_during=2)
+    )
+    assert "(not for memory: " in failure_summary(error, oom_kills_during=0)
+    assert "memory" not in failure_summary(error)  # not known: nothing said
 
 
 def _failures(*records):
@@ -123,7 +139,9 @@ def test_ddp_training_that_diverges_is_not_restarted(tmp_path):
     )
     assert result.returncode == 3, result.stdout + result.stderr
     lines = [line for line in result.stderr.splitlines() if not line.startswith(("INFO ", "DEBUG "))]
-    # one attempt, where rank 0 alone says why (every attempt of a restarted group said it again before)
+    # one attempt, where rank 0 alone says why (every attempt of a restarted group said it again before), once
+    # (not once per process, nor two on one line)
+    assert result.stderr.count("the loss became") == 1, result.stderr
     assert len(lines) == 1 and lines[0].startswith("dpkit train: error: --lr: the loss became "), lines
     assert not (out / "model.pt").exists()
 

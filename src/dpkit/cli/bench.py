@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 
+from dpkit.checks import check_output_file
 from dpkit.cli.flags import from_args
 from dpkit.cli.vocabulary import (
     add_accelerator,
@@ -91,6 +92,8 @@ def spec_from_args(args: argparse.Namespace) -> BenchSpec:
 
 
 def run(args: argparse.Namespace) -> int:
+    for name in ("json", "png"):  # before anything is measured
+        check_output_file(getattr(args, name), name)
     result = run_bench(spec_from_args(args))
     machine = result.machine
     print(

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 
+from dpkit.checks import check_output_file
 from dpkit.cli import vocabulary
 from dpkit.plan.catalogue import SECTIONS, Catalogue, Link
 from dpkit.plan.cost_model import CostConstants
@@ -120,6 +121,7 @@ def network_lines(catalogue: Catalogue) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
+    check_output_file(args.json, "json")  # before the tables are printed
     catalogue = Catalogue.load(args.catalogue)
     sections = [args.section] if args.section else list(SECTIONS)
     print(

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from dpkit.checks import check_output_file
 from dpkit.cli.vocabulary import add_verb
 from dpkit.training.checkpoint import (
     CheckpointCorruptError,
@@ -254,6 +255,7 @@ def convert(source: Path, out: Path, to_safetensors: bool, overwrite: bool = Fal
         raise ValueError(f"OUT: {out} is the source file; write the converted checkpoint to another file")
     if (out.exists() or out.is_symlink()) and not overwrite:
         raise ValueError(f"OUT: {out} exists; give --overwrite to replace it, or another file name")
+    check_output_file(out, "OUT")  # a folder it cannot write into, before the source is read
     state = _model_of_state(source) if source.is_dir() else unpack_state_dict(read_checked(source), source)
     clean = strip_prefixes(state)
     removed = len(set(state) - set(clean))

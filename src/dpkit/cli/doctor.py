@@ -12,6 +12,7 @@ import re
 import sys
 from typing import Any
 
+from dpkit.checks import check_output_file
 from dpkit.cli.vocabulary import (
     add_accelerator,
     add_catalogue,
@@ -256,6 +257,7 @@ def format_report(report: dict[str, Any]) -> str:
 
 def run(args: argparse.Namespace) -> int:
     options = options_from_args(args)
+    check_output_file(args.json, "json")  # before anything is measured
     try:
         report = run_doctor(options)
     except RuntimeError as error:

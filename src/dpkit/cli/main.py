@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import difflib
 import importlib
 import importlib.metadata
 import logging
@@ -11,10 +12,11 @@ import sys
 import torch
 
 from dpkit.cli.flags import Flags
-from dpkit.cli.vocabulary import VOCABULARY, Parser, UsageError
+from dpkit.cli.vocabulary import VOCABULARY, Parser, UsageError, verb_parsers
 from dpkit.errors import DpkitError
 from dpkit.launch import StoppedBySignal, launched
 from dpkit.launch.worker import exit_worker
+from dpkit.training.sources import UserCodeError, first_line, raised_in_your_code, your_frames
 
 # subcommand name -> module under dpkit.cli; each module defines add_parser(subparsers) and run(args) -> int, and
 # may name the library arguments it spells differently from its flags' dests (SPELLED)
@@ -80,10 +82,29 @@ def add_log_level(parser: argparse.ArgumentParser, *, argparse_default: object) 
                 add_log_level(nested, argparse_default=argparse.SUPPRESS)
 
 
+def refuse_unknown(parser: argparse.ArgumentParser, args: argparse.Namespace, unknown: list[str]) -> None:
+    """Arguments no parser took: refused by the verb they were given to (its prog and its --help), with the
+    nearest flag it has when one is close (`--stratgy` -> did you mean --strategy?)."""
+    verbs = verb_parsers(parser)
+    name = " ".join(part for part in (args.command, getattr(args, "action", None)) if part)
+    verb = verbs.get(name) or verbs.get(args.command or "") or parser
+    message = f"unrecognized arguments: {' '.join(unknown)}"
+    flags = sorted(option for option in verb._option_string_actions if option.startswith("--"))
+    for given in unknown:
+        if given.startswith("--"):
+            nearest = difflib.get_close_matches(given.split("=")[0], flags, n=1, cutoff=0.6)
+            if nearest:
+                message += f"; did you mean {nearest[0]}?"
+                break
+    raise UsageError(verb.prog, message)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     try:
-        args = parser.parse_args(argv)
+        args, unknown = parser.parse_known_args(argv)
+        if unknown:
+            refuse_unknown(parser, args, unknown)
     except UsageError as error:
         print(error.line(), file=sys.stderr)
         return 2
@@ -108,7 +129,21 @@ def main(argv: list[str] | None = None) -> int:
         if str(stopped):
             print(f"dpkit {args.command}: {args._flags.message(str(stopped))}", file=sys.stderr)
         return stopped.exit_code
-    except (ValueError, TypeError, FileNotFoundError, DpkitError) as error:
+    except Exception as error:
+        yours = raised_in_your_code(error)
+        if yours is not None:  # the user's own code raised it: theirs, where their code raised it
+            logging.getLogger("dpkit").debug("the exception of your code", exc_info=yours)
+            said = first_line(error) if yours is not error else f"{type(error).__name__}: {first_line(error)}"
+            print(
+                f"dpkit {args.command}: error in your code: {said} "
+                f"(last frames of your code: {your_frames(yours)}; -v prints the traceback)",
+                file=sys.stderr,
+            )
+            return 1
+        if not isinstance(error, (ValueError, TypeError, FileNotFoundError, DpkitError)):
+            raise
+        if isinstance(error, UserCodeError):  # said in one line already; -v adds the user's traceback
+            logging.getLogger("dpkit").debug("the exception of your code", exc_info=error.__cause__)
         if str(error):  # an empty message: the processes this command started said why
             print(f"dpkit {args.command}: error: {args._flags.message(str(error))}", file=sys.stderr)
         return getattr(error, "exit_code", 2)

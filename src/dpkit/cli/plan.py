@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import replace
+from pathlib import Path
 
+from dpkit.checks import check_output_file
 from dpkit.cli import vocabulary
 from dpkit.plan.catalogue import PRECISIONS, Catalogue
 from dpkit.plan.cost_model import OPTIMIZER_STATE_BYTES_PER_PARAMETER, BatchSize, CostConstants, Hardware
@@ -42,6 +44,7 @@ EXAMPLES = [
     "dpkit plan --params 125e6 --flops-per-sample 2.5e11 --gpu h100-pcie --batch-size-per-device 16",
     "dpkit plan --model mypkg.models:build --input-shape 64 --calibration bench.json --batch-size 256",
     "dpkit plan --example launch-bound --gpu a100-80gb-sxm --batch-size 32 --device-counts 1,2",
+    "dpkit plan --model gpt2-124m --gpu h100-sxm --batch-size-per-device 8 --strategy ddp",
 ]
 
 
@@ -110,7 +113,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     run_group = parser.add_argument_group("what to plan")
     vocabulary.add_device_counts(run_group, "1,2,4,8")
     vocabulary.add_batch_size(run_group, "none: give --batch-size or --batch-size-per-device")
-    vocabulary.add_strategies(run_group)
+    which = run_group.add_mutually_exclusive_group()
+    vocabulary.add_strategy(which, None, help_more=" to plan alone, instead of --strategies")
+    vocabulary.add_strategies(which)
     vocabulary.add_precision(run_group, choices=PRECISIONS)  # the catalogue's: tf32 is a rate, not a mode
     vocabulary.add_optimizer(run_group, "adam", choices=tuple(OPTIMIZER_STATE_BYTES_PER_PARAMETER))
     run_group.add_argument(
@@ -244,6 +249,13 @@ def _flops(flops: float) -> str:
 
 def run(args: argparse.Namespace) -> int:
     # every flag checked before any work (measuring a factory, fitting a calibration)
+    if args.strategy:  # one strategy: the table of it alone (and its one-device reference)
+        args.strategies = [args.strategy]
+    for name in ("json", "png"):
+        check_output_file(getattr(args, name), name)
+    for path in args.calibration or ():
+        if not Path(path).is_file():
+            raise ValueError(f"--calibration: no such file {path!r}; give a JSON file that dpkit bench --json wrote")
     catalogue = Catalogue.load(args.catalogue)
     hardware, link_note = hardware_from_args(args, catalogue)
     batch = batch_from_args(args)

@@ -40,6 +40,7 @@ EXAMPLES = (
     "dpkit profile --example wide-output --strategy dp-balanced --devices 4 --json out.json --png memory.png",
     "dpkit profile --strategy ddp --devices 2 --trace trace.json    # open in https://ui.perfetto.dev",
     "dpkit profile --model mymodels:build --data mydata:load --strategy fsdp --batch-size-per-device 32",
+    "dpkit profile --model mymodels:build --input-shape 64 --strategy dp --devices 2   # synthetic rows",
 )
 
 
@@ -51,14 +52,14 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         DESCRIPTION,
         EXAMPLES,
     )
-    add_model_source(parser, "wide-output")
+    add_model_source(parser, "wide-output", input_shape=True)
     add_strategy(parser, "dp")
     add_accelerator(parser)
     add_devices(parser)
     add_precision(parser, PRECISIONS)
     add_steps(parser, 3, "observed steps")
     add_warmup(parser, 3, "unobserved steps first: optimizer state is created, dp-balanced calibrates")
-    add_batch_size(parser, "256")
+    add_batch_size(parser, "64, as train's")
     add_lr(parser, 1e-3)
     add_optimizer(parser, "adam", OPTIMIZERS)
     add_seed(parser)

@@ -154,10 +154,10 @@ def add_nproc_per_node(parser: argparse.ArgumentParser, default: int | str | Non
     )
 
 
-def add_strategy(parser: argparse.ArgumentParser, default: str | None, *, auto: str = "") -> None:
+def add_strategy(parser: argparse.ArgumentParser, default: str | None, *, auto: str = "", help_more: str = "") -> None:
     """--strategy: one of the registry's; with `auto` (its help) also "auto", chosen for the model and devices."""
     choices = [*available_strategies(), *(["auto"] if auto else [])]
-    text = "the strategy" + (f"; auto: {auto}" if auto else "")
+    text = "the strategy" + help_more + (f"; auto: {auto}" if auto else "")
     _tag(parser.add_argument("--strategy", default=default, choices=choices, help=text), "--strategy")
 
 

@@ -22,10 +22,17 @@ import threading
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
-from dpkit.checks import check_int, check_number
+from dpkit.checks import check_int, check_number, check_output_folder
 from dpkit.devices import check_process_count, cpu_threads_per_device, resolve_devices
 from dpkit.launch.environment import HANG_TIMEOUT_VARIABLE, LAUNCHER_PID_VARIABLE
-from dpkit.launch.failures import ExitWatch, LaunchError, StoppedBySignal, deterministic_failure, failure_summary
+from dpkit.launch.failures import (
+    ExitWatch,
+    LaunchError,
+    StoppedBySignal,
+    deterministic_failure,
+    failure_summary,
+    oom_kills,
+)
 from dpkit.launch.hang_watch import HangWatch
 from dpkit.launch.logs import WorkerOutput
 from dpkit.launch.network import free_port, is_loopback, loopback_interface, port_in_use
@@ -172,6 +179,8 @@ def launch(
                 "or leave the port out on a single node and dpkit picks a free one"
             )
     check_script(script, module)
+    if log_dir is not None:
+        check_output_folder(log_dir, "log_dir")
 
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -229,6 +238,7 @@ def launch(
             watch.start()
         exits = ExitWatch(nproc_per_node)
         exits.start()
+        oom_kills_before = oom_kills()
         not_retried: list[int] = []  # the exit code of a failure the agent did not restart for
         try:
             with _dpkit_agent(not_retried):
@@ -239,6 +249,7 @@ def launch(
             exits.stop()
             hung = watch.hung if watch else None
             code = None if hung else deterministic_failure(failures, exits.exit_times)
+            oom_kills_after = oom_kills()
             raise LaunchError(
                 failure_summary(
                     error,
@@ -246,6 +257,9 @@ def launch(
                     exits.exit_times,
                     not_retried=bool(not_retried),
                     output_note=output.where([*failures, *(hung or {})]),
+                    oom_kills_during=None
+                    if oom_kills_before is None or oom_kills_after is None
+                    else oom_kills_after - oom_kills_before,
                 ),
                 exit_codes,
                 exit_code=code or 2,

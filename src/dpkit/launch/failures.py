@@ -91,18 +91,46 @@ def deterministic_failure(failures: dict[int, Any], exit_times: dict[int, float]
     return None
 
 
+def oom_kills() -> int | None:
+    """How many processes the kernel's out-of-memory killer has ended on this machine since boot (Linux's
+    /proc/vmstat), or None where that is not known."""
+    try:
+        with open("/proc/vmstat") as vmstat:
+            for line in vmstat:
+                name, _, value = line.partition(" ")
+                if name == "oom_kill":
+                    return int(value)
+    except (OSError, ValueError):
+        pass
+    return None
+
+
+def _who_killed(oom_kills_during: int | None) -> str:
+    """Why a worker got SIGKILL, as far as this machine can tell: memory, or another process."""
+    if oom_kills_during is None:
+        return ""
+    if oom_kills_during > 0:
+        return f" (out of memory: the kernel killed {oom_kills_during} process(es) for memory during the launch)"
+    return (
+        " (not for memory: the kernel killed no process for memory during the launch; nor by dpkit's hang watch, "
+        "which names the ranks it stops: another process sent it, such as a scheduler or a `kill -9`)"
+    )
+
+
 def failure_summary(
     error: BaseException,
     hung: dict[int, str] | None = None,
     exit_times: dict[int, float] | None = None,
     not_retried: bool = False,
     output_note: str = "each worker's own output is above",
+    oom_kills_during: int | None = None,
 ) -> str:
     """The failed workers first, the first to fail first (a rank the hang watch stopped, named with why),
     then the ones the agent stopped (SIGTERM) because of them. `exit_times`: pid -> monotonic exit time.
     `not_retried`: the agent did not restart the group although restarts were left, as the failure would only
     repeat (exit 2 or 3): the summary says what the code means and that it was not retried. `output_note`: where
-    the failed workers' own output is, at the end in brackets."""
+    the failed workers' own output is, at the end in brackets. `oom_kills_during`: the out-of-memory kills the
+    kernel counted during the launch (`oom_kills`), which say whether a SIGKILL came for memory."""
     failures = getattr(error, "failures", {}) or {}
     hung = hung or {}
     failed, stopped = [hung[rank] for rank in sorted(hung)], []
@@ -122,6 +150,8 @@ def failure_summary(
             if failure.exitcode is not None and failure.exitcode < 0
             else f"exited with code {failure.exitcode}"
         )
+        if failure.exitcode == -signal.SIGKILL:
+            how += _who_killed(oom_kills_during)
         if not_retried and failure.exitcode in DETERMINISTIC_EXIT_CODES:
             how += f" ({DETERMINISTIC_EXIT_CODES[failure.exitcode]}, not retried)"
         message = failure.message if isinstance(failure.message, str) else (failure.message or {}).get("message", "")

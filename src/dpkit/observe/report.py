@@ -40,7 +40,7 @@ def thread_lines(threads: dict[str, Any] | None) -> list[str]:
     lines = [
         f"step {_ms(threads['step_seconds'])} ms by thread (ms per step): calling thread {_ms(caller['own_seconds'])} "
         f"of its own ({phases}; off the CPU {_ms(caller['descheduled_seconds'] + caller['blocked_seconds'])}) "
-        f"+ {_ms(caller['waiting_seconds'])} waiting for the replica threads in {caller['hand_offs']:g} hand-offs"
+        f"+ {_ms(caller['waiting_seconds'])} waiting for the replica threads in {caller['hand_offs']:.3g} hand-offs"
     ]
     replicas = threads["replica_threads"]
     if replicas:
@@ -71,6 +71,12 @@ def thread_lines(threads: dict[str, Any] | None) -> list[str]:
     if threads["memory_accounting"]:
         lines.append("  (memory accounting was on: its dispatch modes add Python work to every operator)")
     return lines
+
+
+def _aligned(rows: list[list[str]]) -> list[str]:
+    """Right-aligned columns, two spaces apart; the first row is the header."""
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return ["  ".join(cell.rjust(width) for cell, width in zip(row, widths)) for row in rows]
 
 
 @dataclass
@@ -159,8 +165,10 @@ class Report:
         return write_json(self.to_dict(), path)
 
     def format_table(self) -> str:
-        """Per device: rows, peak and its breakdown (MiB), then milliseconds per phase."""
+        """Two tables, one row per device: memory (rows of the last step, the peak and its breakdown, MiB) and time
+        by phase (ms per step: the mean over the observed steps, the unit of the step-by-thread lines below)."""
         mib = 1024 * 1024
+        per_step = 1.0 / max(self.steps, 1)
         used_phases = [p for p in PHASES if any(p in d.seconds_by_phase for d in self.devices)]
         hidden_phases = [p for p in PHASES if any(d.hidden_seconds_by_phase.get(p) for d in self.devices)]
         short = {
@@ -173,23 +181,21 @@ class Report:
             "loss": "loss",
             "other": "other",
         }
-        header = (
-            ["device", "rows", "peak MiB"]
-            + [short[c] for c in CATEGORIES]
-            + [f"{p} ms" for p in used_phases]
-            + [f"{p} hidden ms" for p in hidden_phases]
-        )
-        lines = []
+        memory = [["device", "rows", "peak MiB"] + [short[c] for c in CATEGORIES]]
+        time = [["device"] + [f"{p} ms" for p in used_phases] + [f"{p} hidden ms" for p in hidden_phases]]
         for d in self.devices:
             row = [d.device, "-" if d.rows is None else str(d.rows), f"{d.peak_bytes / mib:.2f}"]
-            row += [f"{d.bytes_by_category.get(c, 0) / mib:.2f}" for c in CATEGORIES]
-            row += [f"{d.seconds_by_phase.get(p, 0.0) * 1e3:.1f}" for p in used_phases]
-            row += [f"{d.hidden_seconds_by_phase.get(p, 0.0) * 1e3:.1f}" for p in hidden_phases]
-            lines.append(row)
-        widths = [max(len(h), *(len(r[i]) for r in lines)) if lines else len(h) for i, h in enumerate(header)]
-        out = ["  ".join(h.rjust(w) for h, w in zip(header, widths))]
-        out += ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in lines]
+            memory.append(row + [f"{d.bytes_by_category.get(c, 0) / mib:.2f}" for c in CATEGORIES])
+            time.append(
+                [d.device]
+                + [f"{d.seconds_by_phase.get(p, 0.0) * per_step * 1e3:.2f}" for p in used_phases]
+                + [f"{d.hidden_seconds_by_phase.get(p, 0.0) * per_step * 1e3:.2f}" for p in hidden_phases]
+            )
+        out = _aligned(memory)
         out.append(f"imbalance (max/mean of per-device peaks): {self.imbalance:.3f}   steps observed: {self.steps}")
+        if used_phases:
+            out.append(f"time by phase, ms per step (the mean of the {self.steps} observed step(s)):")
+            out += _aligned(time)
         out += thread_lines(self.threads)
         return "\n".join(out)
 

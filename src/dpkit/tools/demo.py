@@ -10,9 +10,10 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from dpkit.checks import check_int
+from dpkit.checks import check_batch_split, check_int, check_output_folder
 from dpkit.devices import resolve_devices
 from dpkit.examples.digits import DigitsMLP, load_digits
+from dpkit.observe import Observer
 from dpkit.parallel import DataParallel
 from dpkit.training.checkpoint import load_model, save_model
 
@@ -33,7 +34,9 @@ def demo(
     (a note says when held-out accuracy stays below LEARNED_ACCURACY, which is not a failure)."""
     check_int(epochs, "epochs")
     check_int(batch_size, "batch_size")
+    check_output_folder(out, "out")  # before training: the checkpoint goes there
     devices = resolve_devices(accelerator, devices)
+    check_batch_split(batch_size, len(devices))
     torch.manual_seed(seed)
     x_train, y_train, x_test, y_test = load_digits(seed)
     primary = devices[0]
@@ -46,6 +49,7 @@ def demo(
     steps_per_epoch = (len(y_train) + batch_size - 1) // batch_size
     print(f"dpkit demo: digits MLP, {len(y_train)} training images, DataParallel over {', '.join(map(str, devices))}")
     step_seconds = []
+    total_steps, observer = epochs * steps_per_epoch, None
     with tqdm(total=epochs * steps_per_epoch, desc="training", unit="step", disable=not progress) as bar:
         for epoch in range(epochs):
             order = torch.randperm(len(y_train), generator=generator)
@@ -53,10 +57,15 @@ def demo(
                 index = order[start : start + batch_size]
                 x, y = x_train[index].to(primary), y_train[index].to(primary)
                 began = time.perf_counter()
+                if len(step_seconds) == total_steps - 1:  # the last step: each device's memory, by category
+                    observer = Observer(primary, timing=False, trace=False, models=[model], optimizers=[optimizer])
+                    observer.start()
                 optimizer.zero_grad(set_to_none=True)
                 loss = F.cross_entropy(dp(x), y)
                 loss.backward()
                 optimizer.step()
+                if observer is not None:  # stops once; later calls do nothing
+                    observer.stop()
                 step_seconds.append(time.perf_counter() - began)
                 rows_per_device = [total + rows for total, rows in zip(rows_per_device, dp.last_split_sizes)]
                 bar.set_postfix(
@@ -70,9 +79,13 @@ def demo(
     median_ms = sorted(step_seconds)[len(step_seconds) // 2] * 1e3
     print(f"held-out accuracy: {accuracy:.4f} on {len(y_test)} images")
     print(f"time per step: median {median_ms:.2f} ms over {len(step_seconds)} steps (batch {batch_size})")
-    print("rows processed per device:")
+    peaks = {entry.device: entry.peak_bytes for entry in observer.report().devices} if observer else {}
+    print("per device: rows processed, and peak memory in the last step (device 0 also holds the gathered")
+    print("outputs, the loss, the gradients' sum and the optimizer state, so it fills first):")
+    print(f"  {'device':8s} {'rows':>7s} {'peak MiB':>9s}")
     for device, rows in zip(devices, rows_per_device):
-        print(f"  {str(device):8s} {rows:7d}")
+        peak = peaks.get(str(device))
+        print(f"  {str(device):8s} {rows:7d} {'-' if peak is None else f'{peak / 2**20:.2f}':>9s}")
 
     path = save_model(dp, Path(out) / "model.pt")
     reloaded = load_model(DigitsMLP(), path)

@@ -23,7 +23,7 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, RandomSampler, TensorDataset
 
-from dpkit.checks import check_int, check_output_file
+from dpkit.checks import check_batch_split, check_int, check_output_file
 from dpkit.devices import resolve_devices
 from dpkit.launch import Command, launched, relaunch
 from dpkit.observe import Observer, Report, active
@@ -47,12 +47,13 @@ class ProfileSpec:
     example: str | None = "wide-output"
     model: str | None = None
     data: str | None = None
+    input_shape: tuple[int, ...] | None = None  # with your model and no data: synthetic rows of this shape
     strategy: str = "dp"
     accelerator: str = "auto"
     devices: Any = "auto"
     steps: int = 3
     warmup: int = 3
-    batch_size: int = 256  # the global batch
+    batch_size: int = 64  # the global batch, as `dpkit train`'s
     batch_size_per_device: int | None = None  # instead: the global batch is this times the devices
     lr: float = 1e-3
     optimizer: str = "adam"
@@ -108,10 +109,9 @@ def with_global_batch(spec: ProfileSpec, devices: int) -> ProfileSpec:
     return replace(spec, batch_size=spec.batch_size_per_device * count, batch_size_per_device=None)
 
 
-def profile(spec: ProfileSpec) -> tuple[Report | None, float]:
-    """Run warm-up and observed steps through the Engine; the report of the observed ones (every rank's
-    devices when there is a process per device; None on the ranks other than 0) and the last loss (the
-    global batch's)."""
+def checked_devices(spec: ProfileSpec) -> list[torch.device]:
+    """Every setting checked before anything is built or started (spec.check(), the strategy's device count, the
+    batch's split over the devices); the devices the profile runs on."""
     spec.check()
     cls = strategy_class(spec.strategy)
     devices = resolve_devices(spec.accelerator, spec.devices)
@@ -122,8 +122,20 @@ def profile(spec: ProfileSpec) -> tuple[Report | None, float]:
                 f"pass devices={cls.traits.max_devices}, or a strategy for several devices (strategy=dp, ddp, …)"
             )
         devices = devices[: cls.traits.max_devices]
+    check_batch_split(with_global_batch(spec, len(devices)).batch_size, len(devices))
+    return devices
+
+
+def profile(spec: ProfileSpec) -> tuple[Report | None, float]:
+    """Run warm-up and observed steps through the Engine; the report of the observed ones (every rank's
+    devices when there is a process per device; None on the ranks other than 0) and the last loss (the
+    global batch's)."""
+    cls = strategy_class(spec.strategy)
+    devices = checked_devices(spec)
     spec = with_global_batch(spec, len(devices))
-    source = model_source(spec.example, spec.model, spec.data)
+    source = model_source(
+        spec.example, spec.model, spec.data, input_shape=spec.input_shape, synthetic_rows=max(256, spec.batch_size)
+    )
     torch.manual_seed(spec.seed)
     model = source.build_model()
     x, y = source.load_data(spec.seed)[:2]
@@ -250,13 +262,13 @@ def run(spec: ProfileSpec) -> Report | None:
     """Profile, print the table and write the files asked for; starts one process per device first where the
     strategy needs it (the report is then printed and written by their rank 0, and None returned here)."""
     if strategy_class(spec.strategy).needs_launcher():
-        spec.check()
+        devices = checked_devices(spec)
         if spec.relaunch is None:
             raise RuntimeError(
                 f"strategy: '{spec.strategy}' runs one process per device; give the spec a relaunch= that "
                 "runs this profile again in each, or use `dpkit profile`"
             )
-        relaunch(spec.relaunch, len(resolve_devices(spec.accelerator, spec.devices)))
+        relaunch(spec.relaunch, len(devices))
         return None
     report, last_loss = profile(spec)
     if report is None:  # a rank other than 0: rank 0 writes every rank's devices

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import math
 import os
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -68,6 +69,7 @@ from dpkit.training.checkpoint import (
     strip_prefixes,
     unwrap_model,
 )
+from dpkit.training.loop_checks import NONFINITE_LOSS, NonFiniteLoss, check_optimizer_of
 from dpkit.training.shards import (
     check_shard_shapes,
     load_into,
@@ -300,9 +302,19 @@ class Engine:
         precision: str = "32",
         accumulate: int = 1,
         progress: bool = True,
+        nonfinite_loss: str | None = None,
         **strategy_options: Any,
     ):
         check_int(accumulate, "accumulate", meaning="micro-batches per optimizer step")
+        if nonfinite_loss not in NONFINITE_LOSS:
+            raise ValueError(
+                f"nonfinite_loss: expected None (no check), 'warn' or 'raise', got {nonfinite_loss!r}; 'warn' logs "
+                "the first step whose loss is nan or inf, 'raise' stops there with NonFiniteLoss"
+            )
+        # off by default: the check reads the loss's value each step (a device sync, and a collective across
+        # processes so that every process stops at the same step)
+        self.nonfinite_loss = nonfinite_loss
+        self._warned_nonfinite = False
         strategy, devices = self._resolve_auto(strategy, accelerator, devices)
         # strategy="auto" on several devices in one process: these devices, until the first batch decides
         self._undecided: list[torch.device] | None = None
@@ -396,6 +408,8 @@ class Engine:
             raise RuntimeError("engine.setup: this engine already set up a model; create one Engine per model")
         if optimizer is not None and (not hasattr(optimizer, "step") or not hasattr(optimizer, "param_groups")):
             raise TypeError(f"optimizer: expected a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        if optimizer is not None:
+            check_optimizer_of(model, optimizer)
         self._bare_model = model
         self._model = EngineModule(self.strategy.wrap_model(model), self.precision, self.strategy, model)
         if self._undecided is not None:
@@ -526,8 +540,32 @@ class Engine:
         """loss.backward() for the strategy: sample-weighted, accumulated, reduced across devices."""
         if not isinstance(loss, torch.Tensor):
             raise TypeError(f"loss: expected a tensor, got {type(loss).__name__}")
+        if self.nonfinite_loss is not None:
+            self._check_loss(loss)
         sync = self._accumulation.add_micro_batch()
         self.strategy.backward(self.precision.scale_loss(loss), scale=self._loss_weight() / self.accumulate, sync=sync)
+
+    def _check_loss(self, loss: torch.Tensor) -> None:
+        """nonfinite_loss: warn about, or stop at, a loss that is nan or inf in any process (all agree)."""
+        value = float(loss.detach().float().sum())
+        bad = torch.tensor(0.0 if math.isfinite(value) else 1.0)
+        if self.world_size > 1:
+            bad = self.strategy.all_reduce(bad, "sum")
+        if not bad:
+            return
+        what = f"{value:g}" if not math.isfinite(value) else "nan or inf in another process"
+        window = self._accumulation.micro_batches % self.accumulate + 1  # this backward's place in its window
+        message = (
+            f"engine.backward: the loss is {what} at step {self.step + 1}"
+            + (f" (micro-batch {window} of {self.accumulate})" if self.accumulate > 1 else "")
+            + "; the step would make every weight it touches nan: lower the learning rate, clip the gradients "
+            "(engine.clip_gradients) or look at the batch"
+        )
+        if self.nonfinite_loss == "raise":
+            raise NonFiniteLoss(message)
+        if not self._warned_nonfinite:
+            self._warned_nonfinite = True  # said once: a run that diverged stays diverged
+            log.warning("%s", message)
 
     def _batch_yielded(self, record: BatchRecord) -> None:
         self._batch_in_hand = record
@@ -691,7 +729,14 @@ class Engine:
                 "strategy_state": self.strategy.state_dict() or None,
                 "extra": pack_extras(extra),
             }
-        mine = {"rank": self.rank, "rng": capture_rng(), "loaders": [loader.order_state() for loader in self._loaders]}
+        mine = {
+            "rank": self.rank,
+            "rng": capture_rng(),
+            "loaders": [loader.order_state() for loader in self._loaders],
+            # intra-op threads split a large reduction (a matrix product's inner sum, a norm) into per-thread
+            # partial sums, so their count decides the result's last bits: a resume computes with the same count
+            "threads": torch.get_num_threads(),
+        }
         # all or nothing in every process: a failure anywhere (a full disk) raises everywhere and leaves the
         # previous states and `latest` as they were
         written = write_state_directory(
@@ -848,6 +893,20 @@ class Engine:
         for loader, (position, order_state) in zip(self._loaders, self._pending_loaders):
             loader.resume_from(position, order_state)
         restore_rng(mine["rng"])
+        threads = mine.get("threads")
+        if (
+            self.device.type == "cpu"
+            and isinstance(threads, int)
+            and threads > 0
+            and threads != torch.get_num_threads()
+        ):
+            log.info(
+                "%s: computing with its %d intra-op threads (this process had %d)",
+                chosen,
+                threads,
+                torch.get_num_threads(),
+            )
+            torch.set_num_threads(threads)
         log.info("resumed from %s at step %d", chosen, self.step)
         return {name: entry["value"] for name, entry in extras.items()}
 

@@ -4,8 +4,9 @@ OUT/tensorboard when asked (`tensorboard --logdir OUT/tensorboard` shows them).
 One CSV row per optimizer step (loss, learning rate, gradient norm when clipping) and one per evaluation
 (eval_loss, eval_accuracy), appended and flushed as they come, so a run can be watched and a killed run keeps
 what it logged (metrics.csv alone does not make a folder hold a run). A resumed run first drops the rows after
-the step it resumes from (they belong to steps it will take again); TensorBoard does the same with its
-purge_step.
+the step it resumes from (they belong to steps it will take again), and that step's evaluation when it evaluates
+there again (a run stopped at its end repeats its final evaluation). TensorBoard purges every point at a step >=
+purge_step, so its writer purges from the resume step and writes that step's kept rows again: every step once.
 """
 
 from __future__ import annotations
@@ -39,9 +40,11 @@ def tensorboard_writer_class():
 class MetricsLog:
     """Rows of COLUMNS in OUT/metrics.csv and scalars in TensorBoard, from the step `resume_step` on."""
 
-    def __init__(self, out: Path, *, tensorboard: bool, resume_step: int = 0):
+    def __init__(self, out: Path, *, tensorboard: bool, resume_step: int = 0, evaluates_again: bool = False):
+        """`evaluates_again`: the resumed run evaluates at `resume_step` again (its final evaluation)."""
         self.path = out / METRICS_CSV
         self.resume_step = resume_step
+        self._kept = self._rows_kept(evaluates_again) if resume_step else []
         self._file = self._csv = None  # opened with the first row: a run that logged nothing leaves no file
         self._tensorboard = None
         if tensorboard:
@@ -50,14 +53,17 @@ class MetricsLog:
             if not resume_step:
                 shutil.rmtree(folder, ignore_errors=True)  # a new run's curves, not mixed with an old run's
             self._tensorboard = writer(str(folder), purge_step=resume_step or None)
+            for row in self._kept:  # purged with every later step: written again, once
+                if int(row[0]) == resume_step:
+                    self._add_scalars(resume_step, dict(zip(COLUMNS[1:], (_value(cell) for cell in row[1:]))))
 
     def _open(self) -> None:
-        kept = self._rows_up_to(self.resume_step) if self.resume_step else []
-        self._write_whole(kept)
+        self._write_whole(self._kept)
         self._file = open(self.path, "a", newline="")  # noqa: SIM115 - kept open for the run, closed by close()
         self._csv = csv.writer(self._file)
 
-    def _rows_up_to(self, step: int) -> list[list[str]]:
+    def _rows_kept(self, evaluates_again: bool) -> list[list[str]]:
+        """The rows up to the resume step, without its evaluation if the run evaluates there again."""
         if not self.path.is_file():
             return []
         with open(self.path, newline="") as file:
@@ -65,7 +71,17 @@ class MetricsLog:
         if not rows or tuple(rows[0]) != COLUMNS:
             log.warning("%s has other columns than %s; it starts again", self.path, ", ".join(COLUMNS))
             return []
-        return [row for row in rows[1:] if row and row[0].isdigit() and int(row[0]) <= step]
+        kept = []
+        evaluation = [COLUMNS.index(name) for name in COLUMNS if name.startswith("eval_")]
+        for row in rows[1:]:
+            if not (row and row[0].isdigit() and int(row[0]) <= self.resume_step):
+                continue
+            if evaluates_again and int(row[0]) == self.resume_step:
+                row = ["" if index in evaluation else cell for index, cell in enumerate(row)]
+                if not any(row[1:]):
+                    continue
+            kept.append(row)
+        return kept
 
     def _write_whole(self, rows: list[list[str]]) -> None:
         temporary = self.path.with_name(self.path.name + ".tmp")
@@ -84,6 +100,9 @@ class MetricsLog:
             self._open()
         self._csv.writerow([step] + [_cell(values.get(name)) for name in COLUMNS[1:]])
         self._file.flush()
+        self._add_scalars(step, values)
+
+    def _add_scalars(self, step: int, values: dict[str, float | None]) -> None:
         if self._tensorboard is not None:
             for name, value in values.items():
                 if value is not None and math.isfinite(value):
@@ -104,6 +123,10 @@ class MetricsLog:
 
 def _cell(value: float | None) -> str:
     return "" if value is None else repr(float(value))
+
+
+def _value(cell: str) -> float | None:
+    return None if cell == "" else float(cell)
 
 
 def _tag(name: str) -> str:

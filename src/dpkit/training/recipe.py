@@ -25,6 +25,7 @@ import contextlib
 import dataclasses
 import json
 import logging
+import math
 import os
 import shutil
 import signal
@@ -44,8 +45,15 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, RandomSampler, TensorDataset
 
-from dpkit.checks import check_int, check_number, check_output_folder, check_seed
-from dpkit.devices import check_process_count, resolve_devices
+from dpkit.checks import (
+    check_batch_split,
+    check_int,
+    check_last_batch,
+    check_number,
+    check_output_folder,
+    check_seed,
+)
+from dpkit.devices import available_cores, check_process_count, resolve_devices
 from dpkit.errors import DpkitError
 from dpkit.launch import Command, LaunchError, StoppedBySignal, launched, relaunch, relaunched, restart_count
 from dpkit.launch.environment import LAUNCHER_PID_VARIABLE
@@ -549,10 +557,10 @@ def _check_out(config: TrainConfig) -> Plan:
     return Plan(job, remove=bool(holds))
 
 
-def prepare(config: TrainConfig) -> Prepared:
-    """Check every setting, take the run folder's lock, decide what to do with the folder, build the model and
-    load the data; raise one line on the first bad value (releasing the lock). The caller releases
-    `Prepared.lock` when the run ends."""
+def check_config(config: TrainConfig) -> list[torch.device]:
+    """Every setting checked without building or measuring anything: the values, the packages they need
+    (TensorBoard), the devices, the batch's split over them and the run folder's path; one line on the first bad
+    value. The devices the run uses. strategy="auto" is checked as far as it can be before auto chooses."""
     for name in ("steps", "batch_size", "accumulate", "keep", "log_every"):
         check_int(getattr(config, name), name)
     for name in ("checkpoint_every", "eval_every"):
@@ -565,6 +573,16 @@ def prepare(config: TrainConfig) -> Prepared:
     check_seed(config.seed)
     if config.precision not in PRECISIONS:
         raise ValueError(f"precision: expected one of {', '.join(PRECISIONS)}, got {config.precision!r}")
+    check_output_folder(config.out, "out")
+    if config.resume and config.overwrite:
+        raise ValueError(
+            "resume/overwrite: give one: resume=True continues the run in the folder, overwrite=True replaces it"
+        )
+    if config.strategy == "auto":
+        devices = resolve_devices(config.accelerator, config.devices)
+        check_batch_split(config.batch_size, len(devices))
+        Precision(config.precision, devices[0].type)
+        return devices
     traits = strategy_class(config.strategy).traits
     devices = resolve_devices(
         config.accelerator, traits.max_devices if config.devices == "auto" and traits.max_devices else config.devices
@@ -579,11 +597,33 @@ def prepare(config: TrainConfig) -> Prepared:
     Precision(config.precision, devices[0].type)  # what the devices cannot do, refused here, not in each process
     if strategy_class(config.strategy).needs_launcher():
         check_process_count(len(devices), argument="devices", force=config.force)
-    out = check_output_folder(config.out, "out")
-    if config.resume and config.overwrite:
-        raise ValueError(
-            "resume/overwrite: give one: resume=True continues the run in the folder, overwrite=True replaces it"
-        )
+    check_batch_split(config.batch_size, _processes(config, devices))
+    return devices
+
+
+def _processes(config: TrainConfig, devices: Sequence[torch.device]) -> int:
+    """Among how many the global batch is split: the launched processes, or the devices of this one."""
+    per_device = strategy_class(config.strategy).traits.processes == PER_DEVICE
+    return int(os.environ["WORLD_SIZE"]) if per_device and launched() else len(devices)
+
+
+def _check_folder(config: TrainConfig) -> None:
+    """The run folder as prepare checks it (its lock, a run it already holds), before auto measures anything;
+    the lock is released again (prepare takes it for the run)."""
+    lock = FolderLock(Path(config.out)).take() if _lock_holder(config) else None
+    try:
+        _check_out(config)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def prepare(config: TrainConfig) -> Prepared:
+    """Check every setting, take the run folder's lock, decide what to do with the folder, build the model and
+    load the data; raise one line on the first bad value (releasing the lock). The caller releases
+    `Prepared.lock` when the run ends."""
+    devices = check_config(config)
+    out = Path(config.out)
     # the folder is decided by one process (under a launcher rank 0, which tells the others), under its lock
     decides = not launched() or os.environ.get("RANK") == "0"
     lock = FolderLock(out).take() if _lock_holder(config) else None
@@ -602,15 +642,7 @@ def prepare(config: TrainConfig) -> Prepared:
             raise ValueError(
                 f"batch_size: {config.batch_size} is larger than the {rows} training rows; use at most {rows}"
             )
-        if traits.processes == PER_DEVICE:
-            processes = int(os.environ["WORLD_SIZE"]) if launched() else len(devices)
-            smallest = rows % config.batch_size or config.batch_size
-            if smallest < processes:
-                raise ValueError(
-                    f"batch_size: {config.batch_size} leaves a last batch of {smallest} row(s) for {processes} "
-                    f"processes; each needs at least one (choose a batch size whose last batch of {rows} rows "
-                    f"has >= {processes})"
-                )
+        check_last_batch(config.batch_size, rows, _processes(config, devices))
     except BaseException:
         if lock is not None:
             lock.release()
@@ -685,9 +717,14 @@ def resolve_auto(config: TrainConfig) -> TrainConfig:
         return config
     if launched():  # the processes a run started are told its choice; another launcher's run ddp
         return dataclasses.replace(config, strategy=os.environ.get(AUTO_VARIABLE) or "ddp")
-    check_int(config.batch_size, "batch_size")
-    check_seed(config.seed)
-    devices = resolve_devices(config.accelerator, config.devices)
+    devices = check_config(config)  # everything cheap before auto measures anything
+    chosen = _chosen_when_the_run_began(config, devices) if config.resume else None
+    if chosen is not None:
+        # a choice measured on the machine's timing is the run's: measured again it could differ, and another
+        # strategy sums in another order, so a resumed run continues with the one it began with
+        print(f"dpkit train: auto: {chosen.strategy}, as chosen when the run began (recorded in run.json)", flush=True)
+        return chosen
+    _check_folder(config)
     source = model_source(config.example, config.model, config.data)
     torch.manual_seed(config.seed)
     model = source.build_model()
@@ -706,6 +743,24 @@ def resolve_auto(config: TrainConfig) -> TrainConfig:
     if isinstance(devices_given, list):
         devices_given = [str(device) for device in devices_given]
     return dataclasses.replace(config, strategy=choice.strategy, devices=devices_given)
+
+
+def _chosen_when_the_run_began(config: TrainConfig, devices: list[torch.device]) -> TrainConfig | None:
+    """The config with the strategy (and devices) run.json says the run in config.out ran with; None when it says
+    nothing usable (then auto measures, and the resume checks report a damaged run.json)."""
+    try:
+        recorded = _read_settings(Path(config.out)) or {}
+    except ValueError:
+        return None
+    strategy = recorded.get("strategy")
+    if strategy not in available_strategies():
+        return None
+    used = recorded.get("processes") if strategy_class(strategy).traits.processes == PER_DEVICE else None
+    if not isinstance(used, int):
+        used = len(recorded.get("devices") or ())
+    if 0 < used < len(devices):
+        return dataclasses.replace(config, strategy=strategy, devices=[str(device) for device in devices[:used]])
+    return dataclasses.replace(config, strategy=strategy)
 
 
 def _remove_run(out: Path) -> None:
@@ -731,6 +786,30 @@ def _write_json(path: Path, value: Any) -> None:
     slipped through is an error here, never invalid JSON on disk."""
     text = json.dumps(value, indent=2, allow_nan=False) + "\n"
     atomic_write(path, lambda handle: handle.write(text.encode()))
+
+
+def _best_files(out: Path) -> dict[str, torch.Tensor]:
+    """best.pt and best.json's bytes (those that exist), for the saved state."""
+    return {
+        name: torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        for name in (BEST_MODEL, BEST)
+        if (out / name).is_file() and (data := (out / name).read_bytes())
+    }
+
+
+def _restore_best_files(out: Path, saved: dict[str, torch.Tensor] | None) -> None:
+    """best.pt and best.json back to what they were when the state was saved: each written whole (or removed
+    when the state had none), best.json out first and in last, so a best.json always describes its best.pt."""
+    saved = {name: bytes(data.numpy()) for name, data in (saved or {}).items()}
+    on_disk = {name: (out / name).read_bytes() for name in (BEST_MODEL, BEST) if (out / name).is_file()}
+    if on_disk == saved:
+        return  # nothing was written after the state: the common case
+    (out / BEST).unlink(missing_ok=True)
+    for name in (BEST_MODEL, BEST):
+        if name in saved:
+            atomic_write(out / name, lambda handle, data=saved[name]: handle.write(data))
+        else:
+            (out / name).unlink(missing_ok=True)
 
 
 # --- one process per device: start them, and report for them ------------------------------------------
@@ -904,13 +983,18 @@ def train(config: TrainConfig, prepared: Prepared | None = None) -> dict[str, An
     """Train in this process (one of the strategy's processes under a launcher); the metrics on rank 0."""
     config = resolve_batch(config)
     config = resolve_auto(config)
-    if prepared is not None:
-        return _train(config, prepared)
-    prepared = prepare(config)
+    threads = torch.get_num_threads()  # the run sets its own (see _train); a caller's process gets its own back
     try:
-        return _train(config, prepared)
+        if prepared is not None:
+            return _train(config, prepared)
+        prepared = prepare(config)
+        try:
+            return _train(config, prepared)
+        finally:
+            prepared.release()
     finally:
-        prepared.release()
+        if torch.get_num_threads() != threads:
+            torch.set_num_threads(threads)
 
 
 def _train(config: TrainConfig, prepared: Prepared) -> dict[str, Any] | None:
@@ -923,6 +1007,11 @@ def _train(config: TrainConfig, prepared: Prepared) -> dict[str, Any] | None:
         accumulate=config.accumulate,
         progress=config.progress,
     )
+    if engine.device.type == "cpu" and strategy_class(config.strategy).traits.processes != PER_DEVICE:
+        # the intra-op threads decide how large sums are split, so the run's count comes from the machine, never
+        # from what the process ran before (a process per device has its share already); a resume takes the
+        # state's count (engine.load_state)
+        torch.set_num_threads(available_cores())
     # rank 0 decided what to do with the folder; the others learn it here
     plan: Plan = engine.gather_object(prepared.plan)[0]
     if plan.finished:
@@ -945,7 +1034,14 @@ def _train(config: TrainConfig, prepared: Prepared) -> dict[str, Any] | None:
         # with the first saved state or the final model (a run that wrote nothing else leaves nothing behind),
         # and again with every later one: run.json says what the run is now, its changes included
         if engine.is_global_zero:
-            _write_json(out / RUN_SETTINGS, {**config.settings(), "job": plan.job, "changes": list(plan.changes)})
+            where = {
+                "strategy": config.strategy,
+                "devices": [str(d) for d in engine.devices],
+                "processes": engine.world_size,
+            }
+            _write_json(
+                out / RUN_SETTINGS, {**config.settings(), **where, "job": plan.job, "changes": list(plan.changes)}
+            )
 
     losses = LossLog(engine)
     step_seconds: list[float] = []
@@ -961,6 +1057,9 @@ def _train(config: TrainConfig, prepared: Prepared) -> dict[str, Any] | None:
                 f"steps: the run in {str(out)!r} has already taken {engine.step} steps; give {engine.step} to "
                 "finish it or more to continue it"
             )
+        if best is not None and engine.is_global_zero and "best_files" in extras:
+            # what a later, discarded part of the run wrote there is not this run's best
+            _restore_best_files(out, extras["best_files"])
     if plan.remove:
         # every process is here, so every process passed every check (its own, the Engine's, the setup's): only
         # now does the old run go
@@ -978,7 +1077,12 @@ def _train(config: TrainConfig, prepared: Prepared) -> dict[str, Any] | None:
             base_optimizer, config.lr, config.schedule, config.steps, config.lr_warmup_steps, steps_done
         )
     metrics_log = (
-        MetricsLog(out, tensorboard=config.tensorboard, resume_step=steps_done if plan.resume else 0)
+        MetricsLog(
+            out,
+            tensorboard=config.tensorboard,
+            resume_step=steps_done if plan.resume else 0,
+            evaluates_again=steps_done >= config.steps,  # a run stopped at its end evaluates its last step again
+        )
         if engine.is_global_zero
         else None
     )
@@ -1009,6 +1113,8 @@ def _train(config: TrainConfig, prepared: Prepared) -> dict[str, Any] | None:
             seconds=seconds,
             settings={**config.settings(), "job": plan.job},
             best=best.record() if best is not None else None,
+            # best.pt and best.json as they are at this step: a resume from here rolls them back to them
+            best_files=_best_files(out) if best is not None and engine.is_global_zero else None,
         )
 
     def agreed(*flags: bool) -> list[bool]:
@@ -1029,6 +1135,17 @@ def _train(config: TrainConfig, prepared: Prepared) -> dict[str, Any] | None:
         scores = evaluate(engine, model, x_test, y_test, lambda: agreed(stop.signum is not None)[0])
         if scores is None:
             raise stopped(during)
+        if not (math.isfinite(scores.loss) and math.isfinite(scores.accuracy)):
+            # divergence as a nan training loss is: every process has the same figures, so every one stops here,
+            # before any file (metrics.csv's row, best.pt, best.json) is written from them
+            lr = base_optimizer.param_groups[0]["lr"]
+            raise TrainingDiverged(
+                f"lr: the evaluation loss became {scores.loss:g} (accuracy {scores.accuracy:g}) at step "
+                f"{steps_done} with lr={lr:g}; training stopped and wrote nothing from it; try a smaller lr"
+                + (" or clip_grad_norm=1" if config.clip_grad_norm is None else "")
+                if engine.is_global_zero
+                else ""  # rank 0 says it once
+            )
         if metrics_log is not None:
             metrics_log.add(steps_done, eval_loss=scores.loss, eval_accuracy=scores.accuracy)
         if best is not None and best.improves(scores):  # the same figures everywhere: every process agrees

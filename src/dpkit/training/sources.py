@@ -12,8 +12,13 @@ labels, mean squared error for anything else.
 
 from __future__ import annotations
 
+import os
+import re
+import sysconfig
+import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -21,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dpkit.checks import check_int_list
+from dpkit.errors import DpkitError
 from dpkit.examples import get_example, load_factory
 
 Tensors = tuple[torch.Tensor, ...]
@@ -154,9 +160,15 @@ def check_model_fits(model: nn.Module, x: torch.Tensor, y: torch.Tensor, argumen
         with torch.no_grad(), torch.random.fork_rng(devices=[]):
             output = model(probe)
     except Exception as error:
+        where = your_frames(error)
+        if not shapes_are_the_cause(error):  # the user's own exception: theirs, where their code raised it
+            raise UserCodeError(
+                f"{argument}: the model's forward raised {type(error).__name__}: {first_line(error)}"
+                + (f" (in your code: {where})" if where else "")
+            ) from error
         raise ValueError(
             f"{argument}: the model cannot take rows of shape {tuple(x.shape[1:])} ({type(error).__name__}: "
-            f"{str(error).splitlines()[0] if str(error) else ''})"
+            f"{first_line(error)})" + (f" (in your code: {where})" if where else "")
         ) from error
     finally:
         model.train(was_training)
@@ -172,3 +184,67 @@ def check_model_fits(model: nn.Module, x: torch.Tensor, y: torch.Tensor, argumen
             f"{argument}: the model gives {shape} for {len(probe)} rows; expected ({len(probe)}, C) scores with "
             f"C >= {classes}, the classes in the labels"
         )
+
+
+class UserCodeError(DpkitError):
+    """An exception of the user's own model, data or loss code, said as theirs (with the last frames of their
+    code) rather than as a bad setting."""
+
+    exit_code = 1
+
+
+_TORCH = str(Path(torch.__file__).parent.resolve()) + os.sep
+# where torch, dpkit and Python itself live: a frame elsewhere is the user's code
+_NOT_YOURS = tuple(
+    str(Path(path).resolve()) + os.sep
+    for path in {
+        Path(torch.__file__).parent,
+        Path(__file__).parents[1],
+        sysconfig.get_paths()["stdlib"],
+        sysconfig.get_paths()["purelib"],
+        sysconfig.get_paths()["platlib"],
+    }
+)
+# words of the errors torch raises when a tensor's shape does not fit an operation
+_SHAPE_WORDS = re.compile(r"shape|size|dimension|\bdims?\b|mat1|mat2|must match|expected input", re.IGNORECASE)
+
+
+def your_frames(error: BaseException, limit: int = 3) -> str:
+    """The last `limit` frames of the traceback that are the user's code (not torch's, dpkit's or Python's),
+    innermost last: 'mymodels.py:12 in forward: raise RuntimeError(...)'; '' when none is."""
+    frames = [frame for frame in traceback.extract_tb(error.__traceback__) if _yours(frame.filename)]
+    said = []
+    for frame in frames[-limit:]:
+        line = f"{Path(frame.filename).name}:{frame.lineno} in {frame.name}"
+        said.append(line + (f": {frame.line.strip()}" if frame.line and frame is frames[-1] else ""))
+    return " -> ".join(said)
+
+
+def _yours(filename: str) -> bool:
+    return not filename.startswith("<") and not str(Path(filename).resolve()).startswith(_NOT_YOURS)
+
+
+def raised_in_your_code(error: BaseException) -> BaseException | None:
+    """The exception behind `error` that the user's own code (a model's forward, a factory, a loader) raised:
+    `error` itself when its innermost frame is theirs, or the original a replica raised, which the replica runner
+    re-raises with the replica named and the original chained; None when dpkit, torch or Python raised it."""
+    for candidate in (error, error.__cause__ if str(error).startswith("in replica ") else None):
+        frames = traceback.extract_tb(candidate.__traceback__) if candidate is not None else []
+        if frames and _yours(frames[-1].filename):
+            return candidate
+    return None
+
+
+def shapes_are_the_cause(error: BaseException) -> bool:
+    """Whether a forward's exception says a tensor's shape did not fit: an error raised inside torch (or by
+    one of its operators) whose message speaks of shapes or sizes. The user's own exception is not."""
+    innermost = traceback.extract_tb(error.__traceback__)[-1:]
+    raised_there = bool(innermost) and (innermost[0].line or "").lstrip().startswith("raise")
+    in_torch = bool(innermost) and str(Path(innermost[0].filename).resolve()).startswith(_TORCH)
+    # an operator (x @ w, F.linear) raises from inside torch or from C under the user's line; a `raise` of
+    # the user's own is theirs, whatever it says
+    return bool(_SHAPE_WORDS.search(str(error))) and (in_torch or not raised_there)
+
+
+def first_line(error: BaseException) -> str:
+    return str(error).splitlines()[0] if str(error) else ""
