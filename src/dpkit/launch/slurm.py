@@ -72,6 +72,19 @@ def _first(env: Mapping[str, str], *names: str) -> tuple[str, str] | None:
     return next(((name, env[name]) for name in names if env.get(name)), None)
 
 
+def _one_task_per_node(env: Mapping[str, str], nodes: int | None) -> None:
+    """Refuse a step of more tasks than nodes: each task would start a launcher, two on one node. The step's task
+    count, else SLURM_NTASKS (inside a step, the step's; an older srun or a hand-made environment gives it alone)."""
+    name = next((n for n in ("SLURM_STEP_NUM_TASKS", "SLURM_NTASKS") if env.get(n)), None)
+    tasks = _count(env, name) if name else None
+    if nodes is not None and tasks is not None and tasks > nodes:
+        task = f" (this is task {env['SLURM_PROCID']}, SLURM_PROCID)" if env.get("SLURM_PROCID") else ""
+        raise ValueError(
+            f"{name}: this srun step runs {tasks} tasks on {nodes} node(s){task}, but dpkit launch starts each "
+            "node's processes itself: run one task per node (srun --ntasks-per-node=1)"
+        )
+
+
 def from_slurm(
     environ: Mapping[str, str] | None = None,
     *,
@@ -106,12 +119,7 @@ def from_slurm(
                 f"{node_list[0]}: names {len(hosts)} host(s) ({node_list[1]!r}) but {count_name}={step_nodes}; "
                 "SLURM's variables disagree"
             )
-        tasks = _count(env, "SLURM_STEP_NUM_TASKS")
-        if step_nodes is not None and tasks is not None and tasks > step_nodes:
-            raise ValueError(
-                f"SLURM_STEP_NUM_TASKS: this srun step runs {tasks} tasks on {step_nodes} node(s), but dpkit launch "
-                "starts each node's processes itself: run one task per node (srun --ntasks-per-node=1)"
-            )
+        _one_task_per_node(env, step_nodes)
         if step_nodes is not None:
             if nnodes is not None and nnodes != step_nodes:
                 raise ValueError(
@@ -150,6 +158,12 @@ def from_slurm(
             taken.append(f"node rank {slurm_rank} (SLURM_NODEID)")
     nnodes = 1 if nnodes is None else nnodes
     node_rank = 0 if node_rank is None else node_rank
+    if any("(SLURM_NODEID)" in what for what in taken) and not 0 <= node_rank < nnodes:
+        # the user never typed this rank: name where it came from, not node_rank / --node-rank
+        raise ValueError(
+            f"SLURM_NODEID: {node_rank}, but the launch has {nnodes} node(s) (0 … {nnodes - 1}); SLURM's variables "
+            "and the node count disagree: give the node count SLURM runs, or this node's rank"
+        )
     if nnodes > 1:  # on one node the launcher's own defaults (this machine, a free port) are right
         if master_addr is None:
             if hosts is None:
