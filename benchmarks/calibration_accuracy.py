@@ -18,8 +18,6 @@ import sys
 import tempfile
 from pathlib import Path
 
-from torch import nn
-
 from dpkit.plan.calibration import BenchRun, calibrate, prediction_errors
 from dpkit.tools.bench import BenchSpec, run_benches
 
@@ -27,16 +25,8 @@ STRATEGIES = ["single", "dp", "dp-balanced", "replicated"]  # one process each: 
 TARGET = 0.15
 
 
-def mlp(width: int) -> nn.Module:
-    return nn.Sequential(nn.Linear(64, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU(), nn.Linear(width, 10))
-
-
-def narrow() -> nn.Module:
-    return mlp(512)
-
-
-def wide() -> nn.Module:
-    return mlp(1024)
+# the MLPs of widths 512 and 1024 that the plan tests use (tests/plan/widths.py), imported by name by the bench
+WIDTHS = Path(__file__).resolve().parents[1] / "tests" / "plan"
 
 
 def median_error(narrow_json: Path, wide_json: Path) -> tuple[float, str]:
@@ -57,12 +47,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--record", type=Path, help="keep the two bench JSONs in this folder")
     args = parser.parse_args()
-    sys.path.insert(0, str(Path(__file__).parent))  # the bench imports the factories by name
+    sys.path.insert(0, str(WIDTHS))
 
     def spec(factory: str, batch: int) -> BenchSpec:
         return BenchSpec(
             example=None,
-            model=f"calibration_accuracy:{factory}",
+            model=f"widths:{factory}",
             input_shape=(64,),
             strategies=STRATEGIES,
             device_counts=[1, 2, 3],

@@ -80,15 +80,18 @@ def _current_index(device_type: str) -> int:
     return 0
 
 
+def _single_device_error(value: object, argument: str) -> TypeError:
+    return TypeError(
+        f"{argument}: expected a list of devices, got a single {type(value).__name__} {value!r}; wrap it in a list"
+    )
+
+
 def parse_device_list(device_ids: Iterable[DeviceLike] | None, *, argument: str = "device_ids") -> list[torch.device]:
     """Validate a device list: not empty, no duplicates, one device type."""
     if device_ids is None:
         return default_devices(argument=argument)
     if isinstance(device_ids, (str, int, torch.device)):
-        raise TypeError(
-            f"{argument}: expected a list of devices, got a single {type(device_ids).__name__} {device_ids!r}; "
-            "wrap it in a list"
-        )
+        raise _single_device_error(device_ids, argument)
     devices = [parse_device(spec, argument=f"{argument}[{i}]") for i, spec in enumerate(device_ids)]
     if not devices:
         raise ValueError(
@@ -199,17 +202,16 @@ def resolve_devices(
         if accelerator == "cuda" and devices > torch.cuda.device_count():
             raise ValueError(f"{argument}={devices} but only {torch.cuda.device_count()} GPU(s) are visible")
         return [torch.device(accelerator, i) for i in range(devices)]
-    parsed = (
-        [parse_device(spec, argument=f"{argument}[{i}]") for i, spec in enumerate(devices)]
-        if isinstance(devices, (list, tuple))
-        else None
-    )
-    if parsed and asked != "auto" and any(device.type != asked for device in parsed):
-        listed = ",".join(str(spec) for spec in devices)
-        raise ValueError(
-            f"{argument}: {listed!r} names {parsed[0].type} devices but {accelerator_argument}={asked!r}; "
-            + ("give a count (e.g. 2) or cpu:0,cpu:1" if asked == "cpu" else "give a count or cuda:0,cuda:1")
-        )
+    if isinstance(devices, bool):  # an int to Python, but not a count
+        raise _single_device_error(devices, argument)
+    if isinstance(devices, (list, tuple)) and asked != "auto":
+        parsed = [parse_device(spec, argument=f"{argument}[{i}]") for i, spec in enumerate(devices)]
+        if parsed and any(device.type != asked for device in parsed):
+            listed = ",".join(str(spec) for spec in devices)
+            raise ValueError(
+                f"{argument}: {listed!r} names {parsed[0].type} devices but {accelerator_argument}={asked!r}; "
+                + ("give a count (e.g. 2) or cpu:0,cpu:1" if asked == "cpu" else "give a count or cuda:0,cuda:1")
+            )
     return parse_device_list(devices, argument=argument)
 
 

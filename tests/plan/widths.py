@@ -1,4 +1,5 @@
-"""Model factories of two widths for the plan and bench tests (imported by name, as `--model widths:narrow`)."""
+"""Model factories of two widths for the plan and bench tests and benchmarks/calibration_accuracy.py (imported
+by name, as `--model widths:narrow`)."""
 
 from torch import nn
 

@@ -53,8 +53,9 @@ class Flags:
         if leading:
             names = leading.group(1).split("/")
             flags = [self._flag(name) for name in names]
-            if all(flags):
-                text = "/".join(flags) + text[leading.end(1) :]
+            known = [flag for flag in flags if flag]
+            if len(known) == len(flags):
+                text = "/".join(known) + text[leading.end(1) :]
 
         def mention(match: re.Match) -> str:
             name, value = match.group(1), match.group(2)

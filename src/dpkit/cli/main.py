@@ -11,6 +11,7 @@ import sys
 
 import torch
 
+from dpkit.cli import vocabulary
 from dpkit.cli.flags import Flags
 from dpkit.cli.vocabulary import VOCABULARY, Parser, UsageError, verb_parsers
 from dpkit.errors import DpkitError
@@ -75,7 +76,7 @@ def add_log_level(parser: argparse.ArgumentParser, *, argparse_default: object) 
         action = level.add_argument(
             short, flag, action="store_true", default=argparse_default, help=VOCABULARY[flag].split(" (")[0]
         )
-        action.vocabulary = flag
+        vocabulary._tag(action, flag)
     for action in parser._subparsers._group_actions if parser._subparsers else ():
         for nested in getattr(action, "choices", {}).values():
             if isinstance(nested, argparse.ArgumentParser):

@@ -257,7 +257,7 @@ def run(args: argparse.Namespace) -> int:
         if not Path(path).is_file():
             raise ValueError(f"--calibration: no such file {path!r}; give a JSON file that dpkit bench --json wrote")
     catalogue = Catalogue.load(args.catalogue)
-    hardware, link_note = hardware_from_args(args, catalogue)
+    named_hardware, link_note = hardware_from_args(args, catalogue)
     batch = batch_from_args(args)
     profile = load_profile(args)
     constants = CostConstants()
@@ -265,8 +265,8 @@ def run(args: argparse.Namespace) -> int:
     if args.calibration:
         from dpkit.plan.calibration import calibrate
 
-        calibration = calibrate(args.calibration, hardware)
-        hardware, constants = calibration.for_hardware(hardware)
+        calibration = calibrate(args.calibration, named_hardware)
+        hardware, constants = calibration.for_hardware(named_hardware)
         calibrated = (
             f"calibrated on {', '.join(args.calibration)}: fitted step times within "
             f"{calibration.median_abs_error:.0%} (median absolute error over {len(calibration.fit_errors)} "
@@ -274,6 +274,9 @@ def run(args: argparse.Namespace) -> int:
         )
         if args.nodes > 1:
             hardware = replace(hardware, nodes=args.nodes, network=catalogue.network(args.network))
+    else:
+        assert named_hardware is not None, "hardware_from_args asks for --gpu when there is no --calibration"
+        hardware = named_hardware
     plan = make_plan(
         profile,
         hardware,
@@ -292,7 +295,7 @@ def run(args: argparse.Namespace) -> int:
         f"{_flops(profile.flops_per_sample)} forward per sample"
     )
     nodes = f"{hardware.nodes} nodes of " if hardware.nodes > 1 else ""
-    network = f", network {hardware.network.name}" if hardware.nodes > 1 else ""
+    network = f", network {hardware.network.name}" if hardware.nodes > 1 and hardware.network else ""
     lines += wrap(f"hardware: {nodes}{hardware.gpu.name}, link {hardware.link.name}{link_note}{network}")
     lines += wrap(f"batch {batch.describe()}, precision {args.precision}, optimizer {args.optimizer}")
     if calibrated:

@@ -10,9 +10,13 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Sequence
+from typing import Any, NoReturn
 
 from dpkit.precision import PRECISIONS
 from dpkit.strategies import available_strategies
+
+# where a flag goes: a verb's parser, or one of its argument groups (mutually exclusive ones included)
+ParserOrGroup = argparse.ArgumentParser | argparse._ArgumentGroup
 
 # flag -> what it means, the same in every verb that has it (docs/cli.md lists the verbs)
 VOCABULARY = {
@@ -83,11 +87,11 @@ class UsageError(Exception):
 class Parser(argparse.ArgumentParser):
     """dpkit's parsers: the help formatter above, and a usage error in dpkit's one-line style (UsageError)."""
 
-    def __init__(self, *args, **kwargs):
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
         kwargs.setdefault("formatter_class", HelpFormatter)
         super().__init__(*args, **kwargs)
 
-    def error(self, message: str) -> None:
+    def error(self, message: str) -> NoReturn:
         message = message.removeprefix("argument ")
         if message.startswith("-") and ": " in message:
             flags, _, rest = message.partition(": ")
@@ -96,7 +100,11 @@ class Parser(argparse.ArgumentParser):
 
 
 def add_verb(
-    subparsers: argparse._SubParsersAction, name: str, summary: str, description: str, examples: Sequence[str]
+    subparsers: argparse._SubParsersAction[argparse.ArgumentParser],
+    name: str,
+    summary: str,
+    description: str,
+    examples: Sequence[str],
 ) -> argparse.ArgumentParser:
     """A verb's parser: a one-line summary for the overview, a paragraph for its --help, and examples after."""
     epilog = "examples:\n" + "\n".join(f"  {example}" for example in examples)
@@ -104,11 +112,11 @@ def add_verb(
 
 
 def _tag(action: argparse.Action, flag: str) -> argparse.Action:
-    action.vocabulary = flag  # tests/cli/test_vocabulary.py: every verb's shared flag comes from here
+    setattr(action, "vocabulary", flag)  # noqa: B010 (an attribute of dpkit's, not argparse's); tests/cli/test_vocabulary.py: every verb's shared flag comes from here
     return action
 
 
-def add_accelerator(parser: argparse.ArgumentParser) -> None:
+def add_accelerator(parser: ParserOrGroup) -> None:
     _tag(
         parser.add_argument(
             "--accelerator", default="auto", choices=["auto", "cpu", "cuda"], help=VOCABULARY["--accelerator"]
@@ -117,7 +125,7 @@ def add_accelerator(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def add_devices(parser: argparse.ArgumentParser, default: str = AUTO_DEVICES) -> None:
+def add_devices(parser: ParserOrGroup, default: str = AUTO_DEVICES) -> None:
     _tag(parser.add_argument("--devices", default=default, help=VOCABULARY["--devices"]), "--devices")
 
 
@@ -125,7 +133,7 @@ def device_counts(text: str) -> list[int]:
     return comma_ints(text, what="device counts such as 1,2,4", minimum=1)
 
 
-def add_device_counts(parser: argparse.ArgumentParser, default: str) -> None:
+def add_device_counts(parser: ParserOrGroup, default: str) -> None:
     _tag(
         parser.add_argument("--device-counts", default=default, type=device_counts, help=VOCABULARY["--device-counts"]),
         "--device-counts",
@@ -141,7 +149,7 @@ def nproc_per_node(text: str) -> int | str:
         raise argparse.ArgumentTypeError(f"expected a positive count of processes or auto, got {text!r}") from None
 
 
-def add_nproc_per_node(parser: argparse.ArgumentParser, default: int | str | None, help_more: str = "") -> None:
+def add_nproc_per_node(parser: ParserOrGroup, default: int | str | None, help_more: str = "") -> None:
     _tag(
         parser.add_argument(
             "--nproc-per-node",
@@ -154,7 +162,7 @@ def add_nproc_per_node(parser: argparse.ArgumentParser, default: int | str | Non
     )
 
 
-def add_strategy(parser: argparse.ArgumentParser, default: str | None, *, auto: str = "", help_more: str = "") -> None:
+def add_strategy(parser: ParserOrGroup, default: str | None, *, auto: str = "", help_more: str = "") -> None:
     """--strategy: one of the registry's; with `auto` (its help) also "auto", chosen for the model and devices."""
     choices = [*available_strategies(), *(["auto"] if auto else [])]
     text = "the strategy" + help_more + (f"; auto: {auto}" if auto else "")
@@ -171,7 +179,7 @@ def strategy_list(text: str) -> list[str]:
     return names
 
 
-def add_strategies(parser: argparse.ArgumentParser) -> None:
+def add_strategies(parser: ParserOrGroup) -> None:
     _tag(
         parser.add_argument(
             "--strategies",
@@ -193,7 +201,7 @@ def positive_int(text: str) -> int:
     return value
 
 
-def add_batch_size(parser: argparse.ArgumentParser, default: str) -> None:
+def add_batch_size(parser: ParserOrGroup, default: str) -> None:
     """--batch-size (global) or --batch-size-per-device, one of them; `global_batch` turns either into the global
     batch for a device count. `default` says in words what the verb does when neither is given."""
     group = parser.add_mutually_exclusive_group()
@@ -216,26 +224,26 @@ def global_batch(args: argparse.Namespace, devices: int, *, default: int) -> int
     return args.batch_size if args.batch_size is not None else default
 
 
-def add_precision(parser: argparse.ArgumentParser, choices: Sequence[str] = PRECISIONS) -> None:
+def add_precision(parser: ParserOrGroup, choices: Sequence[str] = PRECISIONS) -> None:
     _tag(
         parser.add_argument("--precision", default="32", choices=list(choices), help="numeric precision"),
         "--precision",
     )
 
 
-def add_optimizer(parser: argparse.ArgumentParser, default: str, choices: Sequence[str] = ("sgd", "adamw", "adam")):
+def add_optimizer(parser: ParserOrGroup, default: str, choices: Sequence[str] = ("sgd", "adamw", "adam")) -> None:
     _tag(
         parser.add_argument("--optimizer", default=default, choices=list(choices), help="the optimizer"), "--optimizer"
     )
 
 
-def add_seed(parser: argparse.ArgumentParser) -> None:
+def add_seed(parser: ParserOrGroup) -> None:
     from dpkit.checks import MAX_SEED
 
     _tag(parser.add_argument("--seed", type=int, default=0, help=f"{VOCABULARY['--seed']}, 0 … {MAX_SEED}"), "--seed")
 
 
-def add_model_source(parser: argparse.ArgumentParser, default_example: str, *, input_shape: bool = False) -> None:
+def add_model_source(parser: ParserOrGroup, default_example: str, *, input_shape: bool = False) -> None:
     from dpkit.examples import EXAMPLES
 
     group = parser.add_argument_group("model and data")
@@ -255,24 +263,24 @@ def input_shape(text: str) -> tuple[int, ...]:
     return tuple(comma_ints(text, what="a per-sample shape such as 3,32,32", minimum=1))
 
 
-def add_input_shape(parser, help_more: str = "") -> None:
+def add_input_shape(parser: ParserOrGroup, help_more: str = "") -> None:
     _tag(
         parser.add_argument("--input-shape", type=input_shape, help=VOCABULARY["--input-shape"] + help_more),
         "--input-shape",
     )
 
 
-def add_outputs(parser: argparse.ArgumentParser, *, png: str | None = None) -> None:
+def add_outputs(parser: ParserOrGroup, *, png: str | None = None) -> None:
     _tag(parser.add_argument("--json", help=VOCABULARY["--json"]), "--json")
     if png is not None:
         _tag(parser.add_argument("--png", help=f"{VOCABULARY['--png']}: {png}"), "--png")
 
 
-def add_progress(parser: argparse.ArgumentParser) -> None:
+def add_progress(parser: ParserOrGroup) -> None:
     _tag(parser.add_argument("--no-progress", action="store_true", help=VOCABULARY["--no-progress"]), "--no-progress")
 
 
-def add_restarts(parser: argparse.ArgumentParser, help_more: str = "") -> None:
+def add_restarts(parser: ParserOrGroup, help_more: str = "") -> None:
     """--max-restarts, --hang-timeout and --force: what a verb that starts processes takes."""
     _tag(
         parser.add_argument("--max-restarts", type=int, default=0, help=VOCABULARY["--max-restarts"] + help_more),
@@ -287,7 +295,9 @@ def add_restarts(parser: argparse.ArgumentParser, help_more: str = "") -> None:
     _tag(parser.add_argument("--force", action="store_true", help=VOCABULARY["--force"]), "--force")
 
 
-def comma_ints(text: str, *, what: str = "comma-separated integers such as 1,2,3", minimum: int | None = None):
+def comma_ints(
+    text: str, *, what: str = "comma-separated integers such as 1,2,3", minimum: int | None = None
+) -> list[int]:
     """'1,2,3' -> [1, 2, 3]; an argparse type error naming what would be accepted otherwise."""
     try:
         values = [int(part) for part in str(text).split(",") if part.strip()]
@@ -298,17 +308,17 @@ def comma_ints(text: str, *, what: str = "comma-separated integers such as 1,2,3
     return values
 
 
-def add_link(parser, help_more: str = "") -> None:
+def add_link(parser: ParserOrGroup, help_more: str = "") -> None:
     _tag(parser.add_argument("--link", help=VOCABULARY["--link"] + help_more), "--link")
 
 
-def add_catalogue(parser) -> None:
+def add_catalogue(parser: ParserOrGroup) -> None:
     _tag(parser.add_argument("--catalogue", help=VOCABULARY["--catalogue"]), "--catalogue")
 
 
 def verb_parsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
     """Every verb's parser by name ('ckpt inspect' for a verb's action)."""
-    found = {}
+    found: dict[str, argparse.ArgumentParser] = {}
     for action in parser._actions:
         if isinstance(action, argparse._SubParsersAction):
             for name, sub in action.choices.items():
@@ -327,17 +337,17 @@ def vocabulary_table(parser: argparse.ArgumentParser) -> list[tuple[str, str, li
     return rows
 
 
-def add_lr(parser, default: float, help_more: str = "") -> None:
+def add_lr(parser: ParserOrGroup, default: float, help_more: str = "") -> None:
     _tag(parser.add_argument("--lr", type=float, default=default, help=VOCABULARY["--lr"] + help_more), "--lr")
 
 
-def add_steps(parser, default: int, help_text: str) -> None:
+def add_steps(parser: ParserOrGroup, default: int, help_text: str) -> None:
     _tag(parser.add_argument("--steps", type=positive_int, default=default, help=help_text), "--steps")
 
 
-def add_warmup(parser, default: int | None, help_text: str) -> None:
+def add_warmup(parser: ParserOrGroup, default: int | None, help_text: str) -> None:
     _tag(parser.add_argument("--warmup", type=int, default=default, help=help_text), "--warmup")
 
 
-def add_out(parser, default: str, help_text: str) -> None:
+def add_out(parser: ParserOrGroup, default: str, help_text: str) -> None:
     _tag(parser.add_argument("--out", default=default, help=help_text), "--out")

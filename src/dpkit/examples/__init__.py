@@ -7,6 +7,7 @@ import os
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -66,8 +67,8 @@ def get_example(name: str) -> Example:
     return EXAMPLES[name]
 
 
-def load_factory(spec: str) -> Callable[[], nn.Module]:
-    """A user's model factory given as 'package.module:factory'."""
+def load_factory(spec: str) -> Callable[..., Any]:
+    """A user's model factory (or data loader) given as 'package.module:factory'."""
     if not isinstance(spec, str) or spec.count(":") != 1:
         raise ValueError(f"model factory: expected 'package.module:factory', got {spec!r}")
     module_name, attribute = spec.split(":")

@@ -42,10 +42,11 @@ class LaunchBoundMLP(nn.Module):
     ) -> None:
         super().__init__()
         self.embed = nn.Linear(features, width)
-        self.linears = nn.ModuleList(nn.Linear(width, width) for _ in range(depth))
+        linears = [nn.Linear(width, width) for _ in range(depth)]
+        self.linears = nn.ModuleList(linears)
         self.activations = nn.ModuleList(nn.ReLU() for _ in range(depth))
         self.head = nn.Linear(width, classes)
-        for linear in self.linears:
+        for linear in linears:
             nn.init.normal_(linear.weight, std=(2.0 / width / depth) ** 0.5)
             nn.init.zeros_(linear.bias)
 
@@ -87,7 +88,8 @@ class LaunchBoundConvNet(nn.Module):
         for layer in self.features:
             if isinstance(layer, nn.Conv2d):  # He's initialisation: 12 ReLU layers keep their signal
                 nn.init.kaiming_normal_(layer.weight, nonlinearity="relu")
-                nn.init.zeros_(layer.bias)
+                if layer.bias is not None:  # (made with one)
+                    nn.init.zeros_(layer.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.head(self.features(x).mean(dim=(2, 3)))

@@ -25,7 +25,7 @@ and most transformers models) whenever the batch has `labels`.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping, MutableMapping, Sequence
 from typing import Any
 
 import torch
@@ -53,7 +53,7 @@ def _loss_of(output: Any) -> torch.Tensor | None:
 
 
 def _with_loss(output: Any, loss: torch.Tensor) -> Any:
-    if isinstance(output, Mapping):
+    if isinstance(output, MutableMapping):
         output["loss"] = loss  # ModelOutput keeps its attribute and its key in step
         return output
     return type(output)([loss, *output[1:]]) if isinstance(output, list) else (loss, *output[1:])
@@ -122,6 +122,7 @@ class TrainerDataParallel(nn.Module):
     """
 
     wraps_module = True  # dpkit.unwrap_model / save_model / load_model look inside
+    data_parallel: DataParallel  # set with object.__setattr__
 
     def __init__(
         self, module: nn.Module, device_ids: Sequence[DeviceLike] | None = None, *, shifts_labels: bool | None = None

@@ -20,7 +20,7 @@ import signal
 import sys
 import threading
 from collections.abc import Iterable, Iterator, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dpkit.checks import check_int, check_number, check_output_folder
 from dpkit.devices import check_process_count, cpu_threads_per_device, resolve_devices
@@ -39,6 +39,9 @@ from dpkit.launch.network import free_port, is_loopback, loopback_interface, por
 from dpkit.launch.slurm import from_slurm, slurm_gpus_on_node
 from dpkit.launch.worker import check_script
 
+if TYPE_CHECKING:
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+
 log = logging.getLogger("dpkit")
 
 
@@ -53,10 +56,11 @@ def _launcher_state(
     saved_env = {name: os.environ.get(name) for name in names}
     os.environ.update(worker_env)
     os.environ.setdefault("OMP_NUM_THREADS", str(threads_per_process))
-    if is_loopback(master_addr) and loopback_interface():
+    interface = loopback_interface() if is_loopback(master_addr) else None
+    if interface:
         # a loopback rendezvous means one host: keep gloo's connections on loopback too (by default gloo
         # uses the address the hostname resolves to)
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", loopback_interface())
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", interface)
     in_main = threading.current_thread() is threading.main_thread()
     names = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
     saved_handlers = {
@@ -285,11 +289,11 @@ def _cuda_visible() -> bool:
 _agent_state = threading.local()  # the launch in this thread: its `not_retried` list (the agent runs in it)
 _agent_lock = threading.Lock()
 _agent_users = 0  # launches under way in this process; the first installs dpkit's agent, the last takes it out
-_agent_saved: Any = None
-_agent_cls: Any = None
+_agent_saved: type[LocalElasticAgent] | None = None
+_agent_cls: type[LocalElasticAgent] | None = None
 
 
-def _agent_class() -> type:
+def _agent_class() -> type[LocalElasticAgent]:
     """torchrun's LocalElasticAgent, except that a failure a restart would only repeat (exit 2 or 3,
     `deterministic_failure`) is not retried; its code goes to the launching thread's `not_retried` list."""
     global _agent_cls
@@ -324,7 +328,8 @@ def _dpkit_agent(not_retried: list[int]) -> Iterator[None]:
     with _agent_lock:
         if _agent_users == 0:
             _agent_saved = launcher_api.LocalElasticAgent
-            launcher_api.LocalElasticAgent = _agent_class()
+            # torchrun's launch_agent has no parameter for the agent's class: the module's name is the seam
+            launcher_api.LocalElasticAgent = _agent_class()  # type: ignore[misc]
         _agent_users += 1
     _agent_state.not_retried = not_retried
     try:
@@ -333,8 +338,8 @@ def _dpkit_agent(not_retried: list[int]) -> Iterator[None]:
         _agent_state.not_retried = []
         with _agent_lock:
             _agent_users -= 1
-            if _agent_users == 0:
-                launcher_api.LocalElasticAgent = _agent_saved
+            if _agent_users == 0 and _agent_saved is not None:
+                launcher_api.LocalElasticAgent = _agent_saved  # type: ignore[misc]
 
 
 @contextlib.contextmanager

@@ -15,7 +15,7 @@ from datetime import timedelta
 from typing import Any
 
 from dpkit.launch.environment import heartbeat_key
-from dpkit.launch.heartbeat import BUSY_LIMIT_FACTOR, parse_heartbeat
+from dpkit.launch.heartbeat import BUSY_LIMIT_FACTOR, Heartbeat, parse_heartbeat
 
 log = logging.getLogger("dpkit")
 
@@ -73,13 +73,14 @@ class HangWatch:
         if store is None:
             return
         interval = min(1.0, self.hang_timeout_seconds / 4)
-        attempt, progress = 0, {}
+        attempt = 0
+        progress: dict[int, _RankProgress] = {}
         while not self._stop.wait(interval):
             try:
                 if store.check([heartbeat_key(str(attempt + 1), 0)]):  # the agent restarted the group
                     attempt, progress = attempt + 1, {}
                     self.hung.clear()  # what failed the last attempt is history; this summary is about the new one
-                values = {}
+                values: dict[int, Heartbeat] = {}
                 for rank in range(self.world_size):
                     key = heartbeat_key(str(attempt), rank)
                     if store.check([key]):
@@ -88,7 +89,7 @@ class HangWatch:
                 return
             self._check(progress, values, time.monotonic())
 
-    def _check(self, progress: dict[int, _RankProgress], values: dict[int, tuple], now: float) -> None:
+    def _check(self, progress: dict[int, _RankProgress], values: dict[int, Heartbeat], now: float) -> None:
         """One look at every rank's heartbeat: (count, pid, node) or (count, pid, node, busy block, busy limit,
         reason), as `parse_heartbeat` reads them."""
         for rank, value in values.items():

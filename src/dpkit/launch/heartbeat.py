@@ -88,7 +88,11 @@ def heartbeat_value(count: int, pid: int, node: str | int, block: int = 0, limit
     return f"{count} {pid} {node} {block} {limit!r} {reason}"
 
 
-def parse_heartbeat(value: str) -> tuple[int, int, int, int, float, str]:
+# (count, pid, node, busy block, busy limit, reason)
+Heartbeat = tuple[int, int, int, int, float, str]
+
+
+def parse_heartbeat(value: str) -> Heartbeat:
     """(count, pid, node, busy block, busy limit, reason) from `heartbeat_value` (a bare `count pid node` too)."""
     fields = value.split(" ", 5)
     count, pid, node = int(fields[0]), int(fields[1]), int(fields[2])
@@ -139,7 +143,8 @@ class ProgressHeartbeat:
             if self._done:
                 return
             self._done = done
-            count = -1 if done else self.group._get_sequence_number_for_group()
+            # a pybind method of ProcessGroup that torch's stubs leave out
+            count = -1 if done else self.group._get_sequence_number_for_group()  # type: ignore[attr-defined]
             with _BUSY.lock:
                 block, limit, reason = _BUSY.block, _BUSY.limit_seconds, _BUSY.reason
             value = heartbeat_value(count, os.getpid(), self.node, block, limit, reason)

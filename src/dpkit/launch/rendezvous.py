@@ -5,14 +5,17 @@ from __future__ import annotations
 import os
 import time
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING
 
 from dpkit.launch.environment import LAUNCH_VARIABLES
+
+if TYPE_CHECKING:
+    import torch.distributed as dist
 
 _joined = [0]  # process groups this process has joined through rendezvous_store
 
 
-def rendezvous_store(rank: int, world_size: int, *, wait_seconds: float, timeout_seconds: float) -> Any:
+def rendezvous_store(rank: int, world_size: int, *, wait_seconds: float, timeout_seconds: float) -> dist.Store:
     """The store for init_process_group, once every rank has arrived; at most `wait_seconds` of waiting.
 
     torch's env:// rendezvous blocks in C++ for the whole process-group timeout while a peer is missing,
@@ -25,7 +28,7 @@ def rendezvous_store(rank: int, world_size: int, *, wait_seconds: float, timeout
     agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     deadline = time.monotonic() + wait_seconds
-    store = None
+    store: dist.TCPStore | None = None
     while store is None:
         try:
             store = dist.TCPStore(
@@ -51,12 +54,12 @@ def rendezvous_store(rank: int, world_size: int, *, wait_seconds: float, timeout
     # of this process (an Engine closed, then another made), must not be read as this one's: gloo would connect
     # to the addresses a closed group left there and wait forever. Every rank makes its groups in the same order.
     _joined[0] += 1
-    store = dist.PrefixStore(f"dpkit/attempt_{attempt}/group_{_joined[0]}", store)
-    store.set(f"arrived/{rank}", "1")
+    group_store = dist.PrefixStore(f"dpkit/attempt_{attempt}/group_{_joined[0]}", store)
+    group_store.set(f"arrived/{rank}", "1")
     while True:
-        missing = [r for r in range(world_size) if not store.check([f"arrived/{r}"])]
+        missing = [r for r in range(world_size) if not group_store.check([f"arrived/{r}"])]
         if not missing:
-            return store
+            return group_store
         if time.monotonic() > deadline:
             raise RuntimeError(
                 f"ddp: rank(s) {', '.join(map(str, missing))} of {world_size} did not join the rendezvous "

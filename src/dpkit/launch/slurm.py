@@ -114,7 +114,7 @@ def from_slurm(
     if in_step:
         count_name = next((n for n in ("SLURM_STEP_NUM_NODES", "SLURM_NNODES") if env.get(n)), None)
         step_nodes = _count(env, count_name) if count_name else (len(hosts) if hosts else None)
-        if step_nodes is not None and hosts is not None and len(hosts) != step_nodes:
+        if step_nodes is not None and hosts is not None and node_list is not None and len(hosts) != step_nodes:
             raise ValueError(
                 f"{node_list[0]}: names {len(hosts)} host(s) ({node_list[1]!r}) but {count_name}={step_nodes}; "
                 "SLURM's variables disagree"
@@ -166,7 +166,7 @@ def from_slurm(
         )
     if nnodes > 1:  # on one node the launcher's own defaults (this machine, a free port) are right
         if master_addr is None:
-            if hosts is None:
+            if hosts is None or node_list is None:  # hosts come from the node list
                 raise ValueError(
                     f"master_addr: SLURM job {job_id} names no nodes (SLURM_STEP_NODELIST / SLURM_JOB_NODELIST unset); "
                     "give node 0's address"

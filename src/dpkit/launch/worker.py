@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import ctypes
+import importlib.machinery
 import importlib.util
 import logging
 import os
 import runpy
 import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 from dpkit.launch.environment import LAUNCHER_PID_VARIABLE
 
@@ -109,7 +110,7 @@ def _module_problem(name: str) -> str | None:
             sys.path.remove(here)
 
 
-def _find_spec(fullname: str, locations: object) -> object:
+def _find_spec(fullname: str, locations: Iterable[str] | None) -> importlib.machinery.ModuleSpec | None:
     """The spec the import system's finders give `fullname` within its parent's search locations (None for a
     top-level name), without importing anything."""
     path = None if locations is None else list(locations)

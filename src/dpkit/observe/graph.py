@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
+from torch.autograd.graph import Node
 
 from dpkit.observe.timing import PhaseClock
 
@@ -43,7 +44,9 @@ class BackwardMarker:
         """Mark the nodes behind `roots` with `device`, stopping at the nodes in `stop` (the graph the
         replica's inputs came from) and at the reduction's nodes (hooked once as the home's "reduce")."""
         stop_ids = {id(node) for node in stop if node is not None}
-        stack = [root.grad_fn for root in roots if isinstance(root, torch.Tensor) and root.grad_fn is not None]
+        stack: list[Node | None] = [
+            root.grad_fn for root in roots if isinstance(root, torch.Tensor) and root.grad_fn is not None
+        ]
         seen: set[int] = set()
         while stack:
             node = stack.pop()
@@ -76,7 +79,7 @@ class BackwardMarker:
             if not stack:
                 return
             _, _, token = stack.pop()
-            if token is not None:
+            if token is not None and self.clock is not None:  # (a token comes from the clock)
                 if token.start_event is None and (device != self.home_device() or phase != "backward"):
                     self.seconds_off_home += time.perf_counter() - token.host_start
                 self.clock.end(token)

@@ -93,7 +93,7 @@ class MemoryLedger:
             entry = self._entries.get(key)
             if entry is not None and entry[3]() is not None:
                 return False
-            ref = weakref.ref(storage, lambda _ref, key=key: self._release(key, _ref))
+            ref = weakref.ref(storage, functools.partial(self._release, key))
             self._entries[key] = (device, category, nbytes, ref)
             self.account(device).add(category, nbytes)
             return True

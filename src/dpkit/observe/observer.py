@@ -359,15 +359,14 @@ class Observer:
             return
         self._watched.add(id(module))
         if self.memory:
+
+            def move_gradient(p: torch.Tensor) -> None:
+                if p.grad is not None:
+                    self.ledger.move(p.grad, account_key(p, key), "gradients")
+
             for param in module.parameters():
                 if param.requires_grad:
-                    self._handles.append(
-                        param.register_post_accumulate_grad_hook(
-                            lambda p, key=key: (
-                                p.grad is not None and self.ledger.move(p.grad, account_key(p, key), "gradients")
-                            )
-                        )
-                    )
+                    self._handles.append(param.register_post_accumulate_grad_hook(move_gradient))
 
     def watch_optimizer(self, optimizer: torch.optim.Optimizer, device: torch.device | str | None = None) -> None:
         """Charge an optimizer's existing state tensors as optimizer_state."""

@@ -4,6 +4,7 @@ optimizer of any strategy (torch's global step hooks), on the device that holds 
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -13,15 +14,20 @@ if TYPE_CHECKING:
     from dpkit.observe.observer import Observer
 
 
-def shard_aware(hook: Any) -> Any:
+class _ShardAwareHook:
+    dpkit_shard_aware = True  # replica_optimizers.py looks for it
+
+    def __init__(self, hook: Callable[..., Any]):
+        self.hook = hook
+
+    def __call__(self, *args: Any) -> Any:
+        return self.hook(*args)
+
+
+def shard_aware(hook: Callable[..., Any]) -> _ShardAwareHook:
     """A global step hook marked as one that may see replicated's shard optimizers (one per device thread)
     instead of the user's: with only such hooks registered, replicated still splits its step."""
-
-    def marked(*args: Any) -> Any:
-        return hook(*args)
-
-    marked.dpkit_shard_aware = True
-    return marked
+    return _ShardAwareHook(hook)
 
 
 class OptimizerWatch:

@@ -51,11 +51,11 @@ def save_scaling_figure(
     left.legend(fontsize="small")
     labels = [label for label, _ in bars]
     bottoms = [0.0] * len(labels)
-    colours = plt.get_cmap("tab20").colors  # more phases than the default cycle's 10 colours: none repeats
+    colours = plt.get_cmap("tab20")  # more phases than the default cycle's 10 colours: none repeats
     for index, phase in enumerate(phases):
         heights = [seconds.get(phase, 0.0) * 1e3 for _, seconds in bars]
         if any(heights):
-            right.bar(labels, heights, bottom=bottoms, label=phase, color=colours[index % len(colours)])
+            right.bar(labels, heights, bottom=bottoms, label=phase, color=colours(index % colours.N))
             bottoms = [b + h for b, h in zip(bottoms, heights)]
     right.set_ylabel(phase_label)
     right.tick_params(axis="x", labelsize="x-small", labelrotation=60)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -14,7 +15,7 @@ from dpkit.observe.timing import PHASES, Span
 SCHEMA_VERSION = 1
 
 
-def write_json(data: Any, path: str | Path) -> Path:
+def write_json(data: Any, path: str | os.PathLike[str]) -> Path:
     """`data` as indented JSON at `path`, creating its folder (reports of profile, bench and plan)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -66,18 +66,23 @@ class _SchedStat:
 
 
 def _schedstat() -> _SchedStat | None:
-    stat = getattr(_local, "schedstat", False)
-    if stat is False:
-        try:
-            stat = _SchedStat()
-            stat.runnable_seconds()
-        except (OSError, ValueError, IndexError):
-            stat = None
-        _local.schedstat = stat
+    if hasattr(_local, "schedstat"):
+        return _local.schedstat
+    stat: _SchedStat | None
+    try:
+        stat = _SchedStat()
+        stat.runnable_seconds()
+    except (OSError, ValueError, IndexError):
+        stat = None
+    _local.schedstat = stat
     return stat
 
 
-def thread_clock() -> tuple[float, float, float]:
+# (wall, on-CPU, runnable-but-descheduled) seconds of a thread
+Clock = tuple[float, float, float]
+
+
+def thread_clock() -> Clock:
     """(wall, on-CPU, runnable-but-descheduled) seconds of the current thread, for differences."""
     stat = _schedstat()
     return time.perf_counter(), time.thread_time(), stat.runnable_seconds() if stat is not None else 0.0
@@ -87,8 +92,8 @@ def thread_clock() -> tuple[float, float, float]:
 class _Job:
     """One replica job's times, written by its thread."""
 
-    start: tuple[float, float, float]
-    end: tuple[float, float, float] | None = None
+    start: Clock
+    end: Clock | None = None
     peer_seconds: float = 0.0
 
 
@@ -97,7 +102,7 @@ class _Jobs:
     """One hand-off of jobs to the replica threads (one run of the replica runner)."""
 
     devices: list[str]
-    submitted: tuple[float, float, float]
+    submitted: Clock
     jobs: dict[str, _Job] = field(default_factory=dict)
 
 
@@ -117,7 +122,8 @@ class StepSplit:
 
     def __init__(self) -> None:
         self.caller: int | None = None
-        self.started = self.stopped = None  # thread_clock() readings
+        self.started: Clock | None = None  # thread_clock() readings
+        self.stopped: Clock | None = None
         self._stack: list[str] = [OTHER]
         self._last = 0.0
         self.caller_seconds: dict[str, float] = {}
@@ -135,12 +141,12 @@ class StepSplit:
         self._last = self.started[0]
 
     def stop(self) -> None:
-        if self.caller is None or self.stopped is not None:
+        if self.caller is None or self.started is None or self.stopped is not None:  # (start sets both)
             return
         if threading.get_ident() == self.caller:
             self.stopped = thread_clock()
         else:
-            self.stopped = (time.perf_counter(), *self.started[1:])  # no CPU reading of another thread
+            self.stopped = (time.perf_counter(), self.started[1], self.started[2])  # no CPU reading of another thread
         self._move(self.stopped[0])
 
     def _move(self, now: float) -> None:
@@ -181,27 +187,28 @@ class StepSplit:
             self._settle(jobs, resumed[0])
 
     def _settle(self, jobs: _Jobs, resumed: float) -> None:
-        finished = {device: job for device, job in jobs.jobs.items() if job.end is not None}
-        if not finished:
+        ends = {device: job.end for device, job in jobs.jobs.items() if job.end is not None}
+        if not ends:
             return
         self.hand_offs += 1
-        last_end = max(job.end[0] for job in finished.values())
+        last_end = max(end[0] for end in ends.values())
         for device in jobs.devices:  # in device order
-            job = finished.get(device)
-            if job is None:
+            end = ends.get(device)
+            if end is None:
                 continue
-            wall = job.end[0] - job.start[0]
-            running = min(max(job.end[1] - job.start[1], 0.0), wall)
-            descheduled = min(max(job.end[2] - job.start[2], 0.0), wall - running)
+            job = jobs.jobs[device]
+            wall = end[0] - job.start[0]
+            running = min(max(end[1] - job.start[1], 0.0), wall)
+            descheduled = min(max(end[2] - job.start[2], 0.0), wall - running)
             peers = min(job.peer_seconds, wall - running - descheduled)
             # before its job starts, a thread needs the GIL: while another replica's job runs, that is its wait
-            others = [(other.start[0], other.end[0]) for key, other in finished.items() if key != device]
+            others = [(jobs.jobs[key].start[0], other_end[0]) for key, other_end in ends.items() if key != device]
             late = _overlap(jobs.submitted[0], job.start[0], others)
             parts = {
                 "running": running,
                 "gil": wall - running - descheduled - peers + late,
                 "descheduled": descheduled,
-                "peers": peers + (last_end - job.end[0]),
+                "peers": peers + (last_end - end[0]),
                 "hand_off": (job.start[0] - jobs.submitted[0] - late) + (resumed - last_end),
             }
             totals = self.replica_seconds.setdefault(device, dict.fromkeys(REPLICA_PARTS, 0.0))
@@ -257,7 +264,7 @@ class StepSplit:
         if self.stopped is None:
             now = time.perf_counter()
             self._move(now)
-            end = (now, *self.started[1:]) if threading.get_ident() != self.caller else thread_clock()
+            end = (now, self.started[1], self.started[2]) if threading.get_ident() != self.caller else thread_clock()
         else:
             end = self.stopped
         per = max(steps, 1)

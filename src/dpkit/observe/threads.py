@@ -9,13 +9,13 @@ has one dispatch mode shared by every started observer, so observers can start a
 from __future__ import annotations
 
 import threading
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode
 
 from dpkit.observe.memory import account_key, fresh_tensors
-from dpkit.observe.timing import PhaseClock
+from dpkit.observe.timing import PhaseClock, _Open
 
 if TYPE_CHECKING:
     from dpkit.observe.observer import Observer
@@ -128,7 +128,7 @@ class ReplicaScope:
         self.device = device
         self.clock = clock
         self.stack: list[tuple[str, str]] = [("forward", device)]
-        self.open: Any = None
+        self.open: _Open | None = None
 
     def where(self) -> tuple[str, str]:
         name, device = self.stack[-1]
@@ -155,6 +155,6 @@ class ReplicaScope:
         self._restart()
 
     def close(self) -> None:
-        if self.open is not None:
+        if self.open is not None and self.clock is not None:  # (an open span comes from the clock)
             self.clock.end(self.open)
             self.open = None

@@ -74,8 +74,8 @@ def fit_linear(points: Sequence[Sequence[tuple[int, float]]]) -> LinearCost:
         if slope is None:
             slope = fallback
         if slope is None:  # nothing to fit: cost proportional to rows
-            rows, cost = max(device_points)
-            slope = cost / rows if rows else 0.0
+            most_rows, cost = max(device_points)
+            slope = cost / most_rows if most_rows else 0.0
         slope = max(slope, 0.0)
         intercept = sum(c - slope * r for r, c in device_points) / len(device_points)
         fixed.append(max(intercept, 0.0))

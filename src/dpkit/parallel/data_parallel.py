@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch import nn
@@ -29,10 +29,19 @@ class ChunkPlanner(Protocol):
 
     A planner that measures steps (dpkit.observe's, plugged in through hooks.set_balance_planner) measures
     from one call to the next and closes its measurement in finish(), which DataParallel calls at the start
-    of the next call. Its state_dict() holds what it learned, so a resumed run splits as the saved one did."""
+    of the next call. Its state_dict() holds what it learned, so a resumed run splits as the saved one did
+    (StatefulChunkPlanner)."""
 
     def chunk_sizes(self, batch_size: int, can_measure: bool) -> list[int] | None: ...
     def finish(self) -> None: ...
+
+
+@runtime_checkable
+class StatefulChunkPlanner(ChunkPlanner, Protocol):
+    """A ChunkPlanner that keeps what it learned in its state_dict() (dpkit.observe's measured balance)."""
+
+    def state_dict(self) -> dict[str, Any]: ...
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
 
 class ReplicaWithLoss:
@@ -64,7 +73,8 @@ def combine_losses(
     moved = [loss if device.type == "cpu" else loss.to(device) for loss in losses]
     if reduction == "sum":
         return torch.stack(moved).sum()
-    return sum(loss * (n / batch_size) for loss, n in zip(moved, rows))
+    # typeshed's sum() is int | Tensor (its start, 0, when empty); there is a loss per replica with rows
+    return sum(loss * (n / batch_size) for loss, n in zip(moved, rows))  # type: ignore[return-value]
 
 
 def check_max_bytes(max_bytes_per_device: Any, devices: Sequence[torch.device]) -> list[float | None]:
@@ -259,7 +269,9 @@ class DataParallel(nn.Module):
     def run_once(self, inputs: tuple, kwargs: dict, with_loss: bool) -> Any:
         self.last_split_sizes = None
         args, kw = unwrap_broadcasts(inputs, kwargs, self.primary_device)
-        return ReplicaWithLoss(self.module, self.loss_fn)(*args, **kw) if with_loss else self.module(*args, **kw)
+        if with_loss and self.loss_fn is not None:  # (with_loss: there is a loss_fn and a target)
+            return ReplicaWithLoss(self.module, self.loss_fn)(*args, **kw)
+        return self.module(*args, **kw)
 
     def combine(
         self, outputs: list[Any], sizes: Sequence[int], with_loss: bool, inputs: tuple = (), kwargs: dict | None = None
@@ -302,7 +314,10 @@ class DataParallel(nn.Module):
             for device in devices:  # one at a time, so a listener can charge each copy to its own device
                 with hooks.phase("replicate", device):
                     replicas.extend(replicate(self.module, [device], primary))
-        return [ReplicaWithLoss(replica, self.loss_fn) for replica in replicas] if with_loss else replicas
+        loss_fn = self.loss_fn
+        if with_loss and loss_fn is not None:
+            return [ReplicaWithLoss(replica, loss_fn) for replica in replicas]
+        return replicas
 
     def announce_outputs(self, outputs: list[Any], chunks: list[tuple[torch.device, tuple, dict]]) -> None:
         """Tell listeners which device each replica's autograd nodes belong to (backward runs elsewhere)."""

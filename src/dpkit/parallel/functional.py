@@ -10,7 +10,7 @@ argument path, the replica and its device, and gather warns about a batch flatte
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -42,24 +42,22 @@ def _devices(target_gpus: Any, argument: str) -> list[torch.device]:
     return parse_device_list(target_gpus, argument=argument)
 
 
+def _unwrapped_on(device: torch.device) -> Callable[[str, Any], Any]:
+    """A leaf as it goes to `device` unsplit: a Broadcast marker's tensor moved there, anything else as is."""
+
+    def leaf_on(_path: str, leaf: Any) -> Any:
+        return _move(leaf.tensor, device) if isinstance(leaf, Broadcast) else leaf
+
+    return leaf_on
+
+
 def _split(
     trees: Sequence[tuple[str, Any]], devices: list[torch.device], dim: int
 ) -> tuple[list[int] | None, list[list[Any]]]:
     """Rows per device that gets any (None when nothing is split) and, per device, each tree's part."""
     batch_size = common_batch_size(trees, dim)
     if batch_size is None:  # nothing to split: every device gets everything, Broadcast markers unwrapped
-        parts = [
-            [
-                map_leaves(
-                    lambda _p, leaf, d=d: _move(leaf.tensor, d) if isinstance(leaf, Broadcast) else leaf,
-                    tree,
-                    root,
-                    _is_broadcast,
-                )
-                for root, tree in trees
-            ]
-            for d in devices
-        ]
+        parts = [[map_leaves(_unwrapped_on(d), tree, root, _is_broadcast) for root, tree in trees] for d in devices]
         return None, parts
     plan = plan_split(batch_size, len(devices))
     rows, parts = [], []

@@ -116,7 +116,7 @@ def _gather_tensors(
         if flattened is None
         else (
             f"; dim {flattened} {[v.size(flattened) for v in values]} follows the rows "
-            f"the replicas received {list(rows)}: "
+            f"the replicas received {list(rows or ())}: "
             f"the batch seems flattened into dim {flattened}, "
             f"so concatenating along dim {dim} mixes replicas; keep the "
             f"batch in its own dimension in the output (e.g. view(seq, batch, -1)) or gather along dim {flattened}"
@@ -174,7 +174,7 @@ def _gather(
                 )
         merged = [_gather([v[key] for v in values], f"{path}[{key!r}]", device, dim, rows, input_sizes) for key in keys]
         return rebuild(first, merged)
-    per_replica = [children(v) for v in values]
+    per_replica = [children(v) or [] for v in values]  # (each of the same type as the first: a container)
     for i, parts_i in enumerate(per_replica[1:], start=1):
         if len(parts_i) != len(parts):
             raise ValueError(f"{path}: replica {i} returned {len(parts_i)} items, replica 0 returned {len(parts)}")

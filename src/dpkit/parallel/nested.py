@@ -87,8 +87,7 @@ def _open(obj: Any) -> tuple[list[str], list[Any], Callable[[list[Any]], Any]] |
         return [f"[{i}]" for i in range(len(obj))], list(obj), kind
     if kind is dict:
         return [f"[{key!r}]" for key in obj], list(obj.values()), lambda values: dict(zip(obj, values))
-    if _opened_here(obj):
-        parts = children(obj)
+    if _opened_here(obj) and (parts := children(obj)) is not None:  # (children opens what _opened_here names)
         return [suffix for suffix, _ in parts], [child for _, child in parts], lambda values: rebuild(obj, values)
     handler = pytree.SUPPORTED_NODES.get(pytree._get_node_type(obj))
     if handler is None:

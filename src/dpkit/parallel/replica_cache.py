@@ -35,7 +35,7 @@ from __future__ import annotations
 import operator
 import threading
 from collections.abc import Sequence
-from itertools import chain, compress, repeat
+from itertools import chain, compress
 from typing import Any
 
 import torch
@@ -138,18 +138,23 @@ class _Skeleton:
         self.children = [state["_modules"] for state in self.dicts]
         position = {id(tensor): k for k, tensor in enumerate(tree.tensors)}
         none = len(tree.tensors)  # made[none] is None
-        self.parameter_slots = []
-        self.buffer_slots = []
-        self.tensor_dicts = []
-        for original, replica in zip(tree.originals, self.modules):
+        # a replica's slots (its dicts of parameters, former parameters and buffers: Any, as torch's types say
+        # Parameters where a replica holds non-leaf tensors) and the position of what goes in each in `made`
+        self.parameter_slots: list[tuple[dict[str, Any], dict[str, Any], str, int]] = []
+        self.buffer_slots: list[tuple[dict[str, Any], str, int]] = []
+        self.tensor_dicts: list[dict[str, Any]] = []
+        for original, state in zip(tree.originals, self.dicts):
             params, buffers = original._parameters, original._buffers
+            replica_params, former, replica_buffers = (
+                state["_parameters"],
+                state["_former_parameters"],
+                state["_buffers"],
+            )
             for name, p in params.items():
-                self.parameter_slots.append(
-                    (replica._parameters, replica._former_parameters, name, none if p is None else position[id(p)])
-                )
+                self.parameter_slots.append((replica_params, former, name, none if p is None else position[id(p)]))
             for name, b in buffers.items():
-                self.buffer_slots.append((replica._buffers, name, none if b is None else position[id(b)]))
-            self.tensor_dicts += [replica._parameters, replica._former_parameters, replica._buffers]
+                self.buffer_slots.append((replica_buffers, name, none if b is None else position[id(b)]))
+            self.tensor_dicts += [replica_params, former, replica_buffers]
         # emptied after each call where they hold copies (the source's aliases and buffers take no memory)
         self.filled = [d for d in self.tensor_dicts if d] if not is_source else []
         self.rnns = [replica for replica in self.modules if isinstance(replica, nn.RNNBase)]
@@ -219,22 +224,21 @@ class BroadcastParameters(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple:
         n = len(grads) // ctx.replicas
+        present = [grad for grad in grads if grad is not None]
+        if len(present) == len(grads) and not any(map(_is_sparse, present)):
+            summed: list[torch.Tensor] | tuple[torch.Tensor, ...] = present[:n]
+            for k in range(1, ctx.replicas):
+                summed = torch._foreach_add(summed, present[k * n : (k + 1) * n])
+            return (None, *summed)
         columns = [list(grads[k * n : (k + 1) * n]) for k in range(ctx.replicas)]
-        dense = all(map(operator.is_not, grads, repeat(None))) and not any(map(_is_sparse, grads))
         total = columns[0]
         for column in columns[1:]:
-            if dense:
-                total = torch._foreach_add(total, column)
-            else:
-                total = [a if b is None else b if a is None else a + b for a, b in zip(total, column)]
+            total = [a if b is None else b if a is None else a + b for a, b in zip(total, column)]
         return (None, *total)
 
 
-class _NoTensors(TensorCopier):
+class _NoTensors:
     """Builds a skeleton: its tensor slots are filled by each call."""
-
-    def __init__(self) -> None:
-        super().__init__(torch.device("cpu"), False, True)
 
     def parameter(self, tensor: torch.Tensor) -> None:
         return None
@@ -259,7 +263,9 @@ class _Tree:
                 for tensor in tensors.values():
                     if tensor is not None and id(tensor) not in seen:
                         seen[id(tensor)] = is_parameter
-        everything = {id(t): t for m in originals for t in (*m._parameters.values(), *m._buffers.values())}
+        everything = {
+            id(t): t for m in originals for t in (*m._parameters.values(), *m._buffers.values()) if t is not None
+        }
         self.parameters = [everything[key] for key, is_parameter in seen.items() if is_parameter]
         self.buffers = [everything[key] for key, is_parameter in seen.items() if not is_parameter]
         self.tensors = self.parameters + self.buffers
@@ -280,6 +286,7 @@ class _Tree:
             and all(device.type == "cpu" for device, _ in plan)
             and any(trainable)
         )
+        made: list[list[torch.Tensor | None]]
         if not broadcast:
             made = []
             for copier in copiers:
@@ -349,21 +356,27 @@ class ReplicaCache:
             self._in_use = []
             self._lock.release()
 
+    def _acquired(self) -> _Tree:
+        """The module's tree, checked by acquire()."""
+        if self._tree is None:
+            raise RuntimeError("ReplicaCache: call acquire() before using the cache")
+        return self._tree
+
     def all_on(self, device: torch.device) -> bool:
         """Whether every parameter and buffer is on `device` (a CPU tensor is on every virtual CPU device)."""
-        tensors = self._tree.tensors
+        tensors = self._acquired().tensors
         if device.type == "cpu":
             return all(map(_is_cpu, tensors))
         return all(t.device == device for t in tensors)
 
     @property
     def has_sync_batchnorm(self) -> bool:
-        return self._tree.has_sync_batchnorm
+        return self._acquired().has_sync_batchnorm
 
     def replicas(self, devices: Sequence[torch.device], source: torch.device, detach: bool = False) -> list[nn.Module]:
         """A replica for each device, with this call's tensors (between acquire and release). Each device's
         share is announced as its "replicate" phase on the observation seam."""
-        tree = self._tree
+        tree = self._acquired()
         plan = [(device, device == source) for device in devices]
         made = tree.make(plan, detach)
         out = []

@@ -75,12 +75,13 @@ class RandomnessWatch:
         """For a run of n jobs: a generator per job (None while unprotected), and the default generator's
         state before the run (to give seeds back, or to see whether it moved) unless the jobs are known to draw."""
         state_before = torch.default_generator.get_state() if self.draws is not True else None
-        return (replica_generators(n) if self.protects() else [None] * n), state_before
+        modes: list[ReplicaGenerator | None] = [*replica_generators(n)] if self.protects() else [None] * n
+        return modes, state_before
 
     def end(self, modes: list[ReplicaGenerator | None], state_before: torch.Tensor | None) -> None:
         """Learn from the finished run that `begin` prepared."""
         if modes and modes[0] is not None:
-            if any(mode.generator is not None for mode in modes):
+            if any(mode is not None and mode.generator is not None for mode in modes):  # (all or none are None)
                 self.draws = True
             elif state_before is not None:
                 self.draws = False

@@ -23,7 +23,7 @@ import sys
 import weakref
 from collections import OrderedDict
 from collections.abc import Sequence
-from typing import TypeVar
+from typing import Protocol, TypeVar
 
 import torch
 from torch import nn
@@ -96,7 +96,7 @@ class _ZeroGradInReplica:
     def __call__(self, set_to_none: bool = True) -> None:
         if _ZeroGradInReplica._stand_in is None:
             stand_in = nn.Module()
-            stand_in._is_replica = True
+            stand_in._is_replica = True  # type: ignore[assignment]  # torch types Module attributes as tensors
             _ZeroGradInReplica._stand_in = stand_in
         # torch's own Module.zero_grad on a parameterless replica emits torch's warning, text and category
         nn.Module.zero_grad(_ZeroGradInReplica._stand_in, set_to_none)
@@ -125,6 +125,13 @@ def _shallow_replica(module: nn.Module) -> nn.Module:
     state["zero_grad"] = _ZERO_GRAD_IN_REPLICA
     object.__setattr__(replica, "__dict__", state)
     return replica
+
+
+class ReplicaTensors(Protocol):
+    """What replicate_tree puts in a replica's slots for each tensor of the original (None: an empty slot)."""
+
+    def parameter(self, tensor: torch.Tensor) -> torch.Tensor | None: ...
+    def buffer(self, tensor: torch.Tensor) -> torch.Tensor | None: ...
 
 
 class TensorCopier:
@@ -183,14 +190,17 @@ def needs_check(originals: Sequence[nn.Module]) -> bool:
 
 
 def _replicate_one(
-    module: nn.Module, device: torch.device, is_source: bool, detach: bool, originals: Sequence[nn.Module] | None = None
-) -> nn.Module:
+    module: ModuleT, device: torch.device, is_source: bool, detach: bool, originals: Sequence[nn.Module] | None = None
+) -> ModuleT:
     if originals is None:
         originals = list(module.modules())  # each shared submodule once, so sharing is kept
-    return replicate_tree(originals, TensorCopier(device, is_source, detach))[0]
+    replica = replicate_tree(originals, TensorCopier(device, is_source, detach))[0]
+    if not isinstance(replica, type(module)):  # (never: a replica is of its original's class)
+        raise TypeError(f"replicate: the replica of a {type(module).__name__} is a {type(replica).__name__}")
+    return replica
 
 
-def replicate_tree(originals: Sequence[nn.Module], copier: TensorCopier) -> list[nn.Module]:
+def replicate_tree(originals: Sequence[nn.Module], copier: ReplicaTensors) -> list[nn.Module]:
     """A replica of every module of a tree (`originals[0]` its root, each module once), in that order."""
     replicas = {id(m): _shallow_replica(m) for m in originals}
     for original in originals:
@@ -199,11 +209,13 @@ def replicate_tree(originals: Sequence[nn.Module], copier: TensorCopier) -> list
         for name, child in original._modules.items():
             children[name] = None if child is None else replicas[id(child)]
         for name, param in original._parameters.items():
-            parameters[name] = None if param is None else copier.parameter(param)
-            replica._former_parameters[name] = parameters[name]
+            # a replica's parameters are non-leaf tensors, as in torch's replicate (torch types them as Parameters),
+            # and _former_parameters is an attribute of Module that torch's stubs leave out
+            parameters[name] = None if param is None else copier.parameter(param)  # type: ignore[assignment]
+            replica._former_parameters[name] = parameters[name]  # type: ignore[operator, index, assignment]
         for name, buffer in original._buffers.items():
             buffers[name] = None if buffer is None else copier.buffer(buffer)
-        if isinstance(original, nn.RNNBase):
+        if isinstance(replica, nn.RNNBase):  # (of its original's class)
             point_rnn_at_replica_weights(replica)
         sync_batchnorm.link_replica(original, replica)  # SyncBatchNorm: whole-batch statistics inside a step
     return [replicas[id(m)] for m in originals]
@@ -227,7 +239,7 @@ def replicate_to(
     return _replicate_one(module, device, is_source, detach, originals)
 
 
-def replicate(network: ModuleT, devices: Sequence[DeviceLike], detach: bool = False) -> list[ModuleT]:
+def replicate(network: ModuleT, devices: Sequence[DeviceLike], detach: bool | torch.device = False) -> list[ModuleT]:
     """torch.nn.parallel.replicate's verb: one replica of `network` per device, in device order.
 
     `devices` are dpkit device specs (ints are CUDA indices, "cpu:3", torch.device). As in torch the first

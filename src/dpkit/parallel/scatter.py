@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, overload
 
 import torch
 
@@ -109,6 +109,10 @@ def other_sizes(trees: Sequence[Any], dim: int) -> set[int]:
     return sizes
 
 
+@overload
+def check_chunk_sizes(chunk_sizes: None, n_devices: int) -> None: ...
+@overload
+def check_chunk_sizes(chunk_sizes: Sequence[int], n_devices: int) -> list[int]: ...
 def check_chunk_sizes(chunk_sizes: Sequence[int] | None, n_devices: int) -> list[int] | None:
     """chunk_sizes as given by a user: None, or one non-negative row count per device, not all 0."""
     if chunk_sizes is None:

@@ -143,7 +143,7 @@ def synced_job(
 
 
 def synced_replicas(
-    module: nn.Module, replicas: Sequence[Callable[..., Any]], *, has_sync: bool | None = None
+    module: nn.Module, replicas: list[Callable[..., Any]], *, has_sync: bool | None = None
 ) -> list[Callable[..., Any]]:
     """One callable per replica that joins this step's rendezvous (for parallel_apply); `replicas` itself (the
     same list) when `module` has no SyncBatchNorm in training mode. `has_sync`: what has_sync_batchnorm(module)
@@ -217,8 +217,13 @@ def _synced_batch_norm(layer: nn.SyncBatchNorm, x: torch.Tensor, group: StepGrou
         )
     present = [s for s in everyone if s.count > 0]
     # replica order everywhere, so every replica computes bitwise the same statistics
-    batch_mean = sum(s.mean.to(work.device) * (s.count / total) for s in present)
-    m2_total = sum(s.m2.to(work.device) + s.count * (s.mean.to(work.device) - batch_mean).square() for s in present)
+    # (typeshed's sum() is int | Tensor, its start 0 when empty: `present` is not)
+    batch_mean: torch.Tensor = sum(  # type: ignore[assignment]
+        s.mean.to(work.device) * (s.count / total) for s in present
+    )
+    m2_total: torch.Tensor = sum(  # type: ignore[assignment]
+        s.m2.to(work.device) + s.count * (s.mean.to(work.device) - batch_mean).square() for s in present
+    )
     batch_var = m2_total / total
     if index == 0:
         _update_running_stats(layer, batch_mean.detach(), (m2_total / (total - 1)).detach())

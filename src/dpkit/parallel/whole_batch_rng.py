@@ -150,15 +150,15 @@ class WholeBatchDraws(TorchDispatchMode):
 
     def _sized(self, func: Any, size_at: int, args: tuple, kwargs: dict) -> torch.Tensor:
         """A factory with a size argument: drawn at the whole batch's size when its dim 0 is the rows."""
-        args = list(args)
-        size = args[size_at] if size_at < len(args) else kwargs.get("size")
+        values = list(args)
+        size = values[size_at] if size_at < len(values) else kwargs.get("size")
         if size is None or not self._batched(list(size)):
-            return func(*args, **kwargs)
-        if size_at < len(args):
-            args[size_at] = self._whole(list(size))
+            return func(*values, **kwargs)
+        if size_at < len(values):
+            values[size_at] = self._whole(list(size))
         else:
             kwargs["size"] = self._whole(list(size))
-        return self._mine(func(*args, **kwargs))
+        return self._mine(func(*values, **kwargs))
 
     def _factory(self, with_generator: Any, args: tuple, kwargs: dict) -> torch.Tensor:
         kwargs["generator"] = self._generator()
@@ -185,7 +185,7 @@ def finish_draws(state: torch.Tensor, modes: Sequence[WholeBatchDraws | None]) -
     that could not be drawn so, or replicas whose draws disagree (they ran different random operators)."""
     drawn = [mode for mode in modes if mode is not None]
     problems = sorted({name for mode in drawn for name in mode.inexact})
-    ends = [mode.end_state() for mode in drawn if mode.drew]
+    ends = [end for mode in drawn if (end := mode.end_state()) is not None]  # the modes that drew
     if not ends:
         torch.default_generator.set_state(state)
         return problems

@@ -168,7 +168,8 @@ HOST_CONSTANTS = tuple(knob.name for knob in HOST_KNOBS)  # what carries over fr
 
 def host_constants(values: dict[str, float], **others: Any) -> CostConstants:
     """CostConstants with the fitted host constants of `values` (and `others`), marked as fitted."""
-    fitted = {name: values[name] for name in HOST_CONSTANTS if name in values}
+    # (Any: the constants' fields are of several types, and mypy checks a ** dict against each of them)
+    fitted: dict[str, Any] = {name: values[name] for name in HOST_CONSTANTS if name in values}
     return CostConstants(**fitted, **others, fitted=tuple(fitted) + tuple(others))
 
 
@@ -256,6 +257,7 @@ def calibrate(
         values = {k.name: float(math.exp(v)) for k, v in zip(knobs, vector)}
         if on_cpu:
             return cpu_machine(values, cores, source)
+        assert hardware is not None  # a GPU bench without its hardware was refused above
         constants = host_constants(values, compute_efficiency=values["compute_efficiency"])
         return hardware, replace(constants, source=f"fitted to {source}")
 
@@ -284,7 +286,7 @@ def calibrate(
 
 def load_runs(bench: BenchRun | str | os.PathLike | Sequence[BenchRun | str | os.PathLike]) -> list[BenchRun]:
     """One or several bench runs, paths loaded relative to their reference work on the first run's scale."""
-    items = list(bench) if isinstance(bench, (list, tuple)) else [bench]
+    items = [bench] if isinstance(bench, (BenchRun, str, os.PathLike)) else list(bench)
     if not items:
         raise ValueError("calibration: expected at least one bench JSON")
     runs: list[BenchRun] = []

@@ -19,6 +19,7 @@ from the traits it declares.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
@@ -415,7 +416,7 @@ def step_breakdown(
         phases["all_reduce"] = exposed_all_reduce_seconds(
             profile, hardware, strategy, devices, phases["backward"], constants
         )
-    traffic = OPTIMIZER_TRAFFIC_BYTES_PER_PARAMETER[optimizer] * profile.parameters
+    traffic: float = OPTIMIZER_TRAFFIC_BYTES_PER_PARAMETER[optimizer] * profile.parameters
     if traits.sharded:
         traffic /= total  # each process steps its shard
     # one process whose replicas persist steps each replica's copy; a process per device steps its own one
@@ -445,11 +446,13 @@ def all_reduce_link(hardware: Hardware, strategy: str) -> Link:
     link = hardware.link
     if strategy_class(strategy).traits.processes == PER_DEVICE and hardware.interprocess is not None:
         link = hardware.interprocess
-    slower_network = (
-        hardware.network is not None and hardware.network.achieved_bytes_per_second < link.achieved_bytes_per_second
-    )
-    if hardware.nodes > 1 and slower_network:
-        link = hardware.network
+    network = hardware.network
+    if (
+        hardware.nodes > 1
+        and network is not None
+        and network.achieved_bytes_per_second < link.achieved_bytes_per_second
+    ):
+        link = network
     return link
 
 
@@ -555,6 +558,7 @@ def memory_per_device(
     cast = AUTOCAST_COPY_BYTES_PER_PARAMETER * profile.parameters if mixed else 0
     replica_fixed = params + grads + cast  # a replica's copy and its gradients, while the step runs
     slope = [per_sample] * devices
+    fixed: Sequence[float]
     if traits.sharded:
         # ZeRO-3 / FSDP: parameters, gradients and optimizer state split over every process, plus what is
         # gathered; the gathered units are already 16-bit under mixed precision (no autocast copies)

@@ -125,7 +125,11 @@ class Plan:
         else:
             lines = [
                 f"recommendation: {recommendation.strategy}"
-                + (f" on {recommendation.devices} devices" if recommendation.devices > 1 else "")
+                + (
+                    f" on {recommendation.devices} devices"
+                    if recommendation.devices is not None and recommendation.devices > 1
+                    else ""
+                )
             ]
         for reason in recommendation.reasons:
             lines += wrap(f"  - {reason}", subsequent="    ")

@@ -41,8 +41,12 @@ class ReplicaStep:
         self.ran = ran  # told that the replicas' backward (and sum) ran
 
     def value(self, device: torch.device) -> torch.Tensor:
+        if self.losses is None:
+            raise RuntimeError("loss: the replicas' losses were freed by the backward through them")
         with torch.no_grad():
-            return sum(w * loss.detach().to(device) for w, loss in zip(self.weights, self.losses))
+            terms = [w * loss.detach().to(device) for w, loss in zip(self.weights, self.losses)]
+            # typeshed's sum() is int | Tensor (the start, 0, when empty); there is a loss per replica
+            return sum(terms)  # type: ignore[return-value]
 
     def backward(self, grad_output: torch.Tensor) -> None:
         if self.losses is None:

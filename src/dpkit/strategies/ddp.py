@@ -24,6 +24,7 @@ from dpkit.strategies.single import one_device_forward
 class DDP(PerDeviceStrategy):
     name = "ddp"
     traits = Traits(processes=PER_DEVICE, loss=ON_ROOT, replicas=PERSISTENT)
+    wrapped: nn.parallel.DistributedDataParallel | None
 
     def wrap_model(self, model: nn.Module) -> nn.Module:
         model = model.to(self.device)

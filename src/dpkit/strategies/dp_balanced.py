@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from dpkit.parallel import DataParallel, hooks
+from dpkit.parallel.data_parallel import StatefulChunkPlanner
 from dpkit.strategies.base import IN_REPLICAS, ONE_PROCESS, PER_STEP, DeferredOutput, Strategy, Traits, defers
 
 
@@ -46,8 +47,11 @@ class DPBalanced(Strategy):
         return DPBalancedModule(self, self.data_parallel)
 
     def wrap_criterion(self, criterion: Callable) -> Callable:
+        data_parallel = self.data_parallel
+        if data_parallel is None:
+            raise RuntimeError("criterion: dp-balanced wraps the criterion of a model it wrapped; wrap the model first")
         self.criterion = criterion
-        self.data_parallel.loss_fn = criterion  # dp(x, target=y) now returns the loss; dp(x) still the outputs
+        data_parallel.loss_fn = criterion  # dp(x, target=y) now returns the loss; dp(x) still the outputs
 
         def loss_in_replicas(output: DeferredOutput, *targets: Any, **criterion_kwargs: Any) -> torch.Tensor:
             if criterion_kwargs or len(targets) != 1:
@@ -58,7 +62,7 @@ class DPBalanced(Strategy):
                     "bind extra arguments into the "
                     "criterion (e.g. nn.CrossEntropyLoss(label_smoothing=0.1))"
                 )
-            return self.data_parallel(*output.args, target=targets[0], **output.kwargs)
+            return data_parallel(*output.args, target=targets[0], **output.kwargs)
 
         return loss_in_replicas
 
@@ -68,9 +72,21 @@ class DPBalanced(Strategy):
 
     # --- resumable state: the balancer's measurements and chosen splits, so that a resumed run splits its
     # batches, and so rounds and draws dropout masks, as the saved run did
+    def _planner(self) -> StatefulChunkPlanner | None:
+        if self.data_parallel is None:
+            return None
+        planner = self.data_parallel.balancer
+        if not isinstance(planner, StatefulChunkPlanner):  # (balance="memory" plugs in dpkit.observe's: it is)
+            raise TypeError(
+                f"balance: dp-balanced resumes its planner's state; {type(planner).__name__} has no state_dict()"
+            )
+        return planner
+
     def state_dict(self) -> dict[str, Any]:
-        return self.data_parallel.balancer.state_dict() if self.data_parallel is not None else {}
+        planner = self._planner()
+        return planner.state_dict() if planner is not None else {}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if self.data_parallel is not None and state:
-            self.data_parallel.balancer.load_state_dict(state)
+        planner = self._planner()
+        if planner is not None and state:
+            planner.load_state_dict(state)

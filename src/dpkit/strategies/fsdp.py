@@ -81,18 +81,20 @@ def shard_units(model: nn.Module, min_parameters: int = DEFAULT_UNIT_PARAMETERS)
     return units
 
 
-class _Announced:
-    """Mixed into FSDP2's own collective: its buffer is allocated, and the collective runs, inside the phase
-    `phase`, so the observer books the buffer by that phase's category and times it (inside forward and
-    backward)."""
+# FSDP2's own collectives, announced: the buffer is allocated, and the collective runs, inside the phase of its
+# name, so the observer books the buffer by that phase's category and times it (inside forward and backward)
 
-    phase: str
+
+class _AnnouncedAllGather(DefaultAllGather):
+    phase = "all_gather"  # what it allocates is gathered parameters
 
     def __init__(self, device: torch.device):
         super().__init__()
         self.device = device
 
-    def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    def allocate(
+        self, size: Sequence[int | torch.SymInt], *, dtype: torch.dtype, device: torch.device
+    ) -> torch.Tensor:
         with hooks.phase(self.phase, self.device):
             return super().allocate(size, dtype=dtype, device=device)
 
@@ -101,12 +103,22 @@ class _Announced:
             return super().__call__(*args, **kwargs)
 
 
-class _AnnouncedAllGather(_Announced, DefaultAllGather):
-    phase = "all_gather"  # what it allocates is gathered parameters
-
-
-class _AnnouncedReduceScatter(_Announced, DefaultReduceScatter):
+class _AnnouncedReduceScatter(DefaultReduceScatter):
     phase = "reduce_scatter"
+
+    def __init__(self, device: torch.device):
+        super().__init__()
+        self.device = device
+
+    def allocate(
+        self, size: Sequence[int | torch.SymInt], *, dtype: torch.dtype, device: torch.device
+    ) -> torch.Tensor:
+        with hooks.phase(self.phase, self.device):
+            return super().allocate(size, dtype=dtype, device=device)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        with hooks.phase(self.phase, self.device):
+            return super().__call__(*args, **kwargs)
 
 
 class FSDP(PerDeviceStrategy):
@@ -172,32 +184,38 @@ class FSDP(PerDeviceStrategy):
         before = dict(model.named_parameters())
         units = list(self.units(model)) if self.units is not None else shard_units(model, self.min_unit_parameters)
         mesh = init_device_mesh(self.device.type, (self.world_size,))
-        settings = {
-            "mesh": mesh,
-            "reshard_after_forward": self.reshard_after_forward,
-            "mp_policy": self._mixed_precision(),
-            "offload_policy": CPUOffloadPolicy() if self.offload else OffloadPolicy(),
-        }
-        for unit in units:
-            if unit is not model:
-                fully_shard(unit, **settings)
-        fully_shard(model, **settings)
+        mp_policy = self._mixed_precision()
+        offload_policy = CPUOffloadPolicy() if self.offload else OffloadPolicy()
+        for unit in [*(unit for unit in units if unit is not model), model]:
+            fully_shard(
+                unit,
+                mesh=mesh,
+                reshard_after_forward=self.reshard_after_forward,
+                mp_policy=mp_policy,
+                offload_policy=offload_policy,
+            )
         after = dict(model.named_parameters())
         self._sharded_params = {id(before[name]): after[name] for name in before if name in after}
         self.model = self.wrapped = model
         all_gather, reduce_scatter = _AnnouncedAllGather(self.device), _AnnouncedReduceScatter(self.device)
-        for unit in [*units, model]:
+        sharded = [unit for unit in [*units, model] if isinstance(unit, FSDPModule)]  # (all are, since fully_shard)
+        for unit in sharded:
             unit.set_custom_all_gather(all_gather)
             unit.set_custom_reduce_scatter(reduce_scatter)
             self._tell_gathered_bytes_around(unit)
         return model
 
+    def _wrapped_model(self) -> nn.Module:
+        if self.model is None:
+            raise RuntimeError("fsdp: the model is sharded by engine.setup(model, optimizer); call it first")
+        return self.model
+
     # --- what is gathered: told to listeners (dpkit profile), since no allocation shows it ----------------
     def gathered_bytes(self) -> int:
         """Bytes of whole parameters this process holds now: a unit's parameters are plain tensors (not
         DTensor shards) from its gather until it reshards, in storages FSDP2 resizes in place."""
-        storages = {}
-        for parameter in self.model.parameters():
+        storages: dict[int, int] = {}
+        for parameter in self._wrapped_model().parameters():
             if not isinstance(parameter, DTensor):
                 storage = parameter.untyped_storage()
                 storages[storage.data_ptr()] = storage.nbytes()
@@ -206,7 +224,7 @@ class FSDP(PerDeviceStrategy):
     def _tell_gathered_bytes(self, *_: Any) -> None:
         if not hooks.listening():
             return
-        for parameter in self.model.parameters():
+        for parameter in self._wrapped_model().parameters():
             if not isinstance(parameter, DTensor) and id(parameter) not in self._told_in_backward:
                 # a gathered parameter (FSDP2 keeps the object from step to step): tell the bytes again when its
                 # gradient arrives in backward, where its unit is gathered once more
@@ -242,7 +260,7 @@ class FSDP(PerDeviceStrategy):
     def backward(self, loss: torch.Tensor, *, scale: float, sync: bool) -> None:
         # on the micro-batches of an accumulation the gradients stay whole on each process and the units stay
         # gathered; the last one reduce-scatters the sum. `scale` includes this process's loss weight.
-        if self.model is not None:
+        if isinstance(self.model, FSDPModule):  # (once wrapped)
             self.model.set_requires_gradient_sync(sync)
             self.model.set_reshard_after_backward(sync)
         with hooks.phase("backward", self.device):  # includes the gathers and reduce-scatters it waits for
@@ -259,18 +277,18 @@ class FSDP(PerDeviceStrategy):
 
     def _parameter_names(self, optimizer: torch.optim.Optimizer) -> list[str]:
         """The model's name of each parameter, in the optimizer's numbering (param_groups in order)."""
-        names = {id(p): name for name, p in self.model.named_parameters()}
+        names = {id(p): name for name, p in self._wrapped_model().named_parameters()}
         return [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
 
     def optimizer_state(self, optimizer: Any) -> dict[str, Any] | None:
         """The whole optimizer state, numbered as optimizer.state_dict() numbers it, so that any strategy
         can resume it."""
-        by_name = get_optimizer_state_dict(self.model, optimizer, options=FULL_ON_RANK_0)
+        by_name = get_optimizer_state_dict(self._wrapped_model(), optimizer, options=FULL_ON_RANK_0)
         return numbered_optimizer_state(by_name) if self.rank == 0 else None
 
     def load_optimizer_state(self, optimizer: Any, state: dict[str, Any]) -> None:
         by_name = named_optimizer_state(state, self._parameter_names(optimizer))
-        set_optimizer_state_dict(self.model, optimizer, by_name, options=FULL_EVERYWHERE)
+        set_optimizer_state_dict(self._wrapped_model(), optimizer, by_name, options=FULL_EVERYWHERE)
 
     # --- saving and loading: each process its shards, through torch.distributed.checkpoint ------------
     def sharded_state(self, model: nn.Module, optimizers: Mapping[str, Any]) -> dict[str, Any]:

@@ -23,7 +23,7 @@ import os
 import time
 from collections.abc import Sequence
 from datetime import timedelta
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
@@ -66,10 +66,14 @@ class ProcessShares:
             and sampler.generator is None
             and loader.generator is None
             and not sampler.replacement
-            and sampler.num_samples == len(loader.dataset)
+            # a map-style dataset (resumable() checked) has a length; torch's Dataset type does not say so
+            and sampler.num_samples == len(loader.dataset)  # type: ignore[arg-type]
+            and loader.batch_size is not None  # (a resumable loader's sampler batches by it)
         ):
             # the global RNG may differ between processes; draw the order from (seed, epoch) instead
-            shuffle = DistributedSampler(loader.dataset, num_replicas=1, rank=0, shuffle=True, seed=self.seed)
+            shuffle: DistributedSampler[int] = DistributedSampler(
+                loader.dataset, num_replicas=1, rank=0, shuffle=True, seed=self.seed
+            )
             return BatchSampler(shuffle, loader.batch_size, loader.drop_last)
         return loader.batch_sampler
 
@@ -99,7 +103,7 @@ class PerDeviceStrategy(Strategy):
     """One process per device, joined in a process group: the data, the collectives and the teardown that
     ddp and fsdp share. A subclass wraps the model (keeping what holds the process group in `self.wrapped`)."""
 
-    options = ("timeout_seconds", "seed", "threads_per_device", "init_timeout_seconds")
+    options: ClassVar[tuple[str, ...]] = ("timeout_seconds", "seed", "threads_per_device", "init_timeout_seconds")
 
     def __init__(
         self,

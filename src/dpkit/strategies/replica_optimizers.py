@@ -368,7 +368,7 @@ class SharedOptimizer(_UsersOptimizer):
         finally:
             self._take_back_pieces(state, lent)
         if len(state) != known:  # new entries arrived in thread order: keep the order one step would give
-            ordered = collections.defaultdict(dict)
+            ordered: collections.defaultdict[torch.Tensor, Any] = collections.defaultdict(dict)
             for group in optimizer.param_groups:
                 for p in group["params"]:
                     if p in state:
@@ -376,7 +376,8 @@ class SharedOptimizer(_UsersOptimizer):
             ordered.update((key, value) for key, value in state.items() if key not in ordered)
             optimizer.state = ordered
         if getattr(vars(optimizer).get("step"), "_wrapped_by_lr_sched", False):
-            optimizer._opt_called = True  # what the scheduler's wrapper of step() records
+            # what the scheduler's wrapper of step() records (an attribute torch's Optimizer type does not declare)
+            optimizer._opt_called = True  # type: ignore[attr-defined]
 
     def _lend_pieces(self, state: dict) -> dict:
         """Each piece of a cut parameter gets views of its gradient and state, as entries of its own in the
@@ -399,15 +400,17 @@ class SharedOptimizer(_UsersOptimizer):
         for parts in by_param.values():
             if not any(part.state for part in parts):
                 continue  # no gradient this step: nothing was stepped or created
-            joined = {}
+            joined: dict[str, Any] = {}
             for key in parts[0].state:
                 values = [part.state.get(key) for part in parts]
-                if all(
-                    isinstance(v, torch.Tensor) and v.dim() == 1 and v.numel() == part.size
+                pieces = [
+                    v
                     for v, part in zip(values, parts)
-                ):
-                    if any(v is not part.lent.get(key) for v, part in zip(values, parts)):
-                        joined[key] = torch.cat(values).view(parts[0].param.shape)
+                    if isinstance(v, torch.Tensor) and v.dim() == 1 and v.numel() == part.size
+                ]
+                if len(pieces) == len(values):
+                    if any(v is not part.lent.get(key) for v, part in zip(pieces, parts)):
+                        joined[key] = torch.cat(pieces).view(parts[0].param.shape)
                     # else: views of the user's tensor, updated in place
                 else:
                     joined[key] = values[0]

@@ -253,7 +253,9 @@ class Replicated(Strategy):
             generators=self.randomness(self.replicas[0]),
             turns=self.turns["forward_loss"] if group is None else None,
         )
-        step = ReplicaStep(active, losses, weights, self.gradients, sync=lambda: self._sync, ran=self._count_backward)
+        step = ReplicaStep(
+            active, losses, weights, self._gradient_sum(), sync=lambda: self._sync, ran=self._count_backward
+        )
         step.joined = group is not None and group.joined  # SyncBatchNorm joined the replicas' graphs
         with hooks.phase("loss", self.root_device):
             return combined_loss(step, self.root_device)
@@ -279,16 +281,22 @@ class Replicated(Strategy):
                 "(the criterion from engine.setup_criterion(criterion)), and this one does not require grad"
             )
         before = self._replica_backwards
-        self.gradients.release_copies()  # the gathered-outputs path below adds into the replicas' gradients directly
+        gradients = self._gradient_sum()
+        gradients.release_copies()  # the gathered-outputs path below adds into the replicas' gradients directly
         with self.gradient_sync(sync):
             (loss * scale if scale != 1.0 else loss).backward()
         if sync and self._replica_backwards == before:
             # the loss came from gathered outputs: the backward ran on this thread; sum now
-            self.gradients.sum_now()
+            gradients.sum_now()
 
     def reduce_gradients(self) -> None:
         """Every replica's gradient becomes the sum over replicas."""
-        self.gradients.sum_now()
+        self._gradient_sum().sum_now()
+
+    def _gradient_sum(self) -> GradientSum:
+        if self.gradients is None:
+            raise RuntimeError("replicated: the replicas are made by engine.setup(model, optimizer); call it first")
+        return self.gradients
 
     # --- checkpoints -------------------------------------------------------------------------------
     def weights_loaded(self) -> None:

@@ -134,7 +134,10 @@ class BenchSpec:
 
     def per_device(self, devices: int) -> int:
         """Samples per device per step on `devices` devices."""
-        return self.batch_size_per_device if self.batch_size is None else self.batch_size // devices
+        if self.batch_size is not None:
+            return self.batch_size // devices
+        assert self.batch_size_per_device is not None  # check(): one of the two is given
+        return self.batch_size_per_device
 
 
 @dataclass
@@ -280,7 +283,7 @@ class Contender:
         from dpkit.training.engine import Engine
 
         self.strategy, self.devices = strategy, devices
-        options = {}
+        options: dict[str, Any] = {}  # the strategy's own options
         # one thread count for every contender: OpenMP threads are per calling thread, and on a busy
         # machine a contender with more threads than free cores loses most of its time spinning
         self.threads = spec.threads_per_device or None
@@ -492,7 +495,7 @@ def run_benches(specs: list[BenchSpec]) -> list[BenchResult]:
             (s, n)
             for s in spec.strategies
             for n in spec.device_counts
-            if strategy_class(s).traits.max_devices is None or n <= strategy_class(s).traits.max_devices
+            if (most := strategy_class(s).traits.max_devices) is None or n <= most
         ]
         if (reference(), 1) not in configs:
             configs.insert(0, (reference(), 1))  # the reference every speed-up is measured against

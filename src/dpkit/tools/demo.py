@@ -4,6 +4,7 @@ dpkit.DataParallel (every GPU, else two virtual CPU devices), print the report, 
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -11,7 +12,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from dpkit.checks import check_batch_split, check_int, check_output_folder
-from dpkit.devices import resolve_devices
+from dpkit.devices import DeviceLike, resolve_devices
 from dpkit.examples.digits import DigitsMLP, load_digits
 from dpkit.observe import Observer
 from dpkit.parallel import DataParallel
@@ -22,7 +23,7 @@ LEARNED_ACCURACY = 0.95  # what the default settings reach on the held-out digit
 
 def demo(
     accelerator: str = "auto",
-    devices: object = "auto",
+    devices: int | Sequence[DeviceLike] | str = "auto",
     epochs: int = 20,
     batch_size: int = 64,
     lr: float = 3e-3,
@@ -35,20 +36,22 @@ def demo(
     check_int(epochs, "epochs")
     check_int(batch_size, "batch_size")
     check_output_folder(out, "out")  # before training: the checkpoint goes there
-    devices = resolve_devices(accelerator, devices)
-    check_batch_split(batch_size, len(devices))
+    device_list = resolve_devices(accelerator, devices)
+    check_batch_split(batch_size, len(device_list))
     torch.manual_seed(seed)
     x_train, y_train, x_test, y_test = load_digits(seed)
-    primary = devices[0]
+    primary = device_list[0]
     model = DigitsMLP().to(primary)
-    dp = DataParallel(model, devices)
+    dp = DataParallel(model, device_list)
     optimizer = torch.optim.Adam(dp.parameters(), lr=lr)
 
-    rows_per_device = [0] * len(devices)
+    rows_per_device = [0] * len(device_list)
     generator = torch.Generator().manual_seed(seed)
     steps_per_epoch = (len(y_train) + batch_size - 1) // batch_size
-    print(f"dpkit demo: digits MLP, {len(y_train)} training images, DataParallel over {', '.join(map(str, devices))}")
-    step_seconds = []
+    print(
+        f"dpkit demo: digits MLP, {len(y_train)} training images, DataParallel over {', '.join(map(str, device_list))}"
+    )
+    step_seconds: list[float] = []
     total_steps, observer = epochs * steps_per_epoch, None
     with tqdm(total=epochs * steps_per_epoch, desc="training", unit="step", disable=not progress) as bar:
         for epoch in range(epochs):
@@ -67,7 +70,8 @@ def demo(
                 if observer is not None:  # stops once; later calls do nothing
                     observer.stop()
                 step_seconds.append(time.perf_counter() - began)
-                rows_per_device = [total + rows for total, rows in zip(rows_per_device, dp.last_split_sizes)]
+                if dp.last_split_sizes is not None:  # (a batch of rows is always split)
+                    rows_per_device = [total + rows for total, rows in zip(rows_per_device, dp.last_split_sizes)]
                 bar.set_postfix(
                     epoch=epoch + 1, loss=f"{loss.item():.3f}", refresh=False
                 )  # redraw at tqdm's pace, not every step
@@ -83,7 +87,7 @@ def demo(
     print("per device: rows processed, and peak memory in the last step (device 0 also holds the gathered")
     print("outputs, the loss, the gradients' sum and the optimizer state, so it fills first):")
     print(f"  {'device':8s} {'rows':>7s} {'peak MiB':>9s}")
-    for device, rows in zip(devices, rows_per_device):
+    for device, rows in zip(device_list, rows_per_device):
         peak = peaks.get(str(device))
         print(f"  {str(device):8s} {rows:7d} {'-' if peak is None else f'{peak / 2**20:.2f}':>9s}")
 

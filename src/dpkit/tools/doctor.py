@@ -109,7 +109,7 @@ class DoctorOptions:
     progress: bool = True
     timeout_seconds: float = 120.0
 
-    def resolved(self, accelerator: str) -> DoctorOptions:
+    def resolved(self, accelerator: str) -> ResolvedDoctorOptions:
         cuda = accelerator == "cuda"
         defaults = {
             "processes": torch.cuda.device_count() if cuda else 2,
@@ -122,7 +122,18 @@ class DoctorOptions:
             name: (getattr(self, name) if getattr(self, name) is not None else default)
             for name, default in defaults.items()
         }
-        return DoctorOptions(**{**self.__dict__, **values})
+        return ResolvedDoctorOptions(**{**self.__dict__, **values})
+
+
+@dataclass
+class ResolvedDoctorOptions(DoctorOptions):
+    """DoctorOptions with the accelerator's defaults in place of the Nones."""
+
+    processes: int = 2
+    min_bytes: int = 4 * 2**10
+    max_bytes: int = 1 * 2**20
+    iterations: int = 10
+    copy_bytes: int = 16 * 2**20
 
 
 @dataclass
@@ -214,7 +225,7 @@ def peer_access_matrix(device_count: int) -> list[list[bool | None]]:
 # ---------------------------------------------------------------- copies
 
 
-def _seconds_per_call(function: Callable[[], None], repeats: int, synchronize: Callable[[], None]) -> float:
+def _seconds_per_call(function: Callable[[], object], repeats: int, synchronize: Callable[[], None]) -> float:
     function()  # warm-up: first-touch page faults, lazy CUDA initialisation
     synchronize()
     start = time.perf_counter()
@@ -434,8 +445,9 @@ def measure_collectives(
     from dpkit.launch import free_port, loopback_interface
 
     saved = os.environ.get("GLOO_SOCKET_IFNAME")
-    if backend == "gloo" and loopback_interface() and saved is None:
-        os.environ["GLOO_SOCKET_IFNAME"] = loopback_interface()  # keep gloo on loopback, as dpkit's launcher does
+    interface = loopback_interface() if backend == "gloo" else None
+    if interface and saved is None:
+        os.environ["GLOO_SOCKET_IFNAME"] = interface  # keep gloo on loopback, as dpkit's launcher does
     with tempfile.TemporaryDirectory(prefix="dpkit-doctor-") as folder:
         result_path = os.path.join(folder, "collectives.json")
         try:
@@ -571,7 +583,7 @@ def run_doctor(options: DoctorOptions | None = None) -> dict[str, Any]:
             "peer": peer_link[0].name if peer_link[0] else None,
             "inferred": options.link is None,
         }
-        if peer_link[1]:
+        if peer_link[1] and peer_link[0] is not None and first is not None:  # (inferred from the first GPU)
             notes.append(
                 f"compared with {peer_link[0].name}, the catalogue's usual link for {first.name} (an SXM board is "
                 f"assumed to use NVLink through NVSwitch); say which link the GPUs have with --link NAME "

@@ -220,15 +220,15 @@ def kept_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict
     """What this device keeps between steps of the parameters, their gradients and the optimizer's state
     ("held": a sharded strategy's shards, each storage once), and what it would keep if nothing were sharded
     ("unsharded", as under ddp: the whole sizes; a DTensor's numel is the whole one)."""
-    parameters = list(model.parameters())
-    tensors = {
+    parameters: list[torch.Tensor] = list(model.parameters())
+    tensors: dict[str, list[torch.Tensor]] = {
         "parameters": parameters,
         "gradients": [p.grad for p in parameters if p.grad is not None],
         "optimizer_state": [v for state in optimizer.state.values() for v in state.values() if torch.is_tensor(v)],
     }
 
     def held(group: list[torch.Tensor]) -> int:
-        storages = {}
+        storages: dict[int, int] = {}
         for tensor in group:
             storage = (tensor.to_local() if isinstance(tensor, DTensor) else tensor).untyped_storage()
             storages[storage.data_ptr()] = storage.nbytes()
@@ -273,11 +273,11 @@ def run(spec: ProfileSpec) -> Report | None:
     report, last_loss = profile(spec)
     if report is None:  # a rank other than 0: rank 0 writes every rank's devices
         return None
-    devices = ", ".join(d.device for d in report.devices)
+    on_devices = ", ".join(d.device for d in report.devices)
     print(
         f"dpkit profile: {report.meta['model'] or spec.example}, strategy {spec.strategy}, "
         f"batch {report.meta['batch_size']}, "
-        f"precision {spec.precision}, {spec.steps} observed step(s) after {spec.warmup} warm-up, on {devices}"
+        f"precision {spec.precision}, {spec.steps} observed step(s) after {spec.warmup} warm-up, on {on_devices}"
     )
     print(report.format_table())
     line = sharding_line(report)

@@ -10,11 +10,14 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
+
+if TYPE_CHECKING:
+    from dpkit.training.engine import Engine
 
 EVAL_BATCH = 256
 
@@ -26,12 +29,15 @@ class Scores:
     samples: int
 
 
-def evaluate(engine: Any, model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, stop: Callable[[], bool]) -> Scores:
+def evaluate(
+    engine: Engine, model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, stop: Callable[[], bool]
+) -> Scores | None:
     """Mean cross-entropy and accuracy of `model` on (x, y), in eval mode, back in train mode after. `stop()` is
     asked after every batch (every process at the same batch); a True ends the evaluation with None scores."""
     model.eval()
     loader = engine.setup_dataloader(DataLoader(TensorDataset(x, y), batch_size=EVAL_BATCH))
-    losses, correct = [], []
+    losses: list[torch.Tensor] = []
+    correct: list[torch.Tensor] = []
     try:
         with torch.no_grad():
             for inputs, targets in loader:
@@ -42,8 +48,8 @@ def evaluate(engine: Any, model: torch.nn.Module, x: torch.Tensor, y: torch.Tens
                     return None
     finally:
         model.train()
-    losses, correct = torch.cat(losses).double(), torch.cat(correct)
-    return Scores(float(losses.mean()), float(correct.float().mean()), int(correct.numel()))
+    all_losses, all_correct = torch.cat(losses).double(), torch.cat(correct)
+    return Scores(float(all_losses.mean()), float(all_correct.float().mean()), int(all_correct.numel()))
 
 
 class Best:

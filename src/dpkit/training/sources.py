@@ -114,18 +114,22 @@ def model_source(
     """The model from `model` ('package.module:factory') or the example's; the data from `data`
     ('package.module:loader'), synthetic rows of `input_shape` (with a model of yours), or the example's."""
     own_data = data is not None or (model is not None and input_shape is not None)
-    chosen = None if (model is not None and own_data) else get_example(example if example is not None else "")
-    factory = load_factory(model) if model is not None else chosen.build_model
-    if data is not None:
-        loader = load_factory(data)
-    elif model is not None and input_shape is not None:
-        shape = tuple(check_int_list(input_shape, "input_shape", minimum=1))
-        loader = _synthetic_regression(factory, shape, synthetic_rows)
+    factory: Callable[[], Any]
+    loader: Callable[[int], Any]
+    if model is not None and own_data:  # no example needed
+        name = model
+        factory = load_factory(model)
+        if data is not None:
+            loader = load_factory(data)
+        else:
+            shape = tuple(check_int_list(input_shape, "input_shape", minimum=1))
+            loader = _synthetic_regression(factory, shape, synthetic_rows)
     else:
-        loader = chosen.load_data
-    return Source(
-        name=model or chosen.name, factory=factory, loader=loader, model_name=model or "model", data_name=data or "data"
-    )
+        chosen = get_example(example if example is not None else "")
+        name = model or chosen.name
+        factory = load_factory(model) if model is not None else chosen.build_model
+        loader = load_factory(data) if data is not None else chosen.load_data
+    return Source(name=name, factory=factory, loader=loader, model_name=model or "model", data_name=data or "data")
 
 
 def _synthetic_regression(
@@ -200,9 +204,9 @@ _NOT_YOURS = tuple(
     for path in {
         Path(torch.__file__).parent,
         Path(__file__).parents[1],
-        sysconfig.get_paths()["stdlib"],
-        sysconfig.get_paths()["purelib"],
-        sysconfig.get_paths()["platlib"],
+        Path(sysconfig.get_paths()["stdlib"]),
+        Path(sysconfig.get_paths()["purelib"]),
+        Path(sysconfig.get_paths()["platlib"]),
     }
 )
 # words of the errors torch raises when a tensor's shape does not fit an operation

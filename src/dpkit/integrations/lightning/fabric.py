@@ -85,7 +85,8 @@ class FabricDataParallelStrategy(DataParallelStrategy):
         super()._configure_launcher()
 
     # --- setup -------------------------------------------------------------------------------------
-    def setup_module(self, module: nn.Module) -> StepReplicas:
+    # Lightning's DataParallelStrategy types this as returning torch's DataParallel, the wrapper this one replaces
+    def setup_module(self, module: nn.Module) -> StepReplicas:  # type: ignore[override]
         replicas = StepReplicas(module, self.mode, self._devices, **self.options)
         replicas.defers = self._defers
         self._wrappers.append(replicas)

@@ -35,7 +35,8 @@ def _is_metric(value: Any) -> bool:
 
 
 @functools.cache
-def _signatures(cls: type) -> tuple[inspect.Signature, inspect.Signature]:
+def _signatures(cls: Any) -> tuple[inspect.Signature, inspect.Signature]:
+    """The signatures of a LightningModule class's log and log_dict (Any: lightning is optional here)."""
     return inspect.signature(cls.log), inspect.signature(cls.log_dict)
 
 
@@ -44,7 +45,8 @@ class LogRecorder:
 
     def __init__(self, module: nn.Module):
         self.records: list[Record] = []
-        self._log, self._log_dict = _signatures(type(module))
+        # a class is hashable; mypy compares type[Module] with Hashable's instance method __hash__
+        self._log, self._log_dict = _signatures(type(module))  # type: ignore[arg-type]
 
     def log(self, *args: Any, **kwargs: Any) -> None:
         arguments = self._log.bind(None, *args, **kwargs).arguments

@@ -27,7 +27,8 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any
+from contextlib import AbstractContextManager
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch import nn
@@ -36,6 +37,7 @@ from dpkit.devices import DeviceLike, cpu_devices, parse_device_list
 from dpkit.integrations.lightning.logs import logs_values, recorded_logs, replay
 from dpkit.parallel import DataParallel
 from dpkit.parallel.nested import is_namedtuple
+from dpkit.parallel.reduce import GradientSum
 from dpkit.parallel.scatter import batch_size_of
 from dpkit.parallel.whole_batch_rng import WholeBatchDraws, finish_draws
 from dpkit.strategies import PERSISTENT, DeferredOutput, Strategy, create_strategy, matching, strategy_class
@@ -214,7 +216,8 @@ def combine_outputs(values: Sequence[Any], rows: Sequence[int], device: torch.de
             return torch.cat(moved)
         return list(values)
     if isinstance(first, Mapping) and all(isinstance(v, Mapping) and v.keys() == first.keys() for v in values):
-        return type(first)({key: combine_outputs([v[key] for v in values], rows, device) for key in first})
+        mapping_class: Any = type(first)  # the user's Mapping class, built from a dict
+        return mapping_class({key: combine_outputs([v[key] for v in values], rows, device) for key in first})
     if isinstance(first, (list, tuple)) and all(type(v) is type(first) and len(v) == len(first) for v in values):
         parts = [combine_outputs([v[k] for v in values], rows, device) for k in range(len(first))]
         return type(first)(*parts) if is_namedtuple(first) else type(first)(parts)
@@ -258,12 +261,36 @@ def redirected_method(module: nn.Module) -> str | None:
     return method
 
 
+@runtime_checkable
+class PersistentReplicas(Protocol):
+    """What StepReplicas uses of a one-process strategy whose replicas persist (the registry's `replicated`)."""
+
+    replicas: list[nn.Module]
+    params: list[list[nn.Parameter]]
+    gradients: GradientSum | None
+
+    def wrap_model(self, model: nn.Module) -> nn.Module: ...
+    def forward(self, args: tuple, kwargs: dict) -> Any: ...
+    def forward_loss(
+        self, output: DeferredOutput, criterion: Callable, targets: tuple, criterion_kwargs: dict
+    ) -> torch.Tensor: ...
+    def reduce_gradients(self) -> None: ...
+    def gradient_sync(self, sync: bool) -> AbstractContextManager[None]: ...
+    def wrap_optimizer(self, optimizer: torch.optim.Optimizer) -> Any: ...
+    def weights_loaded(self) -> None: ...
+
+
 class StepReplicas(nn.Module):
     """The module and its replicas on `devices` under dpkit strategy `mode`; see the module doc.
 
     state_dict keys carry a `module.` prefix (dpkit.save_model and the strategies' state hooks strip it)."""
 
     wraps_module = True  # dpkit.unwrap_model / save_model / load_model look inside
+    # set with object.__setattr__ (not registered: they hold the module again, whose keys would repeat)
+    step: _Step
+    persistent: PersistentReplicas | None
+    data_parallel: DataParallel | None
+    steppers: dict[int, Any]  # id(user's optimizer) -> the persistent strategy's optimizer
 
     def __init__(self, module: nn.Module, mode: str, devices: Sequence[DeviceLike], **options: Any):
         super().__init__()
@@ -273,11 +300,14 @@ class StepReplicas(nn.Module):
         self.devices = parse_device_list(devices, argument="devices")
         self.on_cpu = all(device.type == "cpu" for device in self.devices)
         step = _Step(module)
-        persistent: Strategy | None = None
+        persistent: PersistentReplicas | None = None
         data_parallel: DataParallel | None = None
         if traits.replicas == PERSISTENT:
-            persistent = create_strategy(mode, self.devices, **check_options(mode, options))
-            persistent.wrap_model(step)
+            strategy = create_strategy(mode, self.devices, **check_options(mode, options))
+            if not isinstance(strategy, PersistentReplicas):  # (check_mode: one-process modes only)
+                raise TypeError(f"mode: {mode!r} keeps persistent replicas, but not in one process as this runs them")
+            strategy.wrap_model(step)
+            persistent = strategy
         else:
             check_options(mode, options)
             balance = "memory" if traits.balances else None
@@ -352,9 +382,9 @@ class StepReplicas(nn.Module):
                 else:
                     value = self.persistent.forward(args, extra)
             elif with_loss:
-                value = self.data_parallel(*args, target=(rows, tuple(targets)), **extra)
+                value = self._per_step()(*args, target=(rows, tuple(targets)), **extra)
             else:
-                value = self.data_parallel(*args, **extra)
+                value = self._per_step()(*args, **extra)
         finally:
             self._criterion = None
         results = [call.results[offset] for offset in sorted(call.results)]
@@ -396,7 +426,7 @@ class StepReplicas(nn.Module):
         module = self.module
         if self.persistent is None:
             # DataParallel copies every flag from the module; its own decides whether balance= measures
-            self.data_parallel.training = self.step.training = module.training
+            self._per_step().training = self.step.training = module.training
             return
         # a tensor kept as a plain attribute is shared where the replicas share memory (virtual CPU devices)
         unshared = nn.Module if self.on_cpu else (torch.Tensor, nn.Module)
@@ -409,6 +439,12 @@ class StepReplicas(nn.Module):
             replica.module.__dict__.update(attributes)
             for mine, theirs in zip(replica.modules(), self.step.modules()):
                 mine.training = theirs.training
+
+    def _per_step(self) -> DataParallel:
+        """The per-step replicas' DataParallel (when the replicas do not persist)."""
+        if self.data_parallel is None:
+            raise RuntimeError(f"{type(self).__name__}: used after close(); wrap the module again")
+        return self.data_parallel
 
     def _finish_draws(
         self, key: tuple[str, bool], call: StepCall, state: torch.Tensor | None, results: list[ReplicaResult]
@@ -440,7 +476,7 @@ class StepReplicas(nn.Module):
 
     # --- backward and the optimizer step (persistent replicas) ----------------------------------------
     def before_backward(self) -> None:
-        if self.persistent is not None and self.sum_after_backward:
+        if self.persistent is not None and self.persistent.gradients is not None and self.sum_after_backward:
             self.persistent.gradients.release_copies()
 
     def after_backward(self) -> None:

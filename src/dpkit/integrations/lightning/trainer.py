@@ -105,7 +105,7 @@ class DataParallelStrategy(SingleDeviceStrategy):
     # --- setup -------------------------------------------------------------------------------------
     def setup(self, trainer: pl.Trainer) -> None:
         module = self.lightning_module
-        if trainer.state.fn == TrainerFn.FITTING and not module.automatic_optimization:
+        if trainer.state.fn == TrainerFn.FITTING and module is not None and not module.automatic_optimization:
             raise ValueError(
                 f"automatic_optimization: {type(module).__name__} sets it to False, but dpkit's "
                 "DataParallelStrategy runs training_step in every replica, where a manual optimizer.step() "
@@ -116,7 +116,7 @@ class DataParallelStrategy(SingleDeviceStrategy):
             self.model = self._layer_sync.apply(self.model)
         super().setup(trainer)
         for optimizer in self.optimizers:  # the replicas' optimizers now: one that cannot be built fails here
-            self.replicas.stepper(optimizer)
+            self._step_replicas().stepper(optimizer)
 
     def _setup_model(self, model: nn.Module) -> nn.Module:
         if self.replicas is not None:
@@ -124,28 +124,33 @@ class DataParallelStrategy(SingleDeviceStrategy):
         self.replicas = StepReplicas(model, self.mode, self._devices, **self.options)
         return self.replicas
 
+    def _step_replicas(self) -> StepReplicas:
+        if self.replicas is None:
+            raise RuntimeError("DataParallelStrategy: the model is not set up yet (the Trainer sets it up in fit)")
+        return self.replicas
+
     # --- the steps ---------------------------------------------------------------------------------
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         with self.precision_plugin.train_step_context():
-            return self.replicas.run("training_step", args, kwargs)
+            return self._step_replicas().run("training_step", args, kwargs)
 
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
         with self.precision_plugin.val_step_context():
-            return self.replicas.run("validation_step", args, kwargs)
+            return self._step_replicas().run("validation_step", args, kwargs)
 
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
         with self.precision_plugin.test_step_context():
-            return self.replicas.run("test_step", args, kwargs)
+            return self._step_replicas().run("test_step", args, kwargs)
 
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
         with self.precision_plugin.predict_step_context():
-            return self.replicas.run("predict_step", args, kwargs)
+            return self._step_replicas().run("predict_step", args, kwargs)
 
     def pre_backward(self, closure_loss: torch.Tensor) -> None:
-        self.replicas.before_backward()
+        self._step_replicas().before_backward()
 
     def post_backward(self, closure_loss: torch.Tensor) -> None:
-        self.replicas.after_backward()
+        self._step_replicas().after_backward()
 
     def optimizer_step(
         self,
@@ -163,11 +168,12 @@ class DataParallelStrategy(SingleDeviceStrategy):
                 f"got {sorted(kwargs)}"
             )
         model = model or self.lightning_module
+        assert isinstance(model, pl.LightningModule)  # as Lightning's own Strategy.optimizer_step asserts
         # what Lightning's precision plugin does around optimizer.step(closure): the step and backward, then
         # on_before_optimizer_step and gradient clipping; then the replicas' optimizer steps (it takes no closure)
         result = closure()
         self.precision_plugin._after_closure(model, optimizer)
-        self.replicas.before_step()
+        self._step_replicas().before_step()
         stepper.step()
         return result
 
