@@ -22,19 +22,21 @@ def _seed():
 # whole files out to its workers in collection order, so starting with these keeps one worker from finishing
 # a long file alone at the end.
 SLOWEST_FILES = [
-    "tests/test_docs.py",
     "tests/launch/test_restarts_and_progress.py",
-    "tests/training/test_recipe_faults.py",
+    "tests/strategies/test_multinode.py",
     "tests/cli/test_train.py",
+    "tests/test_docs.py",
+    "tests/cli/test_bench.py",
+    "tests/training/test_recipe_faults.py",
+    "tests/strategies/test_faults.py",
+    "tests/cli/test_profile.py",
+    "tests/test_examples.py",
+    "tests/launch/test_slurm.py",
+    "tests/strategies/test_repeatability.py",
     "tests/launch/test_launch.py",
     "tests/strategies/test_fsdp.py",
-    "tests/strategies/test_multinode.py",
-    "tests/cli/test_bench.py",
-    "tests/strategies/test_faults.py",
     "tests/strategies/test_equivalence.py",
     "tests/training/test_engine_equivalence.py",
-    "tests/cli/test_profile.py",
-    "tests/launch/test_slurm.py",
 ]
 
 

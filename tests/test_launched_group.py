@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 
 import pytest
+
 from launched_group import JobFailed
 
 

@@ -2,10 +2,13 @@
 
 import importlib
 import importlib.abc
+import importlib.machinery
 import importlib.util
 import sys
+import types
 import warnings
-from typing import TYPE_CHECKING
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # the names below load on first use (__getattr__), so `import dpkit.launch` stays light
     from dpkit import observe
@@ -75,7 +78,7 @@ PUBLIC_NAMES = {
 }
 
 
-def __getattr__(name: str):
+def __getattr__(name: str) -> Any:
     """A public name, or a subpackage (`dpkit.observe`, `dpkit.parallel`, …), imported on first use."""
     if name in PUBLIC_NAMES:
         value = getattr(importlib.import_module(PUBLIC_NAMES[name]), name)
@@ -105,16 +108,18 @@ MOVED_MODULES = {
 class _MovedModule(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     """`import dpkit.engine` gives dpkit.training.engine itself (one module object, one set of classes)."""
 
-    def find_spec(self, name, path=None, target=None):
+    def find_spec(
+        self, name: str, path: Sequence[str] | None = None, target: types.ModuleType | None = None
+    ) -> importlib.machinery.ModuleSpec | None:
         return importlib.util.spec_from_loader(name, self) if name in MOVED_MODULES else None
 
-    def create_module(self, spec):
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType:
         warnings.warn(
             f"{spec.name} moved to {MOVED_MODULES[spec.name]}; import it from there", DeprecationWarning, stacklevel=2
         )
         return importlib.import_module(MOVED_MODULES[spec.name])
 
-    def exec_module(self, module) -> None:  # the module is the moved one, already run
+    def exec_module(self, module: types.ModuleType) -> None:  # the module is the moved one, already run
         pass
 
 

@@ -12,11 +12,12 @@ from __future__ import annotations
 import functools
 import threading
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch._ops import OpOverload
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -155,7 +156,7 @@ def _fresh_returns(func: Any) -> tuple[bool, ...]:
     return tuple(ret.alias_info is None for ret in func._schema.returns)
 
 
-def fresh_tensors(func: Any, out: Any):
+def fresh_tensors(func: OpOverload, out: Any) -> Iterator[torch.Tensor]:
     """The tensors an operator's call allocated: its outputs that do not alias an input."""
     fresh = _fresh_returns(func)
     if not any(fresh):
@@ -196,7 +197,9 @@ class AllocationTracker(TorchDispatchMode):
         self.ledger = ledger
         self.where = where
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+    def __torch_dispatch__(
+        self, func: OpOverload, types: Sequence[type], args: tuple = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
         out = func(*args, **(kwargs or {}))
         for tensor in fresh_tensors(func, out):
             device, category = self.where()

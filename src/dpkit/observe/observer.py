@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
+import weakref
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
@@ -138,7 +139,7 @@ class Observer:
             self.step_split.stop()
 
     @property
-    def optimizers_seen(self):
+    def optimizers_seen(self) -> weakref.WeakSet[torch.optim.Optimizer]:
         """The optimizers that stepped while observed (a WeakSet)."""
         return self.optimizer_watch.seen
 

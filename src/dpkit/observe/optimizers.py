@@ -35,7 +35,7 @@ class OptimizerWatch:
 
     def __init__(self, observer: Observer):
         self.observer = observer
-        self.seen: weakref.WeakSet = weakref.WeakSet()  # optimizers that stepped while observed
+        self.seen: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()  # optimizers that stepped while observed
         self._handles: list[Any] = []
 
     def start(self) -> None:

@@ -9,9 +9,11 @@ has one dispatch mode shared by every started observer, so observers can start a
 from __future__ import annotations
 
 import threading
-from typing import TYPE_CHECKING
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
+from torch._ops import OpOverload
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode
 
 from dpkit.observe.memory import account_key, fresh_tensors
@@ -48,7 +50,9 @@ class CallingThreadTracker(TorchDispatchMode):
         super().__init__()
         self.observers: list[Observer] = []
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+    def __torch_dispatch__(
+        self, func: OpOverload, types: Sequence[type], args: tuple = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
         out = func(*args, **(kwargs or {}))
         for observer in self.observers:
             # a replica running in this thread (one device) charges its own work through its scope

@@ -88,7 +88,9 @@ class Job:
     __slots__ = ("fn", "args", "call", "state", "value", "error", "_done")
 
     def __init__(self, fn: Callable, args: tuple, call: _Call | None = None):
-        self.fn, self.args, self.call = fn, args, call
+        self.fn: Callable | None = fn  # None once it ran: the job keeps no reference to its work
+        self.args: tuple | None = args
+        self.call = call
         self.state = "queued"  # -> "running" -> "done", or "cancelled" before it runs
         self.value: Any = None
         self.error: BaseException | None = None
@@ -98,8 +100,11 @@ class Job:
         if self.state != "queued":
             return
         self.state = "running"
+        fn, args = self.fn, self.args
         try:
-            self.value = self.fn(*self.args)
+            if fn is None or args is None:  # (set until it runs, and it runs once)
+                raise RuntimeError("a replica job ran twice")
+            self.value = fn(*args)
         except BaseException as error:
             self.error = error
         finally:
@@ -177,7 +182,7 @@ def _forget_workers_after_fork() -> None:
     _workers_lock = threading.Lock()
 
 
-threading._register_atexit(_stop_workers)
+threading._register_atexit(_stop_workers)  # type: ignore[attr-defined]  # private, left out of typeshed
 os.register_at_fork(after_in_child=_forget_workers_after_fork)
 
 
@@ -431,10 +436,11 @@ def run_replicas(
     on_cpu = all(device.type == "cpu" for device in devices)
     watch = generators if on_cpu and isinstance(generators, RandomnessWatch) else None
     state_before = None
+    modes: list[ReplicaGenerator | None]
     if watch is not None:
         modes, state_before = watch.begin(n)
     else:
-        modes = replica_generators(n) if on_cpu and generators else [None] * n
+        modes = [*replica_generators(n)] if on_cpu and generators else [None] * n
     if on_cpu and threads is None:
         threads = cpu_threads_per_device(n)
     elif not on_cpu:
@@ -445,7 +451,7 @@ def run_replicas(
     if not learn:
         turns = in_turns
     take_turns = turns is not None and (not learn or turns.next())
-    if take_turns and on_cpu and turns.here():
+    if take_turns and on_cpu and turns is not None and turns.here():  # (take_turns: there are turns)
         return _run_in_turns_here(
             devices, job, context, modes, threads, turns if learn else None, on_interrupt, watch, state_before
         )
@@ -467,7 +473,7 @@ def run_replicas(
                 if take_turns and not turns.peers_waited:
                     turns.clean_runs += 1
         for queued in jobs:
-            if _passes_through(queued.error):
+            if queued.error is not None and _passes_through(queued.error):
                 raise queued.error
     except BaseException:
         if on_interrupt is not None:

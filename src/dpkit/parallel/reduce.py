@@ -82,11 +82,22 @@ def fill_missing_grads(group: Sequence[torch.Tensor]) -> bool:
     return True
 
 
+def _gradients(group: Sequence[torch.Tensor]) -> list[torch.Tensor] | None:
+    """Every replica's gradient of one parameter; None when replica 0 has none (nothing to sum)."""
+    grads = [p.grad for p in group]
+    if grads[0] is None:
+        return None
+    present = [g for g in grads if g is not None]
+    if len(present) != len(grads):
+        raise RuntimeError("gradient sum: a replica has no gradient for a parameter whose replica 0 has one")
+    return present
+
+
 def sum_slice(group: Sequence[torch.Tensor], k: int, slices: int, everywhere: bool = True) -> None:
     """Slice k (of `slices`) of one parameter's gradient, summed over replicas in replica order into
     replica 0's and, with `everywhere`, written back to every replica (GradientSum(coalesce=False))."""
-    grads = [p.grad for p in group]
-    if grads[0] is None:
+    grads = _gradients(group)
+    if grads is None:
         return
     receivers = grads if everywhere else grads[:1]
     with torch.no_grad():
@@ -141,8 +152,8 @@ def sum_share(groups: Sequence[Sequence[torch.Tensor]], share: Share, everywhere
     and, with `everywhere`, written back to every replica's: bitwise what summing each element alone gives."""
     columns: list[list[torch.Tensor]] = []
     for position, lo, hi in share:
-        grads = [p.grad for p in groups[position]]
-        if grads[0] is None:
+        grads = _gradients(groups[position])
+        if grads is None:
             continue
         if lo == 0 and hi == grads[0].numel():
             columns.append(grads)
@@ -162,11 +173,11 @@ def sum_share(groups: Sequence[Sequence[torch.Tensor]], share: Share, everywhere
                 for g in column[1:] if everywhere else ():
                     g.copy_(total)
             return
-        total = per_replica[0]
+        totals = per_replica[0]
         for other in per_replica[1:]:
-            torch._foreach_add_(total, other)
+            torch._foreach_add_(totals, other)
         for other in per_replica[1:] if everywhere else ():
-            torch._foreach_copy_(other, total)
+            torch._foreach_copy_(other, totals)
 
 
 class _Round:
@@ -232,7 +243,8 @@ class _Round:
             if self.gradient_sum.coalesce:
                 sum_share(self.gradient_sum.groups, item, self.gradient_sum.everywhere)
             else:
-                sum_slice(*item, everywhere=self.gradient_sum.everywhere)
+                group, k, slices = item
+                sum_slice(group, k, slices, everywhere=self.gradient_sum.everywhere)
 
 
 class GradientSum:

@@ -12,9 +12,11 @@ caller whose replicas draw nothing stop paying for it: see there.
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from typing import Any
 
 import torch
+from torch._ops import OpOverload
 from torch.utils._python_dispatch import TorchDispatchMode
 
 log = logging.getLogger("dpkit")
@@ -41,7 +43,9 @@ class ReplicaGenerator(TorchDispatchMode):
         self.seed = seed
         self.generator: torch.Generator | None = None
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+    def __torch_dispatch__(
+        self, func: OpOverload, types: Sequence[type], args: tuple = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
         kwargs = kwargs or {}
         if _takes_generator(func) and kwargs.get("generator") is None:
             if self.generator is None:
@@ -78,7 +82,7 @@ class RandomnessWatch:
         modes: list[ReplicaGenerator | None] = [*replica_generators(n)] if self.protects() else [None] * n
         return modes, state_before
 
-    def end(self, modes: list[ReplicaGenerator | None], state_before: torch.Tensor | None) -> None:
+    def end(self, modes: Sequence[ReplicaGenerator | None], state_before: torch.Tensor | None) -> None:
         """Learn from the finished run that `begin` prepared."""
         if modes and modes[0] is not None:
             if any(mode is not None and mode.generator is not None for mode in modes):  # (all or none are None)

@@ -31,6 +31,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+from torch._ops import OpOverload
 from torch.utils._python_dispatch import TorchDispatchMode
 
 log = logging.getLogger("dpkit")
@@ -108,7 +109,9 @@ class WholeBatchDraws(TorchDispatchMode):
     def _mine(self, whole: torch.Tensor) -> torch.Tensor:
         return whole.narrow(0, self.offset, self.rows).clone()
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+    def __torch_dispatch__(
+        self, func: OpOverload, types: Sequence[type], args: tuple = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
         kwargs = dict(kwargs or {})
         if func in _FACTORIES:
             return self._factory(_FACTORIES[func], args, kwargs)

@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch._ops import OpOverload
 
 from dpkit.strategies.fsdp import DEFAULT_UNIT_PARAMETERS, shard_units
 
@@ -95,7 +96,9 @@ class _KernelCounter(torch.utils._python_dispatch.TorchDispatchMode):
         super().__init__()
         self.kernels = 0
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+    def __torch_dispatch__(
+        self, func: OpOverload, types: Sequence[type], args: tuple = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
         if not func.is_view and func.__name__.split(".")[0] not in ("detach", "alias", "lift_fresh", "_to_copy"):
             self.kernels += 1
         return func(*args, **(kwargs or {}))

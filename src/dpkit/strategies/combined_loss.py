@@ -12,6 +12,7 @@ term that does not touch the model) therefore works as on any tensor.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 from torch.autograd.function import once_differentiable
@@ -69,13 +70,13 @@ class ReplicaStep:
 
 class CombinedLoss(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, step: ReplicaStep, anchor: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    def forward(ctx: Any, step: ReplicaStep, anchor: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
         ctx.step = step
         return value.clone()
 
     @staticmethod
     @once_differentiable
-    def backward(ctx, grad_output: torch.Tensor):
+    def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[None, None, None]:
         ctx.step.backward(grad_output)
         return None, None, None
 

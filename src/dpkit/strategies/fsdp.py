@@ -92,9 +92,7 @@ class _AnnouncedAllGather(DefaultAllGather):
         super().__init__()
         self.device = device
 
-    def allocate(
-        self, size: Sequence[int | torch.SymInt], *, dtype: torch.dtype, device: torch.device
-    ) -> torch.Tensor:
+    def allocate(self, size: Sequence[int | torch.SymInt], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         with hooks.phase(self.phase, self.device):
             return super().allocate(size, dtype=dtype, device=device)
 
@@ -110,9 +108,7 @@ class _AnnouncedReduceScatter(DefaultReduceScatter):
         super().__init__()
         self.device = device
 
-    def allocate(
-        self, size: Sequence[int | torch.SymInt], *, dtype: torch.dtype, device: torch.device
-    ) -> torch.Tensor:
+    def allocate(self, size: Sequence[int | torch.SymInt], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         with hooks.phase(self.phase, self.device):
             return super().allocate(size, dtype=dtype, device=device)
 

@@ -322,7 +322,7 @@ def measure_cuda_copies(
             source = torch.ones(elements, dtype=torch.float32, device=f"cuda:{source_index}")
             destination = torch.empty(elements, dtype=torch.float32, device=f"cuda:{destination_index}")
 
-            def sync_both(a=source_index, b=destination_index) -> None:
+            def sync_both(a: int = source_index, b: int = destination_index) -> None:
                 torch.cuda.synchronize(a)
                 torch.cuda.synchronize(b)
 

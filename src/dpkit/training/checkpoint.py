@@ -88,7 +88,7 @@ def unwrap_model(model: nn.Module) -> nn.Module:
     wrappers = (nn.DataParallel, nn.parallel.DistributedDataParallel, DataParallel)
     while True:
         if compiled is not None and isinstance(model, compiled):
-            model = model._orig_mod
+            model = model._orig_mod  # type: ignore[assignment]  # torch types a module's attributes as Tensor | Module
         elif isinstance(model, wrappers) or getattr(type(model), "wraps_module", False):
             inner = getattr(model, "module", None)
             if not isinstance(inner, nn.Module):
@@ -181,7 +181,7 @@ class _HashingWriter:
 def write_checked(obj: Any, handle: BinaryIO) -> None:
     """torch.save `obj` into an open binary file, then its SHA-256 into the archive's zip comment, and fsync."""
     writer = _HashingWriter(handle)
-    torch.save(obj, writer)
+    torch.save(obj, writer)  # type: ignore[arg-type]  # torch.save writes to any object with write() (its docs say)
     handle.flush()
     # torch ends the archive with an empty comment (length 0); the checksum covers the archive as written
     handle.seek(-2, os.SEEK_END)
@@ -220,13 +220,14 @@ def os_error_in(error: BaseException) -> OSError | None:
     """The OSError behind `error`: itself, or one it was raised from or while handling (torch.save turns a
     failed write into a RuntimeError about stream positions, raised while handling the OSError)."""
     seen: set[int] = set()
-    while error is not None and id(error) not in seen:
-        if isinstance(error, OSError):
-            return error
-        if not isinstance(error, RuntimeError):  # a TypeError (an unpicklable value) is no write failure
+    current: BaseException | None = error
+    while current is not None and id(current) not in seen:
+        if isinstance(current, OSError):
+            return current
+        if not isinstance(current, RuntimeError):  # a TypeError (an unpicklable value) is no write failure
             return None
-        seen.add(id(error))
-        error = error.__cause__ or error.__context__
+        seen.add(id(current))
+        current = current.__cause__ or current.__context__
     return None
 
 

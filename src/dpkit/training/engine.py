@@ -28,7 +28,7 @@ import logging
 import math
 import os
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence, Sized
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -111,6 +111,7 @@ class EngineModule(nn.Module):
 
     wraps_module = True  # dpkit.unwrap_model / save_model look inside
     loads_every_copy = True  # dpkit.load_model loads through it, so every replica follows
+    user_module: nn.Module  # in __dict__ (see __init__)
 
     def __init__(self, module: nn.Module, precision: Precision, strategy: Strategy, user_module: nn.Module):
         super().__init__()
@@ -263,13 +264,15 @@ class DeviceLoader:
     def __init__(self, loader: Iterable, device: torch.device):
         self.loader, self.device = loader, device
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[Any]:
         for batch in self.loader:
             yield map_leaves(
                 lambda _, x: x.to(self.device, non_blocking=True) if isinstance(x, torch.Tensor) else x, batch, "batch"
             )
 
     def __len__(self) -> int:
+        if not isinstance(self.loader, Sized):  # as len() itself says
+            raise TypeError(f"object of type {type(self.loader).__name__!r} has no len()")
         return len(self.loader)
 
     def __getattr__(self, name: str) -> Any:
@@ -318,8 +321,9 @@ class Engine:
         strategy, devices = self._resolve_auto(strategy, accelerator, devices)
         # strategy="auto" on several devices in one process: these devices, until the first batch decides
         self._undecided: list[torch.device] | None = None
-        if strategy == UNDECIDED:
-            self._undecided, strategy, devices = devices, reference(), devices[:1]  # the reference until then
+        if strategy == UNDECIDED:  # (_resolve_auto resolved the devices: resolving them again gives the same list)
+            undecided = resolve_devices(accelerator, devices)
+            self._undecided, strategy, devices = undecided, reference(), undecided[:1]  # the reference until then
         most = strategy_class(strategy).traits.max_devices
         if devices == "auto" and most is not None:
             devices = most
@@ -439,33 +443,39 @@ class Engine:
         candidates = matching(
             lambda traits: traits.processes != PER_DEVICE and (self.precision.scaler is None or traits.grad_scaler)
         )
+        undecided, bare_model = self._undecided, self._bare_model
+        if undecided is None or bare_model is None:  # (the first batch decides once, after engine.setup)
+            return
         with torch.enable_grad():  # a brief measurement may train the probe models, even under no_grad
             choice = choose_strategy(
-                self._bare_model,
+                bare_model,
                 sample,
                 int(sample.shape[0]),
-                self._undecided,
+                undecided,
                 precision,
                 self._given_optimizers[0] if self._given_optimizers else "sgd",
                 can_launch=False,
                 strategies=candidates,
             )
         print(choice.reason, flush=True)
-        self._adopt(choice.strategy, self._undecided[: choice.devices])
+        self._adopt(choice.strategy, undecided[: choice.devices])
 
     def _adopt(self, name: str, devices: list[torch.device]) -> None:
         """Set up strategy `name` on `devices` in place of the reference that ran until the decision: the model,
         the optimizers, the criteria and the loaders set up so far follow it."""
         self._undecided = None
-        self._model.__dict__.pop("decide", None)
+        model, bare_model = self._model, self._bare_model
+        if model is None or bare_model is None:  # (adopted from engine.setup on)
+            raise RuntimeError("engine: strategy 'auto' decides after engine.setup(model, optimizer)")
+        model.__dict__.pop("decide", None)
         if name == self.strategy.name and len(devices) == len(self.devices):
             return
         self.devices = devices
         self.strategy = create_strategy(name, devices, **self._strategy_options)
         self.strategy.precision = self.precision.precision
         self.strategy.setup_environment()
-        self._model.module = self.strategy.wrap_model(self._bare_model)
-        self._model.strategy = self.strategy
+        model.module = self.strategy.wrap_model(bare_model)
+        model.strategy = self.strategy
         for engine_optimizer, given in zip(self._optimizers, self._given_optimizers):
             engine_optimizer.optimizer = self.strategy.wrap_optimizer(given)
         for criterion in self._criteria:
@@ -481,7 +491,10 @@ class Engine:
         ):
             return
         most = strategy_class(saved).traits.max_devices
-        devices = self._undecided[: most or len(self._undecided)]
+        undecided = self._undecided
+        if undecided is None:  # (called while undecided)
+            return
+        devices = undecided[: most or len(undecided)]
         print(
             f"auto: {saved} on {len(devices)} device(s), the strategy the state in {where} was saved under", flush=True
         )
@@ -653,7 +666,7 @@ class Engine:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
         state = self.strategy.model_state(unwrap_model(model))
-        if self.is_global_zero:
+        if self.is_global_zero and state is not None:  # (rank 0 holds the state)
             save_state_dict(state, path)
         self.barrier()
 
@@ -663,7 +676,7 @@ class Engine:
             return self._load(path)
 
     def _load(self, path: str | os.PathLike) -> nn.Module:
-        if self._bare_model is None:
+        if self._bare_model is None or self._model is None:
             raise RuntimeError("engine.load: call engine.setup(model, optimizer) first")
         bare = unwrap_model(self._bare_model)
         state = read_model_file(path, map_location="cpu" if self.device.type == "cpu" else self.device)
@@ -685,7 +698,7 @@ class Engine:
 
     def _save_state(self, directory: str | os.PathLike, *, keep: int | None = 3, **extra: Any) -> Path:
         keep = check_keep(keep)
-        if self._model is None:
+        if self._model is None or self._bare_model is None:
             raise RuntimeError("engine.save_state: call engine.setup(model, optimizer) first")
         if self._optimizers and not self._accumulation.at_boundary:  # without the Engine's optimizer no window is known
             raise RuntimeError(
@@ -716,7 +729,7 @@ class Engine:
                 "devices": [str(d) for d in self.devices],
                 "precision": self.precision.precision,
                 "accumulate": self.accumulate,
-                "model": None if shards is not None else detached_on_cpu(strip_prefixes(model_state)),
+                "model": None if model_state is None else detached_on_cpu(strip_prefixes(model_state)),
                 "optimizers": optimizer_states,
                 # with shards: the optimizers' param group sizes, checked before a load reads any shard
                 "optimizer_groups": [[len(group["params"]) for group in opt.param_groups] for opt in optimizers],
@@ -770,7 +783,7 @@ class Engine:
             return self._load_state(directory, **objects)
 
     def _load_state(self, directory: str | os.PathLike, **objects: Any) -> dict[str, Any]:
-        if self._model is None:
+        if self._model is None or self._bare_model is None:
             raise RuntimeError("engine.load_state: call engine.setup(model, optimizer) first")
         # read onto the CPU: load_state_dict moves weights and optimizer state to their parameters' devices
         chosen, shared, mine = read_state_directory(directory, self.rank, map_location="cpu")
@@ -782,6 +795,8 @@ class Engine:
         # --- check everything first ---
         shards = chosen / shared["shards"] if shared.get("shards") else None
         sharded_load = False  # this strategy reads its own shards of a sharded state (DCP reshards them)
+        model_state: dict[str, Any] | None  # None: the shards load into the model
+        saved_optimizers: list[dict[str, Any]]
         if shards is not None:
             self._verify_shards(shards, shared.get("shard_digests") or {})
             sharded_load = self.strategy.traits.sharded
@@ -872,7 +887,7 @@ class Engine:
             ):
                 undo.keep(f"strategy {self.strategy.name}", self.strategy, copy.deepcopy(self.strategy.state_dict()))
                 self.strategy.load_state_dict(strategy_state)
-            if sharded_load:
+            if sharded_load and shards is not None:  # (sharded_load: there are shards)
                 undo.step = "the sharded model and optimizers"
                 self._load_shards(bare, optimizers, shared["optimizers_in_shards"], shards)
             else:
@@ -880,7 +895,8 @@ class Engine:
                     undo.keep(f"optimizer {index}", optimizer, optimizer_snapshot(optimizer))
                     self.strategy.load_optimizer_state(optimizer, saved)
                 undo.step = "the model"
-                self.strategy.load_model_state(bare, model_state)
+                if model_state is not None:  # (read whole unless the shards load themselves)
+                    self.strategy.load_model_state(bare, model_state)
         except Exception as error:
             raise undo.back(error, chosen) from error
         self._accumulation.steps, self._accumulation.micro_batches, self._accumulation.stepped = (
@@ -930,7 +946,10 @@ class Engine:
         before = [optimizer.state_dict() for optimizer in optimizers]
         saved = {name: optimizers[int(name)] for name in in_shards}
         try:
-            filled = load_into(self.strategy.sharded_state(bare, saved), folder)
+            state = self.strategy.sharded_state(bare, saved)
+            if state is None:  # (only a sharded strategy loads shards)
+                raise RuntimeError(f"strategy {self.strategy.name!r} keeps no sharded state to load shards into")
+            filled = load_into(state, folder)
         except Exception:
             for optimizer, state in zip(optimizers, before):
                 optimizer.load_state_dict(state)

@@ -17,6 +17,12 @@ import math
 import os
 import shutil
 from pathlib import Path
+from typing import TYPE_CHECKING, TextIO
+
+if TYPE_CHECKING:
+    import _csv
+
+    from torch.utils.tensorboard import SummaryWriter
 
 log = logging.getLogger("dpkit")
 
@@ -25,7 +31,7 @@ TENSORBOARD_FOLDER = "tensorboard"
 COLUMNS = ("step", "loss", "lr", "grad_norm", "eval_loss", "eval_accuracy")
 
 
-def tensorboard_writer_class():
+def tensorboard_writer_class() -> type[SummaryWriter]:
     """torch's SummaryWriter, or one line saying how to install what it needs."""
     try:
         from torch.utils.tensorboard import SummaryWriter
@@ -45,7 +51,9 @@ class MetricsLog:
         self.path = out / METRICS_CSV
         self.resume_step = resume_step
         self._kept = self._rows_kept(evaluates_again) if resume_step else []
-        self._file = self._csv = None  # opened with the first row: a run that logged nothing leaves no file
+        # opened with the first row: a run that logged nothing leaves no file
+        self._file: TextIO | None = None
+        self._csv: _csv.Writer | None = None
         self._tensorboard = None
         if tensorboard:
             writer = tensorboard_writer_class()
@@ -57,10 +65,10 @@ class MetricsLog:
                 if int(row[0]) == resume_step:
                     self._add_scalars(resume_step, dict(zip(COLUMNS[1:], (_value(cell) for cell in row[1:]))))
 
-    def _open(self) -> None:
+    def _open(self) -> tuple[TextIO, _csv.Writer]:
         self._write_whole(self._kept)
-        self._file = open(self.path, "a", newline="")  # noqa: SIM115 - kept open for the run, closed by close()
-        self._csv = csv.writer(self._file)
+        file = open(self.path, "a", newline="")  # noqa: SIM115 - kept open for the run, closed by close()
+        return file, csv.writer(file)
 
     def _rows_kept(self, evaluates_again: bool) -> list[list[str]]:
         """The rows up to the resume step, without its evaluation if the run evaluates there again."""
@@ -96,8 +104,8 @@ class MetricsLog:
         unknown = set(values) - set(COLUMNS)
         if unknown:
             raise ValueError(f"metrics: unknown column(s) {', '.join(sorted(unknown))}; known: {', '.join(COLUMNS)}")
-        if self._file is None:
-            self._open()
+        if self._file is None or self._csv is None:
+            self._file, self._csv = self._open()
         self._csv.writerow([step] + [_cell(values.get(name)) for name in COLUMNS[1:]])
         self._file.flush()
         self._add_scalars(step, values)

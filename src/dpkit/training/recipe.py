@@ -71,7 +71,7 @@ from dpkit.training.state import read_state_directory, step_directories, step_of
 try:  # one writer per run folder: flock (Linux, macOS); without it the folder is not locked
     import fcntl
 except ImportError:  # pragma: no cover - Windows
-    fcntl = None
+    fcntl = None  # type: ignore[assignment]  # an optional module: None where there is none
 
 log = logging.getLogger("dpkit")
 
@@ -454,7 +454,8 @@ def _check_settings(
     given = config.settings()
     changing = config.changes()
     recorded: dict[str, Any] = {}
-    chosen, shared = None, {}
+    chosen: Path | None = None
+    shared: dict[str, Any] = {}
     if state is not None:
         chosen, shared, _ = read_state_directory(state, 0)
         recorded = (shared.get("extra") or {}).get("settings", {}).get("value")
@@ -800,14 +801,14 @@ def _best_files(out: Path) -> dict[str, torch.Tensor]:
 def _restore_best_files(out: Path, saved: dict[str, torch.Tensor] | None) -> None:
     """best.pt and best.json back to what they were when the state was saved: each written whole (or removed
     when the state had none), best.json out first and in last, so a best.json always describes its best.pt."""
-    saved = {name: bytes(data.numpy()) for name, data in (saved or {}).items()}
+    saved_bytes = {name: bytes(data.numpy()) for name, data in (saved or {}).items()}
     on_disk = {name: (out / name).read_bytes() for name in (BEST_MODEL, BEST) if (out / name).is_file()}
-    if on_disk == saved:
+    if on_disk == saved_bytes:
         return  # nothing was written after the state: the common case
     (out / BEST).unlink(missing_ok=True)
     for name in (BEST_MODEL, BEST):
-        if name in saved:
-            atomic_write(out / name, lambda handle, data=saved[name]: handle.write(data))
+        if name in saved_bytes:
+            atomic_write(out / name, lambda handle, data=saved_bytes[name]: handle.write(data))
         else:
             (out / name).unlink(missing_ok=True)
 
@@ -1050,7 +1051,7 @@ def _train(config: TrainConfig, prepared: Prepared) -> dict[str, Any] | None:
         extras = engine.load_state(out / STATE_FOLDER)
         losses = LossLog(engine, extras["losses"], extras["rows"])
         step_seconds, seconds_before = list(extras["step_seconds"]), float(extras["seconds"])
-        if best is not None:
+        if best is not None and config.keep_best is not None:  # (best is kept when keep_best is given)
             best = Best(config.keep_best, BEST_BY[config.keep_best], extras.get("best"))
         if engine.step > config.steps:
             raise ValueError(

@@ -39,7 +39,7 @@ import shutil
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeGuard
 
 import numpy as np
 import torch
@@ -194,7 +194,7 @@ def _stateful_samplers(batch_sampler: Any) -> list[Any]:
     ]
 
 
-def resumable(loader: Any) -> bool:
+def resumable(loader: Any) -> TypeGuard[DataLoader]:
     """Whether the Engine can track and restore this loader's position (a map-style DataLoader with batches)."""
     return (
         isinstance(loader, DataLoader)
@@ -228,7 +228,7 @@ class ResumableLoader:
         else:
             self.global_batches = GlobalBatches(rule.global_batches(loader), rule.batch_share)
         self.generators = _generators(loader, self.global_batches.batch_sampler)
-        extra = (
+        extra: dict[str, Any] = (
             {"prefetch_factor": loader.prefetch_factor, "persistent_workers": loader.persistent_workers}
             if loader.num_workers > 0
             else {}
@@ -249,9 +249,7 @@ class ResumableLoader:
         self.next_batch = 0  # the next batch of that epoch
         self.in_epoch = False
         self.epoch_start: dict[str, Any] | None = None  # generator states when the current epoch began
-        self._resume: tuple[int, dict[str, Any] | None] | None = (
-            None  # (batch, generator states) for the next iteration
-        )
+        self._resume: tuple[int, dict[str, Any]] | None = None  # (batch, generator states) for the next iteration
         self.last_batch: BatchRecord | None = None
 
     # --- what decides an epoch's order ----------------------------------------------------------------
@@ -323,8 +321,12 @@ class ResumableLoader:
             "epoch": self.epoch,
             "next_batch": self.next_batch if self.in_epoch else 0,
             "batches_per_epoch": len(self.global_batches),
-            "dataset_size": len(self.source.dataset),
+            "dataset_size": self._dataset_size(),
         }
+
+    def _dataset_size(self) -> int:
+        # a map-style dataset (resumable() checked) has a length; torch's Dataset type does not say so
+        return len(self.source.dataset)  # type: ignore[arg-type]
 
     def order_state(self) -> dict[str, Any] | None:
         """This process's generator states from the start of the epoch in progress (None between epochs)."""
@@ -334,12 +336,11 @@ class ResumableLoader:
         if not isinstance(position, dict) or not {"epoch", "next_batch", "batches_per_epoch"} <= set(position):
             raise CheckpointCorruptError(f"{source}: the data position is missing or incomplete")
         here = len(self.global_batches)
-        if position["batches_per_epoch"] != here or position.get("dataset_size", len(self.source.dataset)) != len(
-            self.source.dataset
-        ):
+        size = self._dataset_size()
+        if position["batches_per_epoch"] != here or position.get("dataset_size", size) != size:
             raise ValueError(
                 f"loader: the state was saved with {position['batches_per_epoch']} batches per epoch over "
-                f"{position.get('dataset_size')} samples, this loader has {here} over {len(self.source.dataset)}; "
+                f"{position.get('dataset_size')} samples, this loader has {here} over {size}; "
                 "resume with the same dataset and global batch size"
             )
 
@@ -351,7 +352,7 @@ class ResumableLoader:
             raise CheckpointCorruptError(
                 "the state stops mid-epoch but holds no generator states for that epoch's order"
             )
-        self._resume = (self.next_batch, order_state) if self.next_batch > 0 else None
+        self._resume = (self.next_batch, order_state) if self.next_batch > 0 and order_state is not None else None
 
 
 # --- the state directory --------------------------------------------------------------------------------
@@ -494,18 +495,25 @@ def _complete_at_a_glance(path: Path) -> bool:
     return (path / STATE_FILE).is_file() and (path / "rank-0.pt").is_file()
 
 
+def _step_number(path: Path) -> int:
+    step = step_of(path)
+    if step is None:
+        raise ValueError(f"{path}: not a state directory (its name gives no step)")
+    return step
+
+
 def remove_old_states(root: Path, written: Path, keep: int) -> None:
     """Keep the newest `keep` complete states up to `written` (itself included); remove the older ones.
 
     Stray entries are never counted or removed, a damaged state (a file missing) is not counted, and states
     newer than `written` (left from before the run went back to an earlier state) are left alone."""
-    step = step_of(written)
-    older = [path for path in step_directories(root) if path != written and step_of(path) < step]
+    step = _step_number(written)
+    older = [path for path in step_directories(root) if path != written and _step_number(path) < step]
     complete = [path for path in older if _complete_at_a_glance(path)]
     kept = complete[max(0, len(complete) - (keep - 1)) :] if keep > 1 else []
-    oldest_kept = step_of(kept[0]) if kept else step
+    oldest_kept = _step_number(kept[0]) if kept else step
     for path in older:
-        if step_of(path) < oldest_kept:
+        if _step_number(path) < oldest_kept:
             _remove(path)
             log.debug("removed %s (keep=%d)", path, keep)
 
@@ -537,6 +545,15 @@ def _together(agree: Callable[[Any], list[Any]], action: Callable[[], None]) -> 
             )
 
 
+@dataclass
+class _SaveProgress:
+    """How far a save got, for undoing it."""
+
+    replaced: Path | None = None  # the same step's earlier state, moved aside
+    placed: bool = False
+    pointed: bool = False
+
+
 def write_state_directory(
     root: str | os.PathLike,
     step: int,
@@ -561,8 +578,13 @@ def write_state_directory(
     final, temporary = root / name, root / f".{name}.tmp"
     if root.exists() and not root.is_dir():  # every process checks, so none waits for a rank 0 that failed here
         raise NotADirectoryError(f"directory: {root} is a file; give a folder for the training state")
-    agree = gather if gather is not None else (lambda message: (barrier(), [message])[1])
-    done = {"replaced": None, "placed": False, "pointed": False}
+
+    def agree_at_barrier(message: Any) -> list[Any]:
+        barrier()
+        return [message]
+
+    agree = gather if gather is not None else agree_at_barrier
+    done = _SaveProgress()
 
     def begin() -> None:
         if rank == 0:
@@ -571,7 +593,7 @@ def write_state_directory(
             temporary.mkdir()
 
     def write_files() -> None:
-        if rank == 0 and shards is not None:
+        if rank == 0 and shards is not None and shared is not None:  # (rank 0 passes `shared`)
             shared["shards"], shared["shard_digests"] = SHARDS, shard_digests(temporary / SHARDS)
         files = [(f"rank-{rank}.pt", mine)] + ([(STATE_FILE, shared)] if rank == 0 else [])
         for file_name, content in files:
@@ -588,18 +610,18 @@ def write_state_directory(
             fsync_directory(temporary / SHARDS)
         fsync_directory(temporary)
         if final.exists() or final.is_symlink():  # the same step saved again: move the old one aside, then drop it
-            done["replaced"] = _aside(root, name)
-            os.rename(final, done["replaced"])
+            done.replaced = _aside(root, name)
+            os.rename(final, done.replaced)
         os.rename(temporary, final)
-        done["placed"] = True
+        done.placed = True
         fsync_directory(root)
         try:
             atomic_write(root / LATEST, lambda handle: handle.write(_pointer_text(name).encode()))
         except BaseException as error:
             _raise_write_failure(error, root / LATEST)
-        done["pointed"] = True
-        if done["replaced"] is not None:
-            _remove(done["replaced"])
+        done.pointed = True
+        if done.replaced is not None:
+            _remove(done.replaced)
         if keep is not None:
             remove_old_states(root, final, keep)
 
@@ -613,8 +635,8 @@ def write_state_directory(
         _together(agree, write_files)
         _together(agree, place)
     except BaseException:
-        if rank == 0 and not done["pointed"]:
-            _undo_save(temporary, final, done["replaced"], placed=done["placed"])
+        if rank == 0 and not done.pointed:
+            _undo_save(temporary, final, done.replaced, placed=done.placed)
         raise
     return final
 

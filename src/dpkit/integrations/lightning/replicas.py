@@ -40,7 +40,7 @@ from dpkit.parallel.nested import is_namedtuple
 from dpkit.parallel.reduce import GradientSum
 from dpkit.parallel.scatter import batch_size_of
 from dpkit.parallel.whole_batch_rng import WholeBatchDraws, finish_draws
-from dpkit.strategies import PERSISTENT, DeferredOutput, Strategy, create_strategy, matching, strategy_class
+from dpkit.strategies import PERSISTENT, DeferredOutput, create_strategy, matching, strategy_class
 
 log = logging.getLogger("dpkit")
 
