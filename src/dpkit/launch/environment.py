@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 # set by torchrun for every worker
 LAUNCH_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
@@ -18,6 +19,44 @@ HEARTBEAT_PREFIX = "dpkit/heartbeat"
 def launched() -> bool:
     """Whether this process was started by a launcher (dpkit launch / torchrun)."""
     return all(name in os.environ for name in LAUNCH_VARIABLES)
+
+
+@dataclass(frozen=True)
+class ProcessPlace:
+    """Where this process sits in its launched group: the only reading of the launch variables."""
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    local_world_size: int = 1
+    node_rank: int = 0
+
+    @property
+    def is_first(self) -> bool:
+        return self.rank == 0
+
+
+def process_place() -> ProcessPlace:
+    """This process's rank, group size and node from the launcher's variables; rank 0 of 1 when not launched."""
+    if not launched():
+        return ProcessPlace()
+    environ = os.environ
+    world_size = int(environ["WORLD_SIZE"])
+    local_world_size = int(environ.get("LOCAL_WORLD_SIZE", world_size))
+    rank = int(environ["RANK"])
+    node_rank = int(environ.get("GROUP_RANK", rank // max(local_world_size, 1)))
+    return ProcessPlace(rank, world_size, int(environ["LOCAL_RANK"]), local_world_size, node_rank)
+
+
+def missing_launch_variables() -> list[str]:
+    """The launch variables this process lacks (all of them when it was not launched)."""
+    return [name for name in LAUNCH_VARIABLES if name not in os.environ]
+
+
+def hang_timeout_seconds() -> float | None:
+    """The launcher's hang timeout for this worker, None when no launcher watches for hangs."""
+    value = os.environ.get(HANG_TIMEOUT_VARIABLE)
+    return float(value) if value else None
 
 
 def restart_count() -> int:

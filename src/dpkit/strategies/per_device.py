@@ -19,7 +19,6 @@ Both rules are ProcessShares, which the data hooks (global_batches, batch_share,
 from __future__ import annotations
 
 import logging
-import os
 import time
 from collections.abc import Sequence
 from datetime import timedelta
@@ -32,7 +31,7 @@ from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, Rando
 
 from dpkit.checks import check_int
 from dpkit.devices import cpu_threads_per_device
-from dpkit.launch.environment import HANG_TIMEOUT_VARIABLE, LAUNCH_VARIABLES, launched
+from dpkit.launch.environment import hang_timeout_seconds, launched, missing_launch_variables, process_place
 from dpkit.launch.heartbeat import ProgressHeartbeat
 from dpkit.launch.rendezvous import rendezvous_store
 from dpkit.parallel.scatter import split_sizes
@@ -117,14 +116,15 @@ class PerDeviceStrategy(Strategy):
         if not launched():
             raise RuntimeError(
                 f"strategy='{self.name}' runs one process per device, and this process was not started by a launcher "
-                f"({', '.join(n for n in LAUNCH_VARIABLES if n not in os.environ)} unset); start the script with "
+                f"({', '.join(missing_launch_variables())} unset); start the script with "
                 f"`dpkit launch --nproc-per-node N script.py ...` (dpkit train --strategy {self.name} does this itself)"
             )
         super().__init__(devices)
-        self.rank = int(os.environ["RANK"])
-        self.world_size = int(os.environ["WORLD_SIZE"])
-        self.local_rank = int(os.environ["LOCAL_RANK"])
-        self.local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", len(self.devices)))
+        place = process_place()
+        self.rank = place.rank
+        self.world_size = place.world_size
+        self.local_rank = place.local_rank
+        self.local_world_size = place.local_world_size
         if self.local_world_size != len(self.devices):
             raise ValueError(
                 f"devices: {len(self.devices)} devices but the launcher started "
@@ -168,10 +168,10 @@ class PerDeviceStrategy(Strategy):
                 world_size=self.world_size,
                 timeout=timedelta(seconds=self.timeout_seconds),
             )
-        if os.environ.get(HANG_TIMEOUT_VARIABLE):
+        hang_timeout = hang_timeout_seconds()
+        if hang_timeout is not None:
             # the launcher watches for a rank that stops making progress; tell it how far this one is
-            hang_timeout_seconds = float(os.environ[HANG_TIMEOUT_VARIABLE])
-            self._heartbeat = ProgressHeartbeat(self.rank, interval_seconds=min(1.0, hang_timeout_seconds / 4)).start()
+            self._heartbeat = ProgressHeartbeat(self.rank, interval_seconds=min(1.0, hang_timeout / 4)).start()
         if self.rank != 0 and not any(isinstance(f, _BelowWarning) for f in log.filters):
             log.addFilter(_BelowWarning())
 

@@ -35,6 +35,7 @@ from tqdm import tqdm
 from dpkit.checks import check_int
 from dpkit.devices import resolve_devices
 from dpkit.launch import Command, relaunch
+from dpkit.launch.environment import process_place
 from dpkit.observe import Observer
 from dpkit.observe.plots import save_scaling_figure
 from dpkit.observe.report import write_json
@@ -409,8 +410,8 @@ def worker_main(spec_path: str, out_path: str) -> int:
         data["input_shape"] = tuple(data["input_shape"])
     spec = BenchSpec(**data)
     factory, x, y, _ = load_model_source(spec)
-    world_size = int(os.environ["WORLD_SIZE"])
-    rank = int(os.environ["RANK"])
+    place = process_place()
+    world_size, rank = place.world_size, place.rank
     contender = Contender(spec, spec.strategies[0], world_size, factory, x, y, rank=rank, world_size=1)
     # under the launcher, `devices` is this node's process count; every rank cuts its own share
     contender.share_rows = spec.per_device(world_size)

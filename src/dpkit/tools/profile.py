@@ -14,7 +14,6 @@ report holding every rank's devices; without a launcher, `run` starts the proces
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -26,6 +25,7 @@ from torch.utils.data import DataLoader, RandomSampler, TensorDataset
 from dpkit.checks import check_batch_split, check_int, check_output_file
 from dpkit.devices import resolve_devices
 from dpkit.launch import Command, launched, relaunch
+from dpkit.launch.environment import process_place
 from dpkit.observe import Observer, Report, active
 from dpkit.parallel.balance import CALIBRATION_CALLS
 from dpkit.precision import PRECISIONS as ENGINE_PRECISIONS
@@ -105,7 +105,7 @@ def with_global_batch(spec: ProfileSpec, devices: int) -> ProfileSpec:
     launched processes)."""
     if spec.batch_size_per_device is None:
         return spec
-    count = int(os.environ["WORLD_SIZE"]) if launched() else devices
+    count = process_place().world_size if launched() else devices
     return replace(spec, batch_size=spec.batch_size_per_device * count, batch_size_per_device=None)
 
 
