@@ -28,6 +28,7 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -102,7 +103,9 @@ class _Contender:
 
     def __init__(self, name: str, devices: int, model: nn.Module, x: torch.Tensor, y: torch.Tensor):
         self.name, self.devices = name, devices
-        options = {"threads_per_device": 1} if "threads_per_device" in strategy_class(name).options else {}
+        options: dict[str, Any] = (
+            {"threads_per_device": 1} if "threads_per_device" in strategy_class(name).options else {}
+        )
         self.strategy = create_strategy(name, cpu_devices(devices), **options)
         self.strategy.setup_environment()
         self.model = self.strategy.wrap_model(copy.deepcopy(model))

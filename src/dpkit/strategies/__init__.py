@@ -82,11 +82,11 @@ def reference() -> str:
     return matching(lambda traits: traits.max_devices == 1)[0]
 
 
-def create_strategy(name: str, devices: Sequence[torch.device], **options: Any) -> Strategy:
-    """An instance of the strategy called `name` (one of STRATEGIES) on `devices`."""
+def create_strategy(name: str, devices: Sequence[torch.device], *, precision: str = "32", **options: Any) -> Strategy:
+    """An instance of the strategy called `name` (one of STRATEGIES) on `devices`, built for `precision`."""
     cls = strategy_class(name)
     unknown = sorted(set(options) - set(cls.options))
     if unknown:
         accepted = ", ".join(cls.options) or "none"
         raise TypeError(f"{unknown[0]}: not an option of strategy '{name}' (its options: {accepted})")
-    return cls(devices, **options)
+    return cls(devices, precision=precision, **options)

@@ -81,12 +81,12 @@ class Strategy:
     # one process: rank 0 of 1; strategies with a process per device set these from the launcher's environment
     rank = 0
     world_size = 1
-    # the Engine's precision ("32", "bf16-mixed", "16-mixed"), set before wrapping; the Engine applies it
-    # (autocast, GradScaler), and a strategy that also applies it itself (fsdp's gathers in bf16) reads it
-    precision = "32"
 
-    def __init__(self, devices: Sequence[torch.device]):
+    def __init__(self, devices: Sequence[torch.device], *, precision: str = "32"):
         self.devices = list(devices)
+        # the run's precision ("32", "bf16-mixed", "16-mixed"), given at construction; the Engine applies it
+        # (autocast, GradScaler), and a strategy that also applies it itself (fsdp's gathers in bf16) reads it
+        self.precision = precision
         most = self.traits.max_devices
         if most is not None and len(self.devices) > most:
             raise ValueError(

@@ -135,9 +135,11 @@ class FSDP(PerDeviceStrategy):
         seed: int = 0,
         threads_per_device: int | None = None,
         init_timeout_seconds: float = 60.0,
+        precision: str = "32",
     ):
         super().__init__(
             devices,
+            precision=precision,
             timeout_seconds=timeout_seconds,
             seed=seed,
             threads_per_device=threads_per_device,

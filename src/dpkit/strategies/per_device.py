@@ -112,6 +112,7 @@ class PerDeviceStrategy(Strategy):
         seed: int = 0,
         threads_per_device: int | None = None,
         init_timeout_seconds: float = 60.0,
+        precision: str = "32",
     ):
         if not launched():
             raise RuntimeError(
@@ -119,7 +120,7 @@ class PerDeviceStrategy(Strategy):
                 f"({', '.join(missing_launch_variables())} unset); start the script with "
                 f"`dpkit launch --nproc-per-node N script.py ...` (dpkit train --strategy {self.name} does this itself)"
             )
-        super().__init__(devices)
+        super().__init__(devices, precision=precision)
         place = process_place()
         self.rank = place.rank
         self.world_size = place.world_size

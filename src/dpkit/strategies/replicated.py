@@ -85,8 +85,9 @@ class Replicated(Strategy):
         overlap_reduce: bool = True,
         share_weights: bool | None = None,
         coalesce_reduce: bool = True,
+        precision: str = "32",
     ):
-        super().__init__(devices)
+        super().__init__(devices, precision=precision)
         self.on_cpu = all(device.type == "cpu" for device in self.devices)
         if share_weights not in (None, True, False):
             raise TypeError(

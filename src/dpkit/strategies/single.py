@@ -28,8 +28,8 @@ class Single(Strategy):
     name = "single"
     traits = Traits(processes=ONE_PROCESS, loss=ON_ROOT, replicas=NO_REPLICAS, max_devices=1)
 
-    def __init__(self, devices: Sequence[torch.device]):
-        super().__init__(devices)
+    def __init__(self, devices: Sequence[torch.device], *, precision: str = "32"):
+        super().__init__(devices, precision=precision)
         self.model: nn.Module | None = None
 
     def wrap_model(self, model: nn.Module) -> nn.Module:

@@ -333,10 +333,11 @@ class Engine:
             # freed activation and gradient back to the kernel and page-fault it in again the next step
             # (devices.keep_freed_host_memory; DPKIT_KEEP_HOST_MEMORY=0 leaves malloc alone)
             keep_freed_host_memory()
-        self.strategy: Strategy = create_strategy(strategy, self.devices, **strategy_options)
-        self._strategy_options = strategy_options
         self.precision = Precision(precision, self.devices[0].type)
-        self.strategy.precision = self.precision.precision
+        self.strategy: Strategy = create_strategy(
+            strategy, self.devices, precision=self.precision.precision, **strategy_options
+        )
+        self._strategy_options = strategy_options
         if self.precision.scaler is not None and not self.strategy.traits.grad_scaler:
             able = ", ".join(matching(lambda traits: traits.grad_scaler))
             raise ValueError(
@@ -471,8 +472,7 @@ class Engine:
         if name == self.strategy.name and len(devices) == len(self.devices):
             return
         self.devices = devices
-        self.strategy = create_strategy(name, devices, **self._strategy_options)
-        self.strategy.precision = self.precision.precision
+        self.strategy = create_strategy(name, devices, precision=self.precision.precision, **self._strategy_options)
         self.strategy.setup_environment()
         model.module = self.strategy.wrap_model(bare_model)
         model.strategy = self.strategy
