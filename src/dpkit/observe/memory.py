@@ -10,6 +10,7 @@ tensor's own; the report's peak comes from the allocator (see observer.py).
 from __future__ import annotations
 
 import functools
+import sys
 import threading
 import weakref
 from collections.abc import Callable, Iterator, Sequence
@@ -18,7 +19,6 @@ from typing import Any
 
 import torch
 from torch._ops import OpOverload
-from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from dpkit.devices import parse_device, tensor_device
@@ -35,10 +35,17 @@ CATEGORIES = (
 )
 
 
+def is_dtensor(tensor: torch.Tensor) -> bool:
+    """Whether `tensor` is a DTensor, without importing torch.distributed.tensor (about 0.7 s of start-up for
+    every process that measures memory): a DTensor exists only once that module is loaded."""
+    dtensor = sys.modules.get("torch.distributed.tensor")
+    return dtensor is not None and isinstance(tensor, dtensor.DTensor)
+
+
 def _storage_holder(tensor: torch.Tensor) -> torch.Tensor:
     """The tensor whose storage holds the bytes: a DTensor's local shard (a DTensor itself reports a storage of
     the whole tensor's size, which this process does not hold)."""
-    return tensor._local_tensor if isinstance(tensor, DTensor) else tensor
+    return tensor._local_tensor if is_dtensor(tensor) else tensor
 
 
 @dataclass

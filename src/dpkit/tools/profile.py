@@ -19,7 +19,6 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
-from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, RandomSampler, TensorDataset
 
 from dpkit.checks import check_batch_split, check_int, check_output_file
@@ -27,6 +26,7 @@ from dpkit.devices import resolve_devices
 from dpkit.launch import Command, launched, relaunch
 from dpkit.launch.environment import process_place
 from dpkit.observe import Observer, Report, active
+from dpkit.observe.memory import is_dtensor
 from dpkit.parallel.balance import CALIBRATION_CALLS
 from dpkit.precision import PRECISIONS as ENGINE_PRECISIONS
 from dpkit.strategies import strategy_class
@@ -230,7 +230,7 @@ def kept_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict
     def held(group: list[torch.Tensor]) -> int:
         storages: dict[int, int] = {}
         for tensor in group:
-            storage = (tensor.to_local() if isinstance(tensor, DTensor) else tensor).untyped_storage()
+            storage = (tensor.to_local() if is_dtensor(tensor) else tensor).untyped_storage()
             storages[storage.data_ptr()] = storage.nbytes()
         return sum(storages.values())
 
