@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 
 from dpkit.cli.main import main
-from dpkit.strategies import Strategy, available_strategies, matching, strategy_class
+from dpkit.strategies import ALL_PROCESSES, Strategy, available_strategies, matching, strategy_class
+from dpkit.strategies import SHARDED as SHARDED_PART
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "plan"))  # the width factories
 
@@ -79,7 +80,8 @@ def test_slow_link_recommends_ddp_and_names_the_bottleneck(tmp_path, capsys):
     assert "recommendation: ddp" in capsys.readouterr().out
 
 
-SHARDED = matching(lambda traits: traits.sharded)[0]
+# the strategy that shards weights, gradients and optimizer state over every process (fsdp), whatever its name
+SHARDED = matching(lambda traits: len(traits.sharded_parts) == 3 and traits.shard_group == ALL_PROCESSES)[0]
 LLAMA_ON_8_A100 = ["--model", "llama-7b", "--gpu", "a100-80gb-sxm", "--link", "nvlink3"]
 LLAMA_ON_8_A100 += ["--batch-size-per-device", "1", "--device-counts", "8", "--precision", "bf16-mixed"]
 
@@ -94,13 +96,15 @@ def test_llama_7b_on_8_a100s_is_planned_sharded(tmp_path, capsys):
     assert recommendation["would_fit"] is None
     by_strategy = {p["strategy"]: p for p in data["predictions"]}
     assert set(by_strategy) == set(available_strategies()) - {"single"}  # single: one device, not asked
-    assert [name for name, p in by_strategy.items() if p["fits"]] == [SHARDED]
+    # only what shards the weights too fits (fsdp, and hsdp, whose shard group is the node's 8 devices)
+    weights_sharded = matching(lambda traits: traits.weights == SHARDED_PART)
+    assert [name for name, p in by_strategy.items() if p["fits"]] == weights_sharded
     usable = 0.9 * 80 * 2**30
     assert max(by_strategy[SHARDED]["peak_bytes_per_device"]) <= usable
-    assert all(max(p["peak_bytes_per_device"]) > usable for name, p in by_strategy.items() if name != SHARDED)
+    assert all(max(p["peak_bytes_per_device"]) > usable for name, p in by_strategy.items() if not p["fits"])
     assert {"all_gather", "reduce_scatter"} <= set(by_strategy[SHARDED]["breakdown"])
     out = capsys.readouterr().out
-    assert f"recommendation: {SHARDED} on 8 devices" in out and f"only {SHARDED} fits" in out
+    assert f"recommendation: {SHARDED} on 8 devices" in out and f"only {SHARDED}" in out
     table = out.split("recommendation:")[0]
     assert any(line.split()[:2] == [SHARDED, "8"] and not line.split()[-2].endswith("!") for line in table.splitlines())
     assert png.stat().st_size > 0
@@ -222,7 +226,7 @@ GPT2 = ["--model", "gpt2-124m", "--gpu", "t4", "--link", "pcie3", "--batch-size-
         (GPT2 + ["--precision", "fp8"], "--precision"),
         (GPT2 + ["--optimizer", "lion"], "--optimizer"),
         (["--model", "widths:narrow", "--gpu", "t4", "--batch-size-per-device", "8"], "--input-shape"),
-        (GPT2 + ["--strategies", "zero"], "zero"),
+        (GPT2 + ["--strategies", "nonesuch"], "nonesuch"),
         (GPT2 + ["--largest-unit-params", "1e6"], "--largest-unit-params"),
         (
             ["--params", "1e9", "--gpu", "t4", "--batch-size-per-device", "8", "--largest-unit-params", "2e9"],
@@ -356,3 +360,21 @@ def test_a_wide_plan_splits_its_tables_and_wraps_within_100_columns(tmp_path, mo
     phases = lines[next(i for i, line in enumerate(lines) if line.startswith("the step by phase")) :]
     assert sum(line.startswith("strategy") for line in phases) >= 2  # split into tables that fit
     assert any(line.split()[:2] == [LongNamed.name, "16x32"] for line in lines)
+
+
+def test_every_registered_strategy_and_variant_gets_its_memory_by_category(tmp_path, capsys):
+    # the default --strategies is the registry: a strategy registered later (zero, hsdp) is listed with no change
+    # to the planner, and so is each variant it plans (zero's stage=2)
+    data = plan(tmp_path, *GPT2, "--device-counts", "1,4")
+    rows = data["memory_by_category"]
+    expected = [
+        (name, options) for name in available_strategies() for options in ({}, *strategy_class(name).planned_variants)
+    ]
+    assert [(row["strategy"], row["options"]) for row in rows] == expected
+    for row in rows:
+        kept = sum(row["bytes_by_category"][part] for part in ("parameters", "gradients", "optimizer_state"))
+        assert 0 < kept <= row["peak_bytes"] == sum(row["bytes_by_category"].values())
+        assert set(row["sharded"]) == set(strategy_class(row["strategy"]).traits_for(**row["options"]).sharded_parts)
+    out = capsys.readouterr().out
+    table = out.split("memory per device by category")[1].split("recommendation:")[0]
+    assert all(name in table for name in available_strategies())

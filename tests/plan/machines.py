@@ -64,3 +64,35 @@ def synthetic_bench(profile, batch_size, values=IDLE_2_CORES, strategies=IN_ONE_
         "optimizer": "sgd",
         "results": results,
     }
+
+
+def memory(
+    profile,
+    strategy,
+    devices,
+    batch,
+    precision="32",
+    optimizer="adam",
+    *,
+    shared_weights=False,
+    nodes=1,
+    offload=False,
+    options=None,
+):
+    """memory_per_device for a strategy on `devices` per node of `nodes`, on GPUs (or, `shared_weights`, on virtual
+    CPU devices, whose replicas may share one copy of the weights): memory does not depend on the GPU's figures."""
+    from dpkit.plan.catalogue import Catalogue
+    from dpkit.plan.cost_model import Hardware, Setup, memory_per_device
+
+    catalogue = Catalogue.load()
+    hardware = Hardware(
+        catalogue.gpu("h100-sxm"), catalogue.link("nvlink4"), catalogue.network("ib-200g"), nodes, shared_weights
+    )
+    setup = Setup(profile, hardware, strategy, devices, batch, precision, optimizer=optimizer, options=options or {})
+    return memory_per_device(dataclasses_replace(setup, offload=offload))
+
+
+def dataclasses_replace(value, **changes):
+    import dataclasses
+
+    return dataclasses.replace(value, **changes)

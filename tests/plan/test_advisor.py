@@ -1,18 +1,20 @@
 """The recommendation: DP fine, DDP preferable, neither helps, only the sharded strategy fits, nothing fits."""
 
 import pytest
+from machines import memory
 
 from dpkit.plan.advisor import SHARDING_WORTH, recommend
 from dpkit.plan.catalogue import Catalogue
-from dpkit.plan.cost_model import CostConstants, Hardware, Prediction, memory_per_device
+from dpkit.plan.cost_model import CostConstants, Hardware, Prediction
 from dpkit.plan.planner import make_plan
 from dpkit.plan.profiles import builtin_profile
-from dpkit.strategies import PER_DEVICE, Strategy, available_strategies, matching, strategy_class
+from dpkit.strategies import ALL_PROCESSES, PER_DEVICE, Strategy, available_strategies, matching, strategy_class
 
 CATALOGUE = Catalogue.load()
 ALL = available_strategies()
 UNSHARDED = matching(lambda traits: not traits.sharded)
-SHARDED = matching(lambda traits: traits.sharded)[0]
+# the strategy that shards weights, gradients and optimizer state over every process (fsdp), whatever its name
+SHARDED = matching(lambda traits: len(traits.sharded_parts) == 3 and traits.shard_group == ALL_PROCESSES)[0]
 UNSHARDED_PER_DEVICE = matching(lambda traits: traits.processes == PER_DEVICE and not traits.sharded)[0]
 
 
@@ -34,7 +36,7 @@ def smallest_fitting_by_hand(model, gpu, batch, precision, seq_len=None):
     """The fewest devices on which the sharded strategy's fullest device is within the usable memory."""
     profile = builtin_profile(model, seq_len=seq_len)
     usable = CATALOGUE.gpu(gpu).memory_bytes * CostConstants().memory_headroom
-    return next(n for n in range(1, 1025) if max(memory_per_device(profile, SHARDED, n, batch, precision)[0]) <= usable)
+    return next(n for n in range(1, 1025) if max(memory(profile, SHARDED, n, batch, precision)[0]) <= usable)
 
 
 def test_dp_is_fine_for_a_compute_heavy_model_on_two_nvlinked_gpus():
@@ -86,7 +88,7 @@ def test_neither_helps_across_a_slow_network():
 def test_nothing_fits_without_a_sharded_strategy_says_to_shard(monkeypatch):
     from dpkit import strategies
 
-    registry = {name: path for name, path in strategies.STRATEGIES.items() if name != SHARDED}
+    registry = {name: path for name, path in strategies.STRATEGIES.items() if name in UNSHARDED}
     monkeypatch.setattr(strategies, "STRATEGIES", registry)
     result = plan("llama-7b", "t4", "pcie3", [1, 2], 1, "16-mixed", UNSHARDED)
     assert result.recommendation.strategy is None and result.recommendation.devices is None
@@ -124,7 +126,7 @@ def test_the_recommendation_never_names_a_configuration_that_does_not_fit_or_run
 
 
 def test_only_the_sharded_strategy_fits_llama_7b_on_8_a100s():
-    result = plan("llama-7b", "a100-80gb-sxm", "nvlink3", [1, 2, 4, 8], 1, "bf16-mixed")
+    result = plan("llama-7b", "a100-80gb-sxm", "nvlink3", [1, 2, 4, 8], 1, "bf16-mixed", UNSHARDED + [SHARDED])
     choice = result.recommendation
     assert choice.strategy == SHARDED and choice.devices == 8  # the most devices asked: throughput
     assert all(not p.fits for p in result.predictions if p.strategy in UNSHARDED)
@@ -251,7 +253,7 @@ def test_the_advisor_finds_dataparallel_by_its_traits(monkeypatch):
 def test_the_advisor_finds_the_sharded_strategy_by_its_traits(monkeypatch):
     from dpkit import strategies
 
-    registry = {name: path for name, path in strategies.STRATEGIES.items() if name != SHARDED}
+    registry = {name: path for name, path in strategies.STRATEGIES.items() if name in UNSHARDED}
     registry["zero-3"] = f"{__name__}:ShardedByAnotherName"
     monkeypatch.setattr(strategies, "STRATEGIES", registry)
     result = plan("llama-7b", "a100-80gb-sxm", "nvlink3", [1, 8], 1, "bf16-mixed", list(registry))

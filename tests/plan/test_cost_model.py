@@ -4,6 +4,7 @@ import dataclasses
 from dataclasses import replace
 
 import pytest
+from machines import memory
 
 from dpkit.plan.catalogue import Catalogue, Link
 from dpkit.plan.cost_model import (
@@ -11,9 +12,9 @@ from dpkit.plan.cost_model import (
     BatchSize,
     CostConstants,
     Hardware,
+    Setup,
     Sizing,
     exposed_all_reduce_seconds,
-    memory_per_device,
     predict,
     predict_all,
     ring_all_gather_seconds,
@@ -85,12 +86,9 @@ def test_ddp_hides_the_all_reduce_behind_backward_except_the_last_bucket():
     buckets = -(-profile.parameter_bytes // CostConstants().bucket_bytes)
     assert buckets == 4
     whole = ring_all_reduce_seconds(hardware.link, profile.parameter_bytes, 8, messages=buckets)
-    long_backward = exposed_all_reduce_seconds(
-        profile, hardware, "ddp", 8, backward_seconds=10.0, constants=CostConstants()
-    )
-    no_backward = exposed_all_reduce_seconds(
-        profile, hardware, "ddp", 8, backward_seconds=0.0, constants=CostConstants()
-    )
+    setup = Setup(profile, hardware, "ddp", 8, 1)
+    long_backward = exposed_all_reduce_seconds(setup, backward_seconds=10.0)
+    no_backward = exposed_all_reduce_seconds(setup, backward_seconds=0.0)
     assert long_backward == pytest.approx(whole / buckets)
     assert no_backward == pytest.approx(whole)
 
@@ -127,8 +125,8 @@ def test_a_faster_link_only_helps_communication():
 
 def test_dp_device_zero_holds_the_optimizer_state_and_the_gathered_outputs():
     profile = builtin_profile("gpt2-124m", seq_len=1024)
-    peaks, _ = memory_per_device(profile, "dp", 4, 8)
-    ddp_peaks, _ = memory_per_device(profile, "ddp", 4, 8)
+    peaks, _ = memory(profile, "dp", 4, 8)
+    ddp_peaks, _ = memory(profile, "ddp", 4, 8)
     assert peaks[0] > peaks[1] == peaks[2] == peaks[3]
     assert len(set(ddp_peaks)) == 1
 
@@ -158,9 +156,9 @@ def test_replicated_on_virtual_cpu_devices_holds_one_copy_of_the_weights_and_sta
     # virtual CPU devices: replicas are views of replica 0's weights, stepped once by one optimizer
     profile = builtin_profile("resnet50")
     params, state = profile.parameter_bytes, 8 * profile.parameters  # Adam: two moments
-    shared, _ = memory_per_device(profile, "replicated", 3, 0, shared_weights=True)
+    shared, _ = memory(profile, "replicated", 3, 0, shared_weights=True)
     assert shared == [2 * params + state, params, params]  # the others: their gradients until the sum
-    copies, _ = memory_per_device(profile, "replicated", 3, 0)  # GPUs: a copy and a state per device
+    copies, _ = memory(profile, "replicated", 3, 0)  # GPUs: a copy and a state per device
     assert copies == [2 * params + state] * 3
     cpu = Hardware(replace(CATALOGUE.gpu("a100-80gb-sxm"), memory_bytes_per_second=20e9), LINK, shared_compute=True)
     assert predict(profile, cpu, "replicated", 3, 1).peak_bytes_per_device[1] < copies[1]
@@ -171,8 +169,8 @@ def test_largest_batch_fits_and_one_more_does_not():
     hardware = Hardware(CATALOGUE.gpu("t4"), CATALOGUE.link("pcie3"))
     largest = predict(profile, hardware, "ddp", 2, 1).max_batch_per_device
     usable = hardware.gpu.memory_bytes * CostConstants().memory_headroom
-    assert max(memory_per_device(profile, "ddp", 2, largest)[0]) <= usable
-    assert max(memory_per_device(profile, "ddp", 2, largest + 1)[0]) > usable
+    assert max(memory(profile, "ddp", 2, largest)[0]) <= usable
+    assert max(memory(profile, "ddp", 2, largest + 1)[0]) > usable
     assert "does not fit" in predict(profile, hardware, "ddp", 2, largest + 50).notes[0]
 
 
@@ -191,8 +189,8 @@ def test_multi_node_ddp_is_bound_by_the_slower_network():
 def test_bad_arguments_name_themselves():
     profile = builtin_profile("resnet50")
     hardware = Hardware(CATALOGUE.gpu("t4"), CATALOGUE.link("pcie3"))
-    with pytest.raises(ValueError, match="strategy: unknown strategy 'zero'"):
-        predict(profile, hardware, "zero", 2, 8)
+    with pytest.raises(ValueError, match="strategy: unknown strategy 'nonesuch'"):
+        predict(profile, hardware, "nonesuch", 2, 8)
     with pytest.raises(ValueError, match="batch_per_device: expected at least 1, got 0"):
         predict(profile, hardware, "ddp", 2, 0)
     with pytest.raises(ValueError, match="precision: expected 32, tf32"):
@@ -239,7 +237,7 @@ def test_a_strategy_is_predicted_from_its_traits_not_its_name(unknown_names, har
             assert comparable(ours) == comparable(theirs)
             assert ours.strategy == like
         for shared_weights in (False, True):
-            assert memory_per_device(profile, like, 4, 8, shared_weights=shared_weights) == memory_per_device(
+            assert memory(profile, like, 4, 8, shared_weights=shared_weights) == memory(
                 profile, known, 4, 8, shared_weights=shared_weights
             )
     planned = predict_all(profile, hardware, ["single", known, like], [1, 2, 4], 8)
@@ -297,33 +295,33 @@ def test_sharded_memory_is_the_state_over_n_plus_the_gathered_unit(precision, op
     profile = builtin_profile("llama-7b")
     assert 200e6 < profile.unit_parameters < 205e6  # a LLaMA-7B block: 4 x 4096^2 + 3 x 4096 x 11008
     for devices in (1, 2, 3, 8, 64):
-        peaks, slopes = memory_per_device(profile, SHARDED, devices, 0, precision, optimizer)
+        peaks, slopes = memory(profile, SHARDED, devices, 0, precision, optimizer)
         assert len(peaks) == devices and len(set(peaks)) == 1  # every process holds its shard alike
         assert peaks[0] == pytest.approx(zero3_bytes(profile, devices, precision, optimizer), abs=devices)
         # the activations are each device's own, as under ddp
-        assert slopes == memory_per_device(profile, UNSHARDED_PER_DEVICE, devices, 0, precision, optimizer)[1]
+        assert slopes == memory(profile, UNSHARDED_PER_DEVICE, devices, 0, precision, optimizer)[1]
 
 
 def test_sharded_memory_falls_with_the_devices_and_unsharded_does_not():
     profile = builtin_profile("gpt2-1.5b")
     for precision in ("32", "bf16-mixed"):
-        sharded = [max(memory_per_device(profile, SHARDED, n, 4, precision)[0]) for n in (2, 4, 8, 16)]
-        whole = [max(memory_per_device(profile, UNSHARDED_PER_DEVICE, n, 4, precision)[0]) for n in (2, 4, 8, 16)]
+        sharded = [max(memory(profile, SHARDED, n, 4, precision)[0]) for n in (2, 4, 8, 16)]
+        whole = [max(memory(profile, UNSHARDED_PER_DEVICE, n, 4, precision)[0]) for n in (2, 4, 8, 16)]
         assert sharded == sorted(sharded, reverse=True) and len(set(sharded)) == 4
         assert len(set(whole)) == 1
         assert sharded[0] < whole[0]
     # over two nodes the state is split over every process of both
-    two_nodes, _ = memory_per_device(profile, SHARDED, 4, 4, "bf16-mixed", nodes=2)
-    assert two_nodes == memory_per_device(profile, SHARDED, 8, 4, "bf16-mixed")[0][:4]
+    two_nodes, _ = memory(profile, SHARDED, 4, 4, "bf16-mixed", nodes=2)
+    assert two_nodes == memory(profile, SHARDED, 8, 4, "bf16-mixed")[0][:4]
 
 
 def test_sharded_offload_leaves_the_gathered_units_and_the_activations():
     profile = builtin_profile("llama-7b")
-    on_device, slopes = memory_per_device(profile, SHARDED, 8, 1, "bf16-mixed", offload=True)
+    on_device, slopes = memory(profile, SHARDED, 8, 1, "bf16-mixed", offload=True)
     unit = profile.unit_parameters
     assert on_device[0] == pytest.approx(2 * 2 * unit + 4 * unit + slopes[0], abs=1)
     # the strategies that keep whole copies ignore it
-    assert memory_per_device(profile, "ddp", 8, 1, offload=True) == memory_per_device(profile, "ddp", 8, 1)
+    assert memory(profile, "ddp", 8, 1, offload=True) == memory(profile, "ddp", 8, 1)
 
 
 def test_mixed_precision_counts_autocasts_16_bit_weights_where_the_model_is_whole():
@@ -332,10 +330,10 @@ def test_mixed_precision_counts_autocasts_16_bit_weights_where_the_model_is_whol
     # gathers 16-bit units instead: less than in float32
     profile = builtin_profile("bert-large")
     for strategy in ("ddp", "dp", "replicated"):
-        fixed_32 = memory_per_device(profile, strategy, 2, 0, "32")[0]
-        fixed_16 = memory_per_device(profile, strategy, 2, 0, "bf16-mixed")[0]
+        fixed_32 = memory(profile, strategy, 2, 0, "32")[0]
+        fixed_16 = memory(profile, strategy, 2, 0, "bf16-mixed")[0]
         assert [b - a for a, b in zip(fixed_32, fixed_16)] == [2 * profile.parameters] * 2
-    assert memory_per_device(profile, SHARDED, 2, 0, "bf16-mixed")[0] < memory_per_device(profile, SHARDED, 2, 0)[0]
+    assert memory(profile, SHARDED, 2, 0, "bf16-mixed")[0] < memory(profile, SHARDED, 2, 0)[0]
 
 
 def test_ring_all_gather_is_half_an_all_reduce():
@@ -407,7 +405,7 @@ def test_smallest_fitting_devices_is_the_fewest_on_which_the_fullest_device_fits
     hardware = Hardware(CATALOGUE.gpu("a100-80gb-sxm"), CATALOGUE.link("nvlink3"))
     sizing = Sizing(profile, hardware, 1, "bf16-mixed")
     usable = hardware.gpu.memory_bytes * CostConstants().memory_headroom
-    by_hand = next(n for n in range(1, 65) if max(memory_per_device(profile, SHARDED, n, 1, "bf16-mixed")[0]) <= usable)
+    by_hand = next(n for n in range(1, 65) if max(memory(profile, SHARDED, n, 1, "bf16-mixed")[0]) <= usable)
     assert 1 < by_hand < 8
     assert sizing.smallest_fitting_devices(SHARDED) == by_hand
     assert sizing.smallest_fitting_devices(UNSHARDED_PER_DEVICE) is None  # a whole copy never fits
@@ -460,7 +458,7 @@ def test_sizing_with_a_global_batch_shrinks_the_share_on_more_devices():
     assert [sizing.share(n) for n in (1, 4, 16)] == [16, 4, 1]
     for devices in (2, 4, 8):
         assert sizing.peak_bytes(SHARDED, devices) == max(
-            memory_per_device(profile, SHARDED, devices, 16 // devices, "bf16-mixed")[0]
+            memory(profile, SHARDED, devices, 16 // devices, "bf16-mixed")[0]
         )
     smallest = sizing.smallest_fitting_devices(SHARDED)
     assert sizing.fits(SHARDED, smallest) and not sizing.fits(SHARDED, smallest - 1)

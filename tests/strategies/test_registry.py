@@ -53,8 +53,8 @@ def test_the_reference_is_the_one_one_device_strategy():
 
 
 def test_an_unknown_name_or_option_is_a_clear_error():
-    with pytest.raises(ValueError, match="strategy: unknown strategy 'zero'; choose one of single, dp"):
-        strategy_class("zero")
+    with pytest.raises(ValueError, match="strategy: unknown strategy 'nonesuch'; choose one of single, dp"):
+        strategy_class("nonesuch")
     with pytest.raises(TypeError, match="seed: not an option of strategy 'dp' \\(its options: none\\)"):
         strategies.create_strategy("dp", dpkit.cpu_devices(2), seed=3)
 
@@ -133,3 +133,68 @@ def test_a_strategy_added_to_the_registry_reaches_train_bench_and_plan(registere
     hardware = Hardware(catalogue.gpu("h100-sxm"), catalogue.link("pcie4"))
     mine, dp = (predict(builtin_profile("resnet50"), hardware, name, 4, 32) for name in (registered, "dp"))
     assert mine.breakdown == dp.breakdown and mine.peak_bytes_per_device == dp.peak_bytes_per_device
+
+
+# ---- what a strategy shards, as data ----------------------------------------------------------------------------
+
+
+def test_traits_say_what_is_sharded_over_which_group():
+    from dpkit.strategies import ALL_PROCESSES, FOR_THE_STEP, ONE_NODE, PER_UNIT, SHARDED, WHOLE, strategy_traits
+
+    ddp, fsdp = strategy_class("ddp").traits, strategy_class("fsdp").traits
+    assert (ddp.weights, ddp.gradients, ddp.optimizer_state) == (WHOLE, WHOLE, WHOLE) and not ddp.sharded
+    assert fsdp.sharded_parts == ("weights", "gradients", "optimizer_state") and fsdp.sharded
+    assert fsdp.gathers == PER_UNIT and fsdp.shard_group == ALL_PROCESSES
+    # an option that changes them: the planner asks the class, without building the strategy
+    assert strategy_traits("fsdp", reshard_after_forward=False).gathers == FOR_THE_STEP
+    assert strategy_traits("fsdp") == fsdp
+    with pytest.raises(TypeError, match="stage: not an option of strategy 'fsdp'"):
+        strategy_traits("fsdp", stage=2)
+    # the shard group's size in a run of 8 processes, 4 per node
+    optimizer_only = Traits(PER_DEVICE, ON_ROOT, PERSISTENT, optimizer_state=SHARDED)
+    assert optimizer_only.sharded_parts == ("optimizer_state",) and optimizer_only.sharded
+    assert optimizer_only.shard_size(8, 4) == 8
+    assert Traits(PER_DEVICE, ON_ROOT, PERSISTENT, optimizer_state=SHARDED, shard_group=ONE_NODE).shard_size(8, 4) == 4
+    assert Traits(PER_DEVICE, ON_ROOT, PERSISTENT, optimizer_state=SHARDED, shard_group=2).shard_size(8, 4) == 2
+    assert ddp.shard_size(8, 4) == 1  # nothing sharded: a group of one
+
+
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        ({"weights": "half"}, "weights: expected 'whole' or 'sharded', got 'half'"),
+        ({"optimizer_state": True}, "optimizer_state: expected 'whole' or 'sharded', got True"),
+        ({"weights": "sharded"}, "gathers: sharded weights are gathered"),
+        ({"gathers": "per-unit"}, "gathers: sharded weights are gathered .* got weights='whole', gathers='per-unit'"),
+        ({"gathers": "sometimes"}, "gathers: expected 'none', 'per-unit' or 'step', got 'sometimes'"),
+        ({"shard_group": 0}, "shard_group: expected 'all', 'node' or a positive number of processes, got 0"),
+        ({"shard_group": "rack"}, "shard_group: .* got 'rack'"),
+    ],
+)
+def test_traits_refuse_what_they_cannot_mean(changes, message):
+    with pytest.raises(ValueError, match=message):
+        Traits(PER_DEVICE, ON_ROOT, PERSISTENT, **changes)
+
+
+def test_a_mesh_is_replicate_groups_by_shard_groups():
+    from dpkit.strategies.mesh import mesh_shape
+
+    assert mesh_shape(4, 4) == (1, 4) and mesh_shape(4, 2) == (2, 2) and mesh_shape(8, 1) == (8, 1)
+    with pytest.raises(ValueError, match="shard_size: 3 processes per shard group do not divide the 4 processes"):
+        mesh_shape(4, 3)
+    with pytest.raises(ValueError, match="shard_size: 8 processes per shard group do not divide the 4"):
+        mesh_shape(4, 8)
+    with pytest.raises(ValueError, match="shard_size: expected a positive int"):
+        mesh_shape(4, 0)
+
+
+def test_every_strategys_planned_variants_are_options_the_planner_can_read():
+    # the planner predicts each variant from strategy_traits(name, **options), without building the strategy
+    from dpkit.strategies import strategy_traits
+
+    for name in available_strategies():
+        cls = strategy_class(name)
+        assert strategy_traits(name) == cls.traits, name
+        for variant in cls.planned_variants:
+            assert set(variant) <= set(cls.options), (name, variant)
+            assert isinstance(strategy_traits(name, **variant), Traits), (name, variant)

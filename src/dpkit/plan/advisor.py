@@ -9,11 +9,11 @@ fit in memory or cannot run at the precision asked: when none can, the recommend
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
-from dpkit.plan.cost_model import Prediction, Sizing, runs_at
+from dpkit.plan.cost_model import Prediction, Sizing, lightest_sharding, runs_at
 from dpkit.strategies import ON_ROOT, ONE_PROCESS, PER_DEVICE, PER_STEP, Traits, matching, reference, strategy_class
 
 COMMUNICATION = ("scatter", "replicate", "gather", "reduce", "all_reduce", "all_gather", "reduce_scatter")
@@ -33,10 +33,12 @@ PHASE_WORDS = {
     "backward": "backward",
 }
 DP_FINE_RATIO = 0.9  # DP is fine when it reaches this share of the best throughput
-# where an unsharded strategy fits, the sharded one is recommended only when it is this much faster: sharding
+# where a less sharded strategy fits, a more sharded one is recommended only when it is this much faster: sharding
 # gathers the parameters every step and saves and loads collectively, and its edge in the model (each device
 # steps only its shard of the optimizer) must outweigh what the model does not see of its per-unit hooks
 SHARDING_WORTH = 1.1
+PART_WORDS = {"weights": "parameters", "gradients": "gradients", "optimizer_state": "optimizer state"}
+Item = TypeVar("Item")
 HELPS_SPEEDUP = 1.1  # below this, more devices do not help
 LAUNCH_BOUND_SHARE = 0.5  # a step whose launches and per-step Python are this share of it is launch-bound
 
@@ -60,31 +62,69 @@ class Recommendation:
         }
 
 
-def _first_matching(predicate: Callable[[Traits], bool]) -> str | None:
-    return next(iter(matching(predicate)), None)
-
-
-def data_parallel() -> str | None:
-    """The strategy that is torch's DataParallel as the lesson teaches it: one process, replicas copied
-    from device 0 at every step, the loss on device 0, no balancing (dp)."""
-    return _first_matching(
-        lambda traits: (
-            traits.processes == ONE_PROCESS
-            and traits.replicas == PER_STEP
-            and traits.loss == ON_ROOT
-            and not traits.balances
-        )
+def is_data_parallel(traits: Traits) -> bool:
+    """torch's DataParallel as the lesson teaches it: one process, replicas copied from device 0 at every step,
+    the loss on device 0, no balancing (dp)."""
+    return (
+        traits.processes == ONE_PROCESS
+        and traits.replicas == PER_STEP
+        and traits.loss == ON_ROOT
+        and not traits.balances
     )
 
 
-def process_per_device() -> str | None:
-    """The unsharded strategy with one process per device, DataParallel's recommended successor (ddp)."""
-    return _first_matching(lambda traits: traits.processes == PER_DEVICE and not traits.sharded)
+def data_parallel(predictions: Sequence[Prediction]) -> str | None:
+    """The DataParallel the advice speaks of: of the predictions' strategies with its traits, the fastest."""
+    candidates = [p for p in predictions if is_data_parallel(strategy_class(p.strategy).traits)]
+    return max(candidates, key=lambda p: p.samples_per_second).strategy if candidates else None
 
 
-def sharded() -> str | None:
-    """The strategy that shards parameters, gradients and optimizer state over its devices (fsdp)."""
-    return _first_matching(lambda traits: traits.sharded)
+def lightest_worthwhile(
+    items: Sequence[Item], level: Callable[[Item], tuple[int, int]], seconds: Callable[[Item], float]
+) -> list[Item]:
+    """The items of the lightest sharding `level` among them, and every more sharded one that takes at most
+    1/SHARDING_WORTH of the time of each lighter one: sharding only where nothing lighter fits, or where it pays."""
+    if not items:
+        return []
+    lightest = min(level(item) for item in items)
+    return [
+        item
+        for item in items
+        if level(item) == lightest
+        or all(seconds(item) * SHARDING_WORTH <= seconds(other) for other in items if level(other) < level(item))
+    ]
+
+
+def prediction_sharding(prediction: Prediction) -> tuple[int, int]:
+    """lightest_sharding of the prediction's strategy on its devices."""
+    traits = strategy_class(prediction.strategy).traits_for(**prediction.options)
+    return lightest_sharding(traits, prediction.total_devices, prediction.devices)
+
+
+def shards(strategy: str) -> bool:
+    return strategy_class(strategy).traits.sharded
+
+
+def shards_words(strategy: str) -> str:
+    """What the strategy shards, in words: "parameters, gradients and optimizer state"."""
+    words = [PART_WORDS[part] for part in strategy_class(strategy).traits.sharded_parts]
+    return ", ".join(words[:-1]) + (" and " if len(words) > 1 else "") + words[-1] if words else "nothing"
+
+
+def sharding_to_suggest(sizing: Sizing, devices: int) -> str | None:
+    """The sharded strategy to suggest when nothing fits: the lightest sharding that fits on the fewest devices,
+    else (none fits on any count) the one holding the least on `devices` devices per node."""
+    names = matching(lambda traits: traits.sharded)
+    if not names:
+        return None
+    fitting = [(count, name) for name in names if (count := sizing.smallest_fitting_devices(name)) is not None]
+    if fitting:
+        fewest = min(count for count, _ in fitting)
+        return min(
+            (name for count, name in fitting if count == fewest),
+            key=lambda name: lightest_sharding(strategy_class(name).traits, fewest * sizing.hardware.nodes, fewest),
+        )
+    return min(names, key=lambda name: sizing.peak_bytes(name, devices))
 
 
 def usable(prediction: Prediction) -> bool:
@@ -148,7 +188,7 @@ def recommend(
     sharded strategy fits, CPU offload, a smaller batch); `payoff(strategy, devices)` gives the batch from which
     a strategy on that many devices outruns one device, in words (plan/payoff.py), for when DP does not."""
     one_device = reference()
-    dp_name, ddp_name = data_parallel(), process_per_device()
+    dp_name = data_parallel([p for p in predictions if usable(p)])
     fits = [p for p in predictions if usable(p)]
     multi = [p for p in fits if p.total_devices > 1]
     if not fits:
@@ -158,31 +198,40 @@ def recommend(
         return Recommendation(alone.strategy, 1, ["only one device was asked for (or fits): nothing to compare"])
     largest = max(p.total_devices for p in multi)
     at_largest = [p for p in multi if p.total_devices == largest]
-    best = max(at_largest, key=lambda p: p.samples_per_second)
-    if all(strategy_class(p.strategy).traits.sharded for p in fits):
-        return _only_sharded_fits(predictions, fits, best, link_name, network_name, sizing)
+    fastest = max(at_largest, key=lambda p: p.samples_per_second)
+    if all(shards(p.strategy) for p in fits):
+        return _only_sharded_fits(predictions, fits, at_largest, link_name, network_name, sizing)
     dp = next((p for p in at_largest if p.strategy == dp_name), None)
-    ddp = next((p for p in at_largest if p.strategy == ddp_name), None)
+    # DataParallel's recommended successor: a process per device, nothing sharded (ddp), the fastest such
+    ddp = max(
+        (p for p in at_largest if strategy_class(p.strategy).traits.processes == PER_DEVICE and not shards(p.strategy)),
+        key=lambda p: p.samples_per_second,
+        default=None,
+    )
     reasons: list[str] = []
     sharding: tuple[str, str] | None = None  # (the strategy it speaks for, why sharding is or is not the answer)
     alone_fits = any(p.strategy == one_device and p.total_devices == 1 for p in fits)
-    whole = [p for p in at_largest if not strategy_class(p.strategy).traits.sharded]
+    whole = [p for p in at_largest if not shards(p.strategy)]
     best_whole = max(whole, key=lambda p: p.samples_per_second, default=None)
-    if strategy_class(best.strategy).traits.sharded and best_whole is not None:
-        faster = best.samples_per_second / best_whole.samples_per_second - 1
-        if faster < SHARDING_WORTH - 1:
-            sharding = (
-                best_whole.strategy,
-                f"{best.strategy} would be {faster:.1%} faster, too little for sharding: {best_whole.strategy} keeps "
-                "a whole model on each device, with no parameters to gather",
-            )
-            best = best_whole
+    worthwhile = lightest_worthwhile(at_largest, prediction_sharding, lambda p: 1 / p.samples_per_second)
+    best = max(worthwhile, key=lambda p: p.samples_per_second)
+    if best is not fastest and shards(fastest.strategy):
+        faster = fastest.samples_per_second / best.samples_per_second - 1
+        if shards(best.strategy):
+            why = f"too little for more sharding: {best.strategy} shards only {shards_words(best.strategy)}"
         else:
-            sharding = (
-                best.strategy,
-                f"{best.strategy} is {faster:.0%} faster than {best_whole.strategy}: each device steps only its "
-                "shard of the optimizer state",
+            why = (
+                f"too little for sharding: {best.strategy} keeps a whole model on each device, "
+                "with no parameters to gather"
             )
+        sharding = (best.strategy, f"{fastest.strategy} would be {faster:.1%} faster, {why}")
+    elif shards(best.strategy) and best_whole is not None:
+        faster = best.samples_per_second / best_whole.samples_per_second - 1
+        sharding = (
+            best.strategy,
+            f"{best.strategy} is {faster:.0%} faster than {best_whole.strategy}: each device steps only its "
+            "shard of the optimizer state",
+        )
     if best.speedup < HELPS_SPEEDUP and alone_fits:
         choice = Recommendation(one_device, 1)
         alone = next(p for p in fits if p.strategy == one_device and p.total_devices == 1)
@@ -213,7 +262,7 @@ def recommend(
         )
         if dp is not None:
             reasons.append(f"DP reaches only {dp.speedup:.2f}x ({dp.efficiency:.0%}): it loses {_losses(dp)}")
-            if ddp is not None and best.strategy != ddp.strategy:
+            if ddp is not None and best is not ddp:
                 reasons.append(f"{ddp.strategy} would give {ddp.speedup:.2f}x")
     # where DP stops scaling: the largest count at which adding devices still adds throughput
     dp_runs = sorted((p for p in multi if p.strategy == dp_name), key=lambda p: p.total_devices)
@@ -287,22 +336,28 @@ def _what_would_change(what_if: WhatIf | None, largest: int, per_node: int, dp_n
 def _only_sharded_fits(
     predictions: list[Prediction],
     fits: list[Prediction],
-    best: Prediction,
+    at_largest: list[Prediction],
     link_name: str,
     network_name: str,
     sizing: Sizing | None,
 ) -> Recommendation:
-    """Only the sharded strategy fits: recommend it on the largest device count asked (more devices, more
-    throughput, and less memory each), and say from how many devices it fits."""
+    """Only strategies that shard fit: recommend the lightest sharding that fits (a more sharded one where it is
+    clearly faster) on the largest device count asked (more devices, more throughput, and less memory each), and
+    say from how many devices it fits."""
+    worthwhile = lightest_worthwhile(at_largest, prediction_sharding, lambda p: 1 / p.samples_per_second)
+    best = max(worthwhile, key=lambda p: p.samples_per_second)
     name, count, nodes = best.strategy, best.total_devices, best.nodes
     fitting_counts = sorted({p.devices for p in fits if p.strategy == name})
     smallest = sizing.smallest_fitting_devices(name) if sizing is not None else None
     if smallest is None:
         smallest = fitting_counts[0]
-    unsharded = [p for p in predictions if not strategy_class(p.strategy).traits.sharded and p.runs]
+    unsharded = [p for p in predictions if not shards(p.strategy) and p.runs]
+    others = sorted({p.strategy for p in fits} - {name})
     reasons = [
-        f"only {name} fits: it shards parameters, gradients and optimizer state over the devices, "
+        f"only {name}{' and ' + ', '.join(others) if others else ''} fit{'' if others else 's'}: "
+        f"{'it' if not others else name} shards {shards_words(name)} over the devices, "
         f"{_gib(max(best.peak_bytes_per_device))} per device on {count} devices"
+        + (", the lightest sharding that fits" if others else "")
         + (
             f"; the others need at least {_gib(min(max(p.peak_bytes_per_device) for p in unsharded))}"
             if unsharded
@@ -324,7 +379,7 @@ def _nothing_fits(predictions: list[Prediction], sizing: Sizing | None) -> Recom
     first = f"nothing fits: the least memory is {smallest.strategy} on {_devices(smallest.devices, smallest.nodes)}"
     reasons = [first + "".join(f"; {note}" for note in smallest.notes)]
     would_fit: dict[str, Any] = {}
-    shard = sharded()
+    shard = sharding_to_suggest(sizing, largest) if sizing is not None else None
     if sizing is not None and shard is not None:
         notes = []
         if not any(p.strategy == shard for p in predictions):
@@ -337,7 +392,7 @@ def _nothing_fits(predictions: list[Prediction], sizing: Sizing | None) -> Recom
         would_fit["devices"] = devices * nodes if devices is not None else None
         if devices is not None:
             reasons.append(
-                f"more devices: {shard} shards parameters, gradients and optimizer state and fits on "
+                f"more devices: {shard} shards {shards_words(shard)} and fits on "
                 f"{_devices(devices, nodes)}, {_gib(sizing.peak_bytes(shard, devices))} each{also}"
             )
         else:

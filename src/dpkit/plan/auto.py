@@ -15,14 +15,16 @@ choose, in this order:
    cannot run at the precision asked (16-mixed needs a GradScaler).
 3. A strategy with a process per device (ddp, fsdp) only when `can_launch` (the caller can start or has
    started the processes; on virtual CPU devices, at most 4 processes per core).
-4. The sharded strategy (fsdp) only when no unsharded strategy fits, or when it is predicted at least 10% faster
-   than the fastest unsharded one.
+4. The lightest sharding that fits (Traits: fewer parts of the state sharded, then a shard group of one node before
+   every process; unsharded first): a more sharded strategy only when it is predicted at least 10% faster than
+   every lighter one that fits (ddp before zero, zero before fsdp), or when nothing lighter fits.
 5. Several devices only when they pay: the fastest multi-device candidate must take at most 1/1.1 of the
    reference's step for the same global batch (10% faster); otherwise the reference, with the reason (a step
    that is mostly operation launches, or what the others lose to communication and per-step work).
-6. Among multi-device candidates within 10% of the fastest ("equals"): on GPUs the one with a process per
-   device (ddp), as PyTorch recommends over DataParallel; on virtual CPU devices the fastest one-process
-   strategy (no processes to start, and the processes' edge on a GPU, no GIL, is small on shared cores).
+6. Among multi-device candidates within 10% of the fastest ("equals"): on GPUs one with a process per device
+   (ddp), as PyTorch recommends over DataParallel, the least sharded of them, then the fastest; on virtual CPU
+   devices the fastest one-process strategy (no processes to start, and the processes' edge on a GPU, no GIL, is
+   small on shared cores).
 7. When nothing fits: a ValueError naming what was tried and what would fit.
 
 Where the step times come from:
@@ -45,7 +47,7 @@ import torch
 from torch import nn
 
 from dpkit.devices import PROCESSES_PER_CORE, DeviceLike, available_cores, parse_device
-from dpkit.plan.advisor import LAUNCH_BOUND_SHARE, data_parallel, phase_words
+from dpkit.plan.advisor import LAUNCH_BOUND_SHARE, is_data_parallel, lightest_worthwhile, phase_words
 from dpkit.plan.calibration import Calibration, calibrate
 from dpkit.plan.catalogue import GPU, Catalogue
 from dpkit.plan.cost_model import (
@@ -54,16 +56,17 @@ from dpkit.plan.cost_model import (
     CostConstants,
     Hardware,
     Prediction,
+    Setup,
+    lightest_sharding,
     memory_per_device,
-    predict,
+    predict_setup,
     runs_at,
 )
 from dpkit.plan.profiles import ModelProfile, measure_model
-from dpkit.strategies import ONE_PROCESS, PER_DEVICE, available_strategies, reference, strategy_class
+from dpkit.strategies import ONE_PROCESS, PER_DEVICE, Traits, available_strategies, reference, strategy_class
 
 PAYS = 1.1  # several devices must be this much faster than one (rule 5)
 EQUALS = 1.1  # candidates within this factor of the fastest are equals (rule 6)
-SHARDING_WORTH = 1.1  # the sharded strategy beside a fitting unsharded one (rule 4)
 USABLE_SHARE = 0.9  # of a GPU's memory, or of the host's for virtual CPU devices together
 STATED_PHASES = ("scatter", "replicate", "gather", "reduce", "all_reduce", "all_gather", "reduce_scatter")
 
@@ -212,25 +215,7 @@ def decide(candidates: list[Candidate], on_gpu: bool) -> tuple[Candidate, str]:
         raise ValueError("strategy: auto found no strategy that fits and can run: " + _nothing_fits(candidates))
     single = next((c for c in eligible if c.strategy == one_device), None)
     multi = [c for c in eligible if c.strategy != one_device]
-    unsharded = [c for c in multi if not strategy_class(c.strategy).traits.sharded]
-    sharded = [c for c in multi if strategy_class(c.strategy).traits.sharded]
-    whole = ([single] if single else []) + unsharded
-    notes: list[str] = []
-    if whole:
-        fastest_whole = min(whole, key=lambda c: c.step_seconds)
-        worth = [c for c in sharded if c.step_seconds * SHARDING_WORTH <= fastest_whole.step_seconds]
-        pool = unsharded + worth
-    else:
-        pool = sharded
-        unfit = [c for c in candidates if not c.fits]
-        notes.append(
-            "nothing unsharded fits"
-            + (
-                f" ({unfit[0].strategy} needs {_gib(unfit[0].peak_bytes)} of {_gib(unfit[0].usable_bytes)})"
-                if unfit
-                else ""
-            )
-        )
+    pool, notes = _lightest_pool(single, multi, candidates)
     fastest = min(pool, key=lambda c: c.step_seconds, default=None)
     if single is not None and (fastest is None or fastest.step_seconds * PAYS > single.step_seconds):
         return single, f"auto: {one_device} — " + _why_one_device(single, fastest, candidates)
@@ -239,12 +224,10 @@ def decide(candidates: list[Candidate], on_gpu: bool) -> tuple[Candidate, str]:
     equals = sorted((c for c in pool if c.step_seconds <= fastest.step_seconds * EQUALS), key=lambda c: c.step_seconds)
     chosen = equals[0]
     if on_gpu:
-        per_device = [
-            c
-            for c in equals
-            if strategy_class(c.strategy).traits.processes == PER_DEVICE
-            and not strategy_class(c.strategy).traits.sharded
-        ]
+        per_device = sorted(
+            (c for c in equals if _traits(c).processes == PER_DEVICE),
+            key=lambda c: (_sharding(c), c.step_seconds),
+        )
         if per_device and per_device[0] is not chosen:
             notes.append(
                 f"{per_device[0].strategy} preferred on GPUs (a process per device, no GIL) to {chosen.strategy}, "
@@ -252,7 +235,7 @@ def decide(candidates: list[Candidate], on_gpu: bool) -> tuple[Candidate, str]:
             )
             chosen = per_device[0]
     else:
-        in_process = [c for c in equals if strategy_class(c.strategy).traits.processes == ONE_PROCESS]
+        in_process = [c for c in equals if _traits(c).processes == ONE_PROCESS]
         if in_process and in_process[0] is not chosen:
             notes.append(f"{in_process[0].strategy} starts no processes; {chosen.strategy} is within 10%")
             chosen = in_process[0]
@@ -272,6 +255,37 @@ def decide(candidates: list[Candidate], on_gpu: bool) -> tuple[Candidate, str]:
 
 
 # ---- the pieces ---------------------------------------------------------------------------------------------
+
+
+def _traits(candidate: Candidate) -> Traits:
+    return strategy_class(candidate.strategy).traits
+
+
+def _sharding(candidate: Candidate) -> tuple[int, int]:
+    return lightest_sharding(_traits(candidate), candidate.devices, candidate.devices)
+
+
+def _lightest_pool(
+    single: Candidate | None, multi: list[Candidate], candidates: list[Candidate]
+) -> tuple[list[Candidate], list[str]]:
+    """Rule 4: the multi-device candidates of the lightest sharding that fits (the reference, one device, counts as
+    unsharded), with every more sharded one that is 10% faster than all the lighter ones that fit (the advisor's
+    SHARDING_WORTH); and a note when nothing unsharded fits."""
+    whole = [single] if single is not None else []
+    pool = [c for c in lightest_worthwhile(whole + multi, _sharding, lambda c: c.step_seconds) if c is not single]
+    notes: list[str] = []
+    lightest = min((_sharding(c) for c in whole + multi), default=(0, 1))
+    if lightest[0] > 0:
+        unfit = [c for c in candidates if not c.fits and _sharding(c) < lightest]
+        notes.append(
+            "nothing unsharded fits"
+            + (
+                f" ({unfit[0].strategy} needs {_gib(unfit[0].peak_bytes)} of {_gib(unfit[0].usable_bytes)})"
+                if unfit
+                else ""
+            )
+        )
+    return pool, notes
 
 
 def _optimizer_name(optimizer: Any) -> str:
@@ -421,20 +435,9 @@ def _candidate(
         allowed, note = False, "needs a process per device (can_launch=False)"
     if traits.processes == PER_DEVICE and machine.shared_compute and devices > PROCESSES_PER_CORE * available_cores():
         allowed, note = False, f"{devices} processes on {available_cores()} cores"
-    prediction = predict(
-        profile,
-        machine,
-        name,
-        devices,
-        batch.share(devices),
-        precision,
-        constants,
-        optimizer,
-        global_batch=batch.samples if devices > 1 else None,
-    )
-    peak, usable, fits = _memory(
-        profile, machine, name, devices, batch.share(devices), precision, optimizer, prediction
-    )
+    setup = Setup(profile, machine, name, devices, batch.share(devices), precision, constants, optimizer)
+    prediction = predict_setup(setup, global_batch=batch.samples if devices > 1 else None)
+    peak, usable, fits = _memory(setup, prediction)
     runs = runs_at(name, precision)
     if not fits:
         note = note or f"needs {_gib(peak)} of {_gib(usable)} usable"
@@ -448,22 +451,13 @@ def _candidate(
     return Candidate(name, devices, seconds, source, peak, usable, fits, runs, allowed, note, prediction.breakdown)
 
 
-def _memory(
-    profile: ModelProfile,
-    machine: Hardware,
-    name: str,
-    devices: int,
-    share: int,
-    precision: str,
-    optimizer: str,
-    prediction: Prediction,
-) -> tuple[int, float, bool]:
+def _memory(setup: Setup, prediction: Prediction) -> tuple[int, float, bool]:
     """(peak, usable, fits): on virtual CPU devices the devices' peaks add up in the one host memory."""
-    usable = machine.gpu.memory_bytes * USABLE_SHARE
-    if not machine.shared_compute:
+    usable = setup.hardware.gpu.memory_bytes * USABLE_SHARE
+    if not setup.hardware.shared_compute:
         peak = max(prediction.peak_bytes_per_device)
         return peak, usable, peak <= usable
-    peaks, _ = memory_per_device(profile, name, devices, share, precision, optimizer, shared_weights=True)
+    peaks, _ = memory_per_device(setup)
     return sum(peaks), usable, sum(peaks) <= usable
 
 
@@ -485,7 +479,11 @@ def _why_one_device(single: Candidate, fastest: Candidate | None, candidates: li
         else f"{fastest.strategy} on {fastest.devices} devices would be only {1 / ratio:.2f}x faster, "
         f"under the {PAYS:.1f}x that pays for more devices"
     )
-    dp = next((c for c in candidates if c.strategy == data_parallel() and c.fits and c.runs), None)
+    dp = min(
+        (c for c in candidates if is_data_parallel(_traits(c)) and c.fits and c.runs),
+        key=lambda c: c.step_seconds,
+        default=None,
+    )
     if dp is not None and dp is not fastest:
         compared += f", {dp.strategy} {dp.step_seconds / single.step_seconds:.2f}x"
     sources = {c.source for c in (single, fastest, dp) if c is not None}

@@ -9,17 +9,20 @@ this module is that page in code.
 
 A strategy's phases and memory follow from its traits (dpkit.strategies.base.Traits), never from its
 name: whether one process drives several replicas, whether they are copied every step or persist,
-where the loss runs, whether it spans nodes, whether its state is sharded. A new strategy is predicted
-from the traits it declares.
+where the loss runs, whether it spans nodes, which parts of its state (weights, gradients, optimizer state) it
+shards over which group of processes, and how it gathers sharded weights. A new strategy is predicted from the
+traits it declares (with its options: Strategy.traits_for).
 
     hardware = Hardware(catalogue.gpu("h100-sxm"), catalogue.link("nvlink4"))
     prediction = predict(profile, hardware, "ddp", devices=8, batch_per_device=32)
     prediction.step_seconds, prediction.breakdown   # {"forward": ..., "all_reduce": ..., ...}
+    setup = Setup(profile, hardware, "fsdp", 8, 32, "bf16-mixed")   # the one value the pieces below take
+    memory_by_category(setup)[0]   # {"parameters": ..., "gradients": ..., "optimizer_state": ..., ...}
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
@@ -31,9 +34,14 @@ from dpkit.strategies import (
     ONE_PROCESS,
     PER_DEVICE,
     PER_STEP,
+    PER_UNIT,
     PERSISTENT,
+    SHARDED,
+    WHOLE,
+    Traits,
     reference,
     strategy_class,
+    strategy_traits,
 )
 
 OPTIMIZER_STATE_BYTES_PER_PARAMETER = {"adam": 8, "adamw": 8, "sgd": 4}  # Adam(W): two moments; SGD: momentum
@@ -198,6 +206,7 @@ class Prediction:
     fits: bool = True  # the fullest device's peak within the usable memory
     runs: bool = True  # the strategy supports the precision (16-mixed needs a GradScaler)
     global_batch: int | None = None  # the samples of one step in all (None: batch_per_device on every device)
+    options: dict[str, Any] = field(default_factory=dict)  # the strategy's options it was predicted with
 
     @property
     def total_devices(self) -> int:
@@ -272,9 +281,9 @@ def mixed_precision(precision: str) -> bool:
     return precision_key(precision) in ("bf16-mixed", "16-mixed")
 
 
-def runs_at(strategy: str, precision: str) -> bool:
+def runs_at(strategy: str, precision: str, options: Mapping[str, Any] | None = None) -> bool:
     """Whether the strategy trains at this precision: 16-mixed needs a GradScaler, which not all support."""
-    return precision_key(precision) != "16-mixed" or strategy_class(strategy).traits.grad_scaler
+    return precision_key(precision) != "16-mixed" or strategy_traits(strategy, **(options or {})).grad_scaler
 
 
 def gathered_bytes_per_parameter(precision: str) -> int:
@@ -292,24 +301,58 @@ def achieved_flops(hardware: Hardware, precision: str, constants: CostConstants)
     return peaks[key] * constants.compute_efficiency
 
 
+# ---- what is predicted: one value -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Setup:
+    """One configuration to predict: a profiled model on `hardware`, a strategy (built with `options`) on `devices`
+    per node, the fullest device's samples, the precision, the host's constants and the optimizer; `offload`: the
+    sharded parts of the state kept in host memory (CPU offload)."""
+
+    profile: ModelProfile
+    hardware: Hardware
+    strategy: str
+    devices: int
+    batch_per_device: int
+    precision: str = "32"
+    constants: CostConstants = CostConstants()
+    optimizer: str = "adam"
+    options: Mapping[str, Any] = field(default_factory=dict)
+    offload: bool = False
+
+    @property
+    def traits(self) -> Traits:
+        return strategy_traits(self.strategy, **self.options)
+
+    @property
+    def processes(self) -> int:
+        """Devices in all, over every node."""
+        return self.devices * self.hardware.nodes
+
+    @property
+    def shard_size(self) -> int:
+        """The processes one shard group spans (1 when the strategy shards nothing)."""
+        return self.traits.shard_size(self.processes, self.devices)
+
+    @property
+    def replicas_of_a_shard(self) -> int:
+        """Shard groups holding the same shards (hybrid sharding: the mesh's replicate dimension)."""
+        return max(1, self.processes // self.shard_size)
+
+    def with_batch(self, batch_per_device: int) -> Setup:
+        return replace(self, batch_per_device=batch_per_device)
+
+
 # ---- one step -----------------------------------------------------------------------------------
 
 
-def step_breakdown(
-    profile: ModelProfile,
-    hardware: Hardware,
-    strategy: str,
-    devices: int,
-    batch_per_device: int,
-    precision: str = "32",
-    constants: CostConstants = CostConstants(),
-    optimizer: str = "adam",
-) -> dict[str, float]:
+def step_breakdown(setup: Setup) -> dict[str, float]:
     """Seconds per phase of one step on the slowest device (device 0 under dp), as they add up."""
-    traits = strategy_class(strategy).traits
-    nodes = hardware.nodes
-    total = devices * nodes
-    local = devices
+    profile, hardware, constants, precision = setup.profile, setup.hardware, setup.constants, setup.precision
+    traits = setup.traits
+    total = setup.processes
+    local = setup.devices
     shared = hardware.shared_compute
     rate = achieved_flops(hardware, precision, constants)
     # virtual CPU devices divide one pool of cores: beyond compute_slots devices, each runs slower
@@ -317,7 +360,7 @@ def step_breakdown(
     rate_per_device = rate / crowding
     memory_rate = hardware.gpu.memory_bytes_per_second / crowding
     link = hardware.link
-    B = batch_per_device
+    B = setup.batch_per_device
     params_bytes = profile.parameter_bytes
     # arithmetic at the achieved rate, plus the memory passes of the operations FLOP counts leave out (the
     # elementwise ones: activations, normalizations, the loss's softmax), about a write of what forward saves for
@@ -326,10 +369,10 @@ def step_breakdown(
     traffic_per_sample = profile.activation_bytes_per_sample * activation_scale + profile.output_bytes_per_sample
     forward_compute = B * (profile.flops_per_sample / rate_per_device + traffic_per_sample / memory_rate)
     backward_compute = 2 * forward_compute
-    sharded = traits.sharded and total > 1
-    # a sharded strategy's units run hooks and launch their collectives' kernels: a gather per unit in forward,
-    # a gather and a reduce-scatter per unit in backward
-    units = profile.units if sharded else 0
+    gathers_units = traits.weights == SHARDED and setup.shard_size > 1
+    # a strategy that gathers sharded weights runs hooks per unit and launches its collectives' kernels: a gather
+    # per unit in forward, in backward a reduce-scatter per unit and a gather where forward dropped the unit
+    units = profile.units if gathers_units else 0
     collective_kernels = SHARDED_KERNELS_PER_COLLECTIVE * units
     launch_seconds = kernel_launch_seconds(hardware, constants)
     forward_launch = (profile.kernels_per_forward + collective_kernels) * launch_seconds
@@ -408,17 +451,11 @@ def step_breakdown(
     shared_weights = traits.shares_host_weights and shared
     if shared_weights and total > 1:
         phases["all_reduce"] = others * 3 * params_bytes / memory_rate
-    elif sharded:
-        phases["all_gather"], phases["reduce_scatter"] = exposed_sharded_seconds(
-            profile, hardware, strategy, devices, precision, phases["forward"], phases["backward"]
-        )
     elif persistent and total > 1:
-        phases["all_reduce"] = exposed_all_reduce_seconds(
-            profile, hardware, strategy, devices, phases["backward"], constants
-        )
-    traffic: float = OPTIMIZER_TRAFFIC_BYTES_PER_PARAMETER[optimizer] * profile.parameters
-    if traits.sharded:
-        traffic /= total  # each process steps its shard
+        phases.update(exposed_collective_seconds(setup, phases["forward"], phases["backward"]))
+    traffic: float = OPTIMIZER_TRAFFIC_BYTES_PER_PARAMETER[setup.optimizer] * profile.parameters
+    if traits.optimizer_state == SHARDED:
+        traffic /= setup.shard_size  # each process steps its shard
     # one process whose replicas persist steps each replica's copy; a process per device steps its own one
     steps_in_process = local if traits.processes == ONE_PROCESS and persistent and not shared_weights else 1
     if not shared:
@@ -440,11 +477,23 @@ def step_breakdown(
     return {name: phases[name] for name in PHASE_ORDER if name in phases and phases[name] > 0}
 
 
-def all_reduce_link(hardware: Hardware, strategy: str) -> Link:
-    """The link a gradient all-reduce is bound by: across nodes the slower of the node link and the
+# ---- communication: what the traits shard decides the collectives ---------------------------------------------
+
+
+def shard_group_link(setup: Setup) -> Link:
+    """The link a shard group's gathers and reduce-scatters cross: the node's, unless the group spans nodes."""
+    link = setup.hardware.link
+    if setup.traits.processes == PER_DEVICE and setup.hardware.interprocess is not None:
+        link = setup.hardware.interprocess
+    return link if setup.shard_size <= setup.devices else collective_link(setup)
+
+
+def collective_link(setup: Setup) -> Link:
+    """The link a collective over every process is bound by: across nodes the slower of the node link and the
     network; between processes of one node the interprocess link where one is given."""
+    hardware = setup.hardware
     link = hardware.link
-    if strategy_class(strategy).traits.processes == PER_DEVICE and hardware.interprocess is not None:
+    if setup.traits.processes == PER_DEVICE and hardware.interprocess is not None:
         link = hardware.interprocess
     network = hardware.network
     if (
@@ -456,153 +505,225 @@ def all_reduce_link(hardware: Hardware, strategy: str) -> Link:
     return link
 
 
-def exposed_all_reduce_seconds(
-    profile: ModelProfile,
-    hardware: Hardware,
-    strategy: str,
-    devices: int,
-    backward_seconds: float,
-    constants: CostConstants,
-) -> float:
+def exposed_collective_seconds(setup: Setup, forward_seconds: float, backward_seconds: float) -> dict[str, float]:
+    """The exposed seconds of the gradient exchange (and of the gathers) by phase, as the traits shard the state
+    (Rajbhandari et al. 2020, section 7): nothing sharded, an all-reduce of the gradients (2Ψ per device); the
+    optimizer state or the gradients sharded over whole weights (ZeRO-1/2), a reduce-scatter of the gradients
+    and an all-gather of the updated weights (Ψ + Ψ); the weights sharded, their all-gathers (in forward, and
+    again in backward where forward drops the units: ZeRO-3, 3Ψ with the reduce-scatter). Across the replicas
+    of a shard (hybrid sharding) the shards' gradients are all-reduced too."""
+    traits = setup.traits
+    if not traits.sharded or setup.shard_size <= 1:  # whole replicas (a shard group of one is one too)
+        return {"all_reduce": exposed_all_reduce_seconds(setup, backward_seconds)} if setup.processes > 1 else {}
+    phases: dict[str, float]
+    if traits.weights == SHARDED:
+        gather, scatter = exposed_sharded_seconds(setup, forward_seconds, backward_seconds)
+        phases = {"all_gather": gather, "reduce_scatter": scatter}
+    else:
+        phases = exposed_zero_seconds(setup, backward_seconds)
+    replicas = setup.replicas_of_a_shard
+    if replicas > 1:
+        # each shard's gradient summed with its replicas' in the other groups, shard by shard as backward produces
+        # them: what backward cannot hide shows, at least the last unit's. The groups' rings run at once; across
+        # nodes they share each node's network link, which then carries the whole gradient's worth
+        profile, hardware = setup.profile, setup.hardware
+        link = collective_link(setup)
+        shared_network = hardware.nodes > 1 and link is hardware.network
+        nbytes = profile.parameter_bytes / (1 if shared_network else setup.shard_size)
+        across = ring_all_reduce_seconds(link, nbytes, replicas, messages=profile.units)
+        if hardware.shared_compute:
+            phases["all_reduce"] = across
+        else:
+            share = profile.unit_parameters / profile.parameters
+            phases["all_reduce"] = max(across * share, across - backward_seconds * (1 - share))
+    return phases
+
+
+def exposed_all_reduce_seconds(setup: Setup, backward_seconds: float) -> float:
     """DDP's bucketed ring all-reduce, started bucket by bucket while backward runs; what backward
     cannot hide is exposed: at least the last bucket, which is ready only when backward ends."""
-    total = devices * hardware.nodes
-    link = all_reduce_link(hardware, strategy)
+    profile, constants = setup.profile, setup.constants
     buckets = max(1, -(-profile.parameter_bytes // constants.bucket_bytes))
-    whole = ring_all_reduce_seconds(link, profile.parameter_bytes, total, messages=buckets)
-    if hardware.shared_compute:
+    whole = ring_all_reduce_seconds(collective_link(setup), profile.parameter_bytes, setup.processes, messages=buckets)
+    if setup.hardware.shared_compute:
         return whole  # one pool of cores: communication and computation take turns
     last_bucket = whole / buckets
     hidden_window = backward_seconds * (buckets - 1) / buckets
     return max(last_bucket, whole - hidden_window)
 
 
-def exposed_sharded_seconds(
-    profile: ModelProfile,
-    hardware: Hardware,
-    strategy: str,
-    devices: int,
-    precision: str,
-    forward_seconds: float,
-    backward_seconds: float,
-) -> tuple[float, float]:
-    """(exposed all-gather, exposed reduce-scatter) of a sharded strategy's step (FSDP / ZeRO-3).
+def exposed_zero_seconds(setup: Setup, backward_seconds: float) -> dict[str, float]:
+    """ZeRO-1/2 (whole weights, sharded optimizer state, gradients whole or sharded): the gradients reduce-scattered
+    in float32 bucket by bucket while backward runs (half an all-reduce, hidden like DDP's but for the last bucket),
+    each process steps its shard, and the updated weights are all-gathered after the step (exposed: the next
+    forward needs them). Together the bytes of one all-reduce (Rajbhandari et al. 2020, section 7.2)."""
+    profile, constants = setup.profile, setup.constants
+    link, group = shard_group_link(setup), setup.shard_size
+    buckets = max(1, -(-profile.parameter_bytes // constants.bucket_bytes))
+    scatter = ring_all_gather_seconds(link, profile.parameters * REDUCE_SCATTER_BYTES_PER_PARAMETER, group, buckets)
+    gather = ring_all_gather_seconds(link, profile.parameter_bytes, group, buckets)
+    if setup.hardware.shared_compute:
+        return {"reduce_scatter": scatter, "all_gather": gather}
+    hidden_window = backward_seconds * (buckets - 1) / buckets
+    return {"reduce_scatter": max(scatter / buckets, scatter - hidden_window), "all_gather": gather}
 
-    Forward gathers every unit's parameters (16-bit under mixed precision); backward gathers them again (they
-    were dropped after forward, reshard_after_forward=True) and reduce-scatters the gradients in float32: in
-    fp32, 1.5 times the bytes of DDP's all-reduce (Rajbhandari et al. 2020, section 7.2). Each unit's
-    collective is prefetched while the previous unit computes, so, as for DDP's buckets, all but the first
-    unit's are hidden when the compute is long enough: at least the largest unit's share is exposed (the root's,
-    with a tied embedding, is the first gathered in forward and the last reduce-scattered in backward). On
+
+def exposed_sharded_seconds(setup: Setup, forward_seconds: float, backward_seconds: float) -> tuple[float, float]:
+    """(exposed all-gather, exposed reduce-scatter) of a strategy that shards the weights (FSDP / ZeRO-3).
+
+    Forward gathers every unit's parameters (16-bit under mixed precision); backward gathers them again where
+    forward dropped them (Traits.gathers PER_UNIT; FOR_THE_STEP keeps them) and reduce-scatters the gradients in
+    float32: with both gathers, in fp32, 1.5 times the bytes of DDP's all-reduce (Rajbhandari et al. 2020, section
+    7.2). Each unit's collective is prefetched while the previous unit computes, so, as for DDP's buckets, all but
+    the first unit's are hidden when the compute is long enough: at least the largest unit's share is exposed (the
+    root's, with a tied embedding, is the first gathered in forward and the last reduce-scattered in backward). On
     virtual CPU devices nothing overlaps."""
-    total = devices * hardware.nodes
-    if total <= 1:
+    group = setup.shard_size
+    if group <= 1:
         return 0.0, 0.0
-    link = all_reduce_link(hardware, strategy)
+    profile = setup.profile
+    link = shard_group_link(setup)
     units = profile.units
     gather = ring_all_gather_seconds(
-        link, profile.parameters * gathered_bytes_per_parameter(precision), total, messages=units
+        link, profile.parameters * gathered_bytes_per_parameter(setup.precision), group, messages=units
     )
     scatter = ring_all_gather_seconds(
-        link, profile.parameters * REDUCE_SCATTER_BYTES_PER_PARAMETER, total, messages=units
+        link, profile.parameters * REDUCE_SCATTER_BYTES_PER_PARAMETER, group, messages=units
     )
-    if hardware.shared_compute:
-        return 2 * gather, scatter
+    again = gather if setup.traits.gathers == PER_UNIT else 0.0  # backward's gathers of what forward dropped
+    if setup.hardware.shared_compute:
+        return gather + again, scatter
     largest_share = profile.unit_parameters / profile.parameters
     hidden = 1 - largest_share  # the compute the other units' collectives can hide behind
     forward = max(gather * largest_share, gather - forward_seconds * hidden)
-    backward_comm = gather + scatter
+    backward_comm = again + scatter
     backward = max(backward_comm * largest_share, backward_comm - backward_seconds * hidden)
-    return forward + backward * gather / backward_comm, backward * scatter / backward_comm
+    return forward + backward * again / backward_comm, backward * scatter / backward_comm
 
 
 # ---- memory -------------------------------------------------------------------------------------
 
+# what memory_by_category counts, named as dpkit profile books it (dpkit.observe.memory.CATEGORIES) where it can be
+MEMORY_CATEGORIES = (
+    "parameters",  # the weights this process keeps between steps (whole, or its shards)
+    "gradients",  # the gradients it holds after the exchange (whole, or its shards)
+    "optimizer_state",  # its optimizer state (whole, or its shards)
+    "gathered_parameters",  # sharded weights gathered whole to compute, and a unit's whole gradient before its
+    # reduce-scatter
+    "gradient_buckets",  # DDP's buckets: a second copy of whole gradients, for the all-reduce
+    "autocast_copies",  # mixed precision: autocast's 16-bit copy of each whole weight, kept for backward
+    "activations",  # saved for backward, and the outputs with their gradient: per sample
+    "gathered_outputs",  # the replicas' outputs gathered on device 0 for the loss (dp): per sample
+)
 
-def sharded_unit_bytes(profile: ModelProfile, precision: str = "32") -> int:
-    """What a sharded strategy holds gathered at its peak besides its shards: the largest unit's whole
-    parameters (16-bit under mixed precision), the next unit's too when there is one (prefetched), and the
-    unit's whole gradient before the reduce-scatter (float32, the reduce dtype)."""
+
+def state_bytes_per_parameter(optimizer: str) -> dict[str, int]:
+    """Bytes per parameter of each part of the state a whole copy keeps: float32 weights and gradients under
+    every precision (autocast keeps them so, and so do a sharded strategy's shards) and the optimizer's state.
+    With Adam 4 + 4 + 8 = 16, the same 16 as ZeRO's 2 + 2 + 12 for mixed precision (Rajbhandari et al. 2020,
+    section 3.1), which counts the float32 master copy with the optimizer state (K = 12) and 16-bit weights and
+    gradients instead."""
+    return {
+        "parameters": FP32_BYTES,
+        "gradients": FP32_BYTES,
+        "optimizer_state": OPTIMIZER_STATE_BYTES_PER_PARAMETER[optimizer],
+    }
+
+
+def memory_by_category(setup: Setup) -> list[dict[str, int]]:
+    """Each device's bytes at the step's peak by category (MEMORY_CATEGORIES), device 0 first, at the setup's
+    batch. A part of the state the traits shard is 1/S of the whole on each of the S processes of its shard group
+    (none on the device with `offload`); a whole part is all of it:
+
+        per device  ddp 16Ψ   ZeRO-1 8Ψ + 8Ψ/N   ZeRO-2 4Ψ + 12Ψ/N   ZeRO-3 (fsdp) 16Ψ/N   hsdp 16Ψ/S
+
+    (Adam, float32 weights and gradients: the ZeRO paper's 16Ψ, 4Ψ + 12Ψ/N, 2Ψ + 14Ψ/N, 16Ψ/N with the float32
+    master weights counted as dpkit keeps them), plus what is gathered, the autocast copies and the activations.
+
+    On virtual CPU devices (`hardware.shared_compute`) a strategy that shares host weights (replicated) makes its
+    replicas views of replica 0's weights, stepped once with one optimizer state: the other replicas hold only
+    their gradients until the sum."""
+    profile, traits = setup.profile, setup.traits
+    parameters = profile.parameters
+    whole = {part: per * parameters for part, per in state_bytes_per_parameter(setup.optimizer).items()}
+    group = setup.shard_size
+    part_of_traits = {
+        "parameters": traits.weights,
+        "gradients": traits.gradients,
+        "optimizer_state": traits.optimizer_state,
+    }
+    kept = {
+        part: (0.0 if setup.offload else whole[part] / group) if part_of_traits[part] == SHARDED else float(whole[part])
+        for part in whole
+    }
+    mixed = mixed_precision(setup.precision)
     unit = profile.unit_parameters
-    gathered = (1 + (PREFETCHED_UNITS if profile.units > 1 else 0)) * unit * gathered_bytes_per_parameter(precision)
-    return int(gathered + unit * REDUCE_SCATTER_BYTES_PER_PARAMETER)
-
-
-def memory_per_device(
-    profile: ModelProfile,
-    strategy: str,
-    devices: int,
-    batch_per_device: int,
-    precision: str = "32",
-    optimizer: str = "adam",
-    shared_weights: bool = False,
-    nodes: int = 1,
-    offload: bool = False,
-) -> tuple[list[int], list[float]]:
-    """(peak bytes per device, bytes per extra sample per device). Device 0 first; `devices` per node.
-
-    `shared_weights`: the devices are virtual CPU devices, on which a strategy that shares host weights
-    (replicated) makes its replicas views of replica 0's weights, stepped once with one optimizer state:
-    the other replicas hold only their gradients until the sum. Other strategies ignore it.
-    `nodes`: a sharded strategy splits its state over devices x nodes processes.
-    `offload`: a sharded strategy keeps its shards in host memory (CPU offload); the device holds what is
-    gathered and the activations. Other strategies ignore it."""
-    traits = strategy_class(strategy).traits
-    params = profile.parameter_bytes
-    grads = params
-    state = OPTIMIZER_STATE_BYTES_PER_PARAMETER[optimizer] * profile.parameters
-    mixed = mixed_precision(precision)
+    gathered = 0.0
+    if traits.weights == SHARDED:
+        # gathered in the param dtype (16-bit under mixed precision): the largest unit and the next one, prefetched;
+        # or, kept from forward to backward, every unit: the whole model
+        prefetched = PREFETCHED_UNITS if profile.units > 1 else 0
+        held = (1 + prefetched) * unit if traits.gathers == PER_UNIT else parameters
+        gathered += held * gathered_bytes_per_parameter(setup.precision)
+    if traits.gradients == SHARDED:
+        gathered += unit * REDUCE_SCATTER_BYTES_PER_PARAMETER  # a unit's whole gradient before its reduce-scatter
+    # autocast's 16-bit copies of the whole weights, held from forward until backward used them (gathered units are
+    # 16-bit already)
+    autocast = AUTOCAST_COPY_BYTES_PER_PARAMETER * parameters if mixed and traits.weights == WHOLE else 0
+    # DDP's gradient buckets are a second copy of the whole gradients in every process
+    buckets = (
+        whole["gradients"]
+        if traits.processes == PER_DEVICE and traits.gradients == WHOLE and setup.processes > 1
+        else 0
+    )
     activation_scale = 0.5 if mixed else 1.0
     per_sample = profile.activation_bytes_per_sample * activation_scale + 2 * profile.output_bytes_per_sample
-    # autocast's 16-bit copies of the weights, held from forward until backward used them
-    cast = AUTOCAST_COPY_BYTES_PER_PARAMETER * profile.parameters if mixed else 0
-    replica_fixed = params + grads + cast  # a replica's copy and its gradients, while the step runs
-    slope = [per_sample] * devices
-    fixed: Sequence[float]
-    if traits.sharded:
-        # ZeRO-3 / FSDP: parameters, gradients and optimizer state split over every process, plus what is
-        # gathered; the gathered units are already 16-bit under mixed precision (no autocast copies)
-        shards = 0 if offload else (params + grads + state) / (devices * nodes)
-        fixed = [shards + sharded_unit_bytes(profile, precision)] * devices
-    elif traits.replicas == PER_STEP:  # device 0 keeps the model and the optimizer state; the others a copy per step
-        fixed = [params + grads + state + cast] + [replica_fixed] * (devices - 1)
-        if traits.loss == ON_ROOT and devices > 1:
+    batch = setup.batch_per_device
+    first = {
+        "parameters": kept["parameters"],
+        "gradients": kept["gradients"],
+        "optimizer_state": kept["optimizer_state"],
+        "gathered_parameters": gathered,
+        "gradient_buckets": buckets,
+        "autocast_copies": autocast,
+        "activations": per_sample * batch,
+        "gathered_outputs": 0.0,
+    }
+    devices = [dict(first) for _ in range(setup.devices)]
+    if traits.replicas == PER_STEP:  # device 0 keeps the model and the optimizer state; the others a copy per step
+        for other in devices[1:]:
+            other["optimizer_state"] = 0
+        if traits.loss == ON_ROOT and setup.devices > 1:
             # gathered logits and their gradient (one device: DataParallel runs the module directly)
-            slope[0] = per_sample + 2 * profile.output_bytes_per_sample * devices
-    elif traits.shares_host_weights and shared_weights:
-        fixed = [params + grads + state + cast] + [grads + cast] * (devices - 1)
-    else:
-        # DDP's gradient buckets are a second copy of the gradients in every process
-        buckets = grads if traits.processes == PER_DEVICE and devices * nodes > 1 else 0
-        fixed = [params + grads + state + buckets + cast] * devices
-    peaks = [int(f + s * batch_per_device) for f, s in zip(fixed, slope)]
-    return peaks, slope
+            devices[0]["gathered_outputs"] = 2 * profile.output_bytes_per_sample * setup.devices * batch
+    elif traits.shares_host_weights and setup.hardware.shared_compute:
+        for other in devices[1:]:
+            other["parameters"] = other["optimizer_state"] = 0
+    return [{name: int(account[name]) for name in MEMORY_CATEGORIES} for account in devices]
 
 
-def largest_batch_per_device(
-    profile: ModelProfile,
-    hardware: Hardware,
-    strategy: str,
-    devices: int,
-    precision: str,
-    optimizer: str,
-    constants: CostConstants,
-    offload: bool = False,
-) -> int:
-    peaks_at_zero, slopes = memory_per_device(
-        profile,
-        strategy,
-        devices,
-        0,
-        precision,
-        optimizer,
-        shared_weights=hardware.shared_compute,
-        nodes=hardware.nodes,
-        offload=offload,
-    )
-    usable = hardware.gpu.memory_bytes * constants.memory_headroom
+def memory_per_device(setup: Setup) -> tuple[list[int], list[float]]:
+    """(peak bytes per device, bytes per extra sample per device), device 0 first: memory_by_category added up."""
+    at_zero = memory_by_category(setup.with_batch(0))
+    at_one = memory_by_category(setup.with_batch(1))
+    slopes = [float(sum(one.values()) - sum(zero.values())) for zero, one in zip(at_zero, at_one)]
+    peaks = [int(sum(zero.values()) + slope * setup.batch_per_device) for zero, slope in zip(at_zero, slopes)]
+    return peaks, slopes
+
+
+def largest_batch_per_device(setup: Setup) -> int:
+    """The most samples per device that fit the usable memory."""
+    peaks_at_zero, slopes = memory_per_device(setup.with_batch(0))
+    usable = setup.hardware.gpu.memory_bytes * setup.constants.memory_headroom
     fits = [int((usable - fixed) // slope) if slope > 0 else 10**9 for fixed, slope in zip(peaks_at_zero, slopes)]
     return max(0, min(fits))
+
+
+def lightest_sharding(traits: Traits, processes: int, per_node: int) -> tuple[int, int]:
+    """A sort key, lightest first: how many parts of the state a strategy shards, then over how many processes
+    (its shard group on `processes` in all, `per_node` on each node). `auto` and the advisor take the lightest
+    sharding that fits: less sharded, less to gather and to save collectively, and more replicas to read from."""
+    return len(traits.sharded_parts), traits.shard_size(processes, per_node)
 
 
 @dataclass(frozen=True)
@@ -627,20 +748,22 @@ class Sizing:
         """The fullest device's samples on `devices` devices per node (a global batch shrinks with more)."""
         return as_batch(self.batch_per_device).share(devices * self.hardware.nodes)
 
-    def peak_bytes(self, strategy: str, devices: int, offload: bool = False, batch: int | None = None) -> int:
-        """The fullest device's peak."""
-        peaks, _ = memory_per_device(
+    def setup(self, strategy: str, devices: int, offload: bool = False, batch: int | None = None) -> Setup:
+        return Setup(
             self.profile,
+            self.hardware,
             strategy,
             devices,
             self.share(devices) if batch is None else batch,
             self.precision,
+            self.constants,
             self.optimizer,
-            shared_weights=self.hardware.shared_compute,
-            nodes=self.hardware.nodes,
             offload=offload,
         )
-        return max(peaks)
+
+    def peak_bytes(self, strategy: str, devices: int, offload: bool = False, batch: int | None = None) -> int:
+        """The fullest device's peak."""
+        return max(memory_per_device(self.setup(strategy, devices, offload, batch))[0])
 
     def fits(self, strategy: str, devices: int, offload: bool = False) -> bool:
         return self.hardware.shared_compute or self.peak_bytes(strategy, devices, offload) <= self.usable_bytes
@@ -664,9 +787,7 @@ class Sizing:
         return high
 
     def largest_batch(self, strategy: str, devices: int, offload: bool = False) -> int:
-        return largest_batch_per_device(
-            self.profile, self.hardware, strategy, devices, self.precision, self.optimizer, self.constants, offload
-        )
+        return largest_batch_per_device(self.setup(strategy, devices, offload, batch=0))
 
 
 # ---- predictions --------------------------------------------------------------------------------
@@ -682,56 +803,59 @@ def predict(
     constants: CostConstants = CostConstants(),
     optimizer: str = "adam",
     global_batch: int | None = None,
+    options: Mapping[str, Any] | None = None,
 ) -> Prediction:
-    """One configuration. `global_batch`: the samples of the step in all, split across the devices, the fullest
-    taking `batch_per_device` (their largest share), which sets the step time and the peak memory."""
+    """One configuration (see Setup; `options`: the strategy's). `global_batch`: the samples of the step in all,
+    split across the devices, the fullest taking `batch_per_device` (their largest share), which sets the step time
+    and the peak memory."""
+    setup = Setup(
+        profile, hardware, strategy, devices, batch_per_device, precision, constants, optimizer, dict(options or {})
+    )
+    return predict_setup(setup, global_batch)
+
+
+def predict_setup(setup: Setup, global_batch: int | None = None) -> Prediction:
+    """The prediction for one Setup (see predict)."""
+    hardware, devices = setup.hardware, setup.devices
     if devices < 1:
         raise ValueError(f"devices: expected positive device counts, got {devices}")
-    if batch_per_device < 1:
-        raise ValueError(f"batch_per_device: expected at least 1, got {batch_per_device}")
-    if global_batch is not None and global_batch < devices * hardware.nodes:
+    if setup.batch_per_device < 1:
+        raise ValueError(f"batch_per_device: expected at least 1, got {setup.batch_per_device}")
+    if global_batch is not None and global_batch < setup.processes:
         raise ValueError(
-            f"batch_size: {global_batch} samples leave some of the {devices * hardware.nodes} devices without one; "
+            f"batch_size: {global_batch} samples leave some of the {setup.processes} devices without one; "
             f"expected at least one sample per device"
         )
-    if optimizer not in OPTIMIZER_STATE_BYTES_PER_PARAMETER:
+    if setup.optimizer not in OPTIMIZER_STATE_BYTES_PER_PARAMETER:
         raise ValueError(
-            f"optimizer: expected one of {', '.join(OPTIMIZER_STATE_BYTES_PER_PARAMETER)}, got {optimizer!r}"
+            f"optimizer: expected one of {', '.join(OPTIMIZER_STATE_BYTES_PER_PARAMETER)}, got {setup.optimizer!r}"
         )
-    breakdown = step_breakdown(profile, hardware, strategy, devices, batch_per_device, precision, constants, optimizer)
+    breakdown = step_breakdown(setup)
     step = sum(breakdown.values())
-    peaks, _ = memory_per_device(
-        profile,
-        strategy,
-        devices,
-        batch_per_device,
-        precision,
-        optimizer,
-        shared_weights=hardware.shared_compute,
-        nodes=hardware.nodes,
-    )
-    largest = largest_batch_per_device(profile, hardware, strategy, devices, precision, optimizer, constants)
-    samples = batch_per_device * devices * hardware.nodes if global_batch is None else global_batch
+    peaks, _ = memory_per_device(setup)
+    largest = largest_batch_per_device(setup)
+    samples = setup.batch_per_device * setup.processes if global_batch is None else global_batch
     prediction = Prediction(
-        strategy,
+        setup.strategy,
         devices,
         hardware.nodes,
-        batch_per_device,
+        setup.batch_per_device,
         step,
         breakdown,
         peaks,
         largest,
         samples_per_second=samples / step,
         global_batch=global_batch,
+        options=dict(setup.options),
     )
-    usable = hardware.gpu.memory_bytes * constants.memory_headroom
+    usable = hardware.gpu.memory_bytes * setup.constants.memory_headroom
     if not hardware.shared_compute and max(peaks) > usable:
         prediction.fits = False
         prediction.notes.append(
             f"does not fit: {max(peaks) / 2**30:.1f} GiB on the fullest device, "
             f"{usable / 2**30:.1f} GiB usable of {hardware.gpu.memory_bytes / 2**30:.0f} GiB on a {hardware.gpu.name}"
         )
-    if not runs_at(strategy, precision):
+    if not runs_at(setup.strategy, setup.precision, setup.options):
         prediction.runs = False
         prediction.notes.append("cannot run: no GradScaler for precision 16-mixed (bf16-mixed runs)")
     if hardware.link.max_devices is not None and devices > hardware.link.max_devices:

@@ -9,10 +9,11 @@ A profile comes from one of three places:
 - `ModelProfile(...)` with the numbers given directly (`dpkit plan --params ... --flops-per-sample ...`).
 All FLOP and byte counts are per sample of one forward pass, in fp32 (4-byte) terms.
 
-A sharded strategy (fsdp) gathers the model's parameters one unit at a time; the profile says how many
-units and how many parameters the largest holds (`largest_unit_parameters`, `shard_units`), following the
-strategy's default rule: every block of an nn.ModuleList (whole) and every other module with at least a million
-parameters of its own is a unit, the root holds the rest (`shard_unit_sizes`).
+A strategy that shards the weights (fsdp) gathers the model's parameters one unit at a time; the profile says how
+many units and how many parameters the largest holds (`largest_unit_parameters`, `shard_units`), following the
+sharding strategies' default rule (dpkit.strategies.units, read without importing a strategy): every block of an
+nn.ModuleList (whole) and every other module with at least a million parameters of its own is a unit, the root
+holds the rest (`shard_unit_sizes`).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import torch
 from torch import nn
 from torch._ops import OpOverload
 
-from dpkit.strategies.fsdp import DEFAULT_UNIT_PARAMETERS, shard_units
+from dpkit.strategies.units import DEFAULT_UNIT_PARAMETERS, shard_unit_sizes
 
 FP32_BYTES = 4
 # a transformer block's modules as Hugging Face's GPT-2 builds it (two layer norms, attention with its two
@@ -102,16 +103,6 @@ class _KernelCounter(torch.utils._python_dispatch.TorchDispatchMode):
         if not func.is_view and func.__name__.split(".")[0] not in ("detach", "alias", "lift_fresh", "_to_copy"):
             self.kernels += 1
         return func(*args, **(kwargs or {}))
-
-
-def shard_unit_sizes(model: nn.Module, min_parameters: int = UNIT_MIN_PARAMETERS) -> list[int]:
-    """Parameters of each unit the sharded strategy's default rule (dpkit.strategies.fsdp.shard_units) makes of
-    `model`, innermost first, the root's remainder last (when it has any)."""
-    units = shard_units(model, min_parameters)
-    sizes = [sum(p.numel() for p in unit.parameters()) for unit in units]
-    taken = {id(p) for unit in units for p in unit.parameters()}
-    root = sum(p.numel() for p in model.parameters() if id(p) not in taken)
-    return sizes + ([root] if root else [])
 
 
 def meta_copy(model: nn.Module) -> nn.Module:

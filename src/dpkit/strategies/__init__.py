@@ -7,6 +7,7 @@ strategies' traits (base.Traits), never compares a name:
     strategy_class("ddp").traits.processes == PER_DEVICE
     reference()                               # the one-device strategy every other must equal
     matching(lambda traits: traits.sharded)   # the strategies with some trait
+    strategy_traits("fsdp", reshard_after_forward=False).gathers   # an instance's traits, from its options
 """
 
 from __future__ import annotations
@@ -18,27 +19,41 @@ from typing import Any
 import torch
 
 from dpkit.strategies.base import (
+    ALL_PROCESSES,
+    FOR_THE_STEP,
     IN_REPLICAS,
+    NO_GATHER,
     NO_REPLICAS,
     ON_ROOT,
+    ONE_NODE,
     ONE_PROCESS,
     PER_DEVICE,
     PER_STEP,
+    PER_UNIT,
     PERSISTENT,
+    SHARDED,
+    WHOLE,
     DeferredOutput,
     Strategy,
     Traits,
 )
 
 __all__ = [
+    "ALL_PROCESSES",
+    "FOR_THE_STEP",
     "IN_REPLICAS",
+    "NO_GATHER",
     "NO_REPLICAS",
+    "ONE_NODE",
     "ONE_PROCESS",
     "ON_ROOT",
     "PERSISTENT",
     "PER_DEVICE",
     "PER_STEP",
+    "PER_UNIT",
+    "SHARDED",
     "STRATEGIES",
+    "WHOLE",
     "DeferredOutput",
     "Strategy",
     "Traits",
@@ -47,6 +62,7 @@ __all__ = [
     "matching",
     "reference",
     "strategy_class",
+    "strategy_traits",
 ]
 
 # name -> "module:class", in the order tables and plots show them; modules are imported on first use
@@ -57,6 +73,8 @@ STRATEGIES: dict[str, str] = {
     "replicated": "dpkit.strategies.replicated:Replicated",
     "ddp": "dpkit.strategies.ddp:DDP",
     "fsdp": "dpkit.strategies.fsdp:FSDP",
+    "zero": "dpkit.strategies.zero:Zero",
+    "hsdp": "dpkit.strategies.hsdp:HSDP",
 }
 
 
@@ -70,6 +88,11 @@ def strategy_class(name: str, argument: str = "strategy") -> type[Strategy]:
         raise ValueError(f"{argument}: unknown strategy {name!r}; choose one of {', '.join(STRATEGIES)}")
     module_name, class_name = STRATEGIES[name].split(":")
     return getattr(importlib.import_module(module_name), class_name)
+
+
+def strategy_traits(name: str, **options: Any) -> Traits:
+    """The traits of strategy `name` built with `options` (its class's own with none)."""
+    return strategy_class(name).traits_for(**options)
 
 
 def matching(predicate: Callable[[Traits], bool]) -> list[str]:

@@ -34,6 +34,16 @@ IN_REPLICAS = "replicas"  # inside each replica on its rows; the step's loss is 
 NO_REPLICAS = "none"  # the model on its one device
 PER_STEP = "per-step"  # copied from the first device at every forward; gradients summed back into it
 PERSISTENT = "persistent"  # kept between steps; every replica gets the summed gradient and steps itself
+# Traits.weights, .gradients, .optimizer_state: what one process keeps of each part of the training state
+WHOLE = "whole"  # all of it, on every process (or replica)
+SHARDED = "sharded"  # 1/S of it on each of the S processes of its shard group (Traits.shard_group)
+# Traits.gathers: how sharded weights become whole for the computation
+NO_GATHER = "none"  # the weights are whole already (or nothing is sharded)
+PER_UNIT = "per-unit"  # a unit at a time, dropped after its forward and gathered again in backward (ZeRO-3, fsdp)
+FOR_THE_STEP = "step"  # unit by unit in forward and kept until backward: the whole model gathered at the peak
+# Traits.shard_group: the processes a shard spans; the state is replicated across the groups (an int: that many)
+ALL_PROCESSES = "all"  # every process of the run, across nodes
+ONE_NODE = "node"  # the processes of one node (hybrid sharding: shard within a node, replicate across nodes)
 
 
 @dataclass(frozen=True)
@@ -44,8 +54,13 @@ class Traits:
     loss: where the loss runs, ON_ROOT or IN_REPLICAS.
     replicas: NO_REPLICAS, PER_STEP or PERSISTENT.
     max_devices: the most devices it can use (1 for the one-device reference), None for any number.
-    sharded: parameters, gradients and optimizer state are split across devices, so saving and loading
-        are collective and no device holds the whole model between steps.
+    weights, gradients, optimizer_state: WHOLE or SHARDED, what one process keeps of each between steps
+        (gradients: after backward's exchange, all-reduced whole or reduce-scattered to the shard)
+        (ZeRO stage 1 shards the optimizer state, stage 2 the gradients too, stage 3 / fsdp the weights too).
+    gathers: how SHARDED weights are made whole to compute, PER_UNIT or FOR_THE_STEP (NO_GATHER when whole).
+    shard_group: the processes a SHARDED part is split over: ALL_PROCESSES, ONE_NODE or a number of processes;
+        the groups replicate each other (hsdp: a mesh of replicate x shard). Ignored when nothing is sharded.
+    sharded (derived): some part is SHARDED, so saving and loading are collective (each process its shards).
     balances: rows per device follow measured memory, after a few calibration steps.
     shares_host_weights: on virtual CPU devices, which share one memory, the replicas are views of one
         copy of the weights with one optimizer state.
@@ -56,10 +71,55 @@ class Traits:
     loss: str
     replicas: str
     max_devices: int | None = None
-    sharded: bool = False
+    weights: str = WHOLE
+    gradients: str = WHOLE
+    optimizer_state: str = WHOLE
+    gathers: str = NO_GATHER
+    shard_group: int | str = ALL_PROCESSES
     balances: bool = False
     shares_host_weights: bool = False
     grad_scaler: bool = True
+
+    def __post_init__(self) -> None:
+        for part in ("weights", "gradients", "optimizer_state"):
+            if getattr(self, part) not in (WHOLE, SHARDED):
+                raise ValueError(f"{part}: expected {WHOLE!r} or {SHARDED!r}, got {getattr(self, part)!r}")
+        if self.gathers not in (NO_GATHER, PER_UNIT, FOR_THE_STEP):
+            raise ValueError(f"gathers: expected {NO_GATHER!r}, {PER_UNIT!r} or {FOR_THE_STEP!r}, got {self.gathers!r}")
+        if (self.weights == SHARDED) != (self.gathers != NO_GATHER):
+            raise ValueError(
+                f"gathers: sharded weights are gathered ({PER_UNIT!r} or {FOR_THE_STEP!r}) and whole ones are not "
+                f"({NO_GATHER!r}); got weights={self.weights!r}, gathers={self.gathers!r}"
+            )
+        group = self.shard_group
+        if group not in (ALL_PROCESSES, ONE_NODE) and (
+            isinstance(group, bool) or not isinstance(group, int) or group < 1
+        ):
+            raise ValueError(
+                f"shard_group: expected {ALL_PROCESSES!r}, {ONE_NODE!r} or a positive number of processes, "
+                f"got {group!r}"
+            )
+
+    @property
+    def sharded_parts(self) -> tuple[str, ...]:
+        """The parts of the training state split over a shard group, of weights, gradients, optimizer_state."""
+        return tuple(part for part in ("weights", "gradients", "optimizer_state") if getattr(self, part) == SHARDED)
+
+    @property
+    def sharded(self) -> bool:
+        """Some part of the state is split across processes: saving and loading are collective."""
+        return bool(self.sharded_parts)
+
+    def shard_size(self, processes: int, per_node: int) -> int:
+        """The processes one shard group spans, in a run of `processes` with `per_node` on each node (1 when
+        nothing is sharded)."""
+        if not self.sharded:
+            return 1
+        if self.shard_group == ALL_PROCESSES:
+            return processes
+        if self.shard_group == ONE_NODE:
+            return min(per_node, processes)
+        return min(int(self.shard_group), processes)
 
     @property
     def threads_per_step(self) -> bool:
@@ -75,9 +135,13 @@ class Strategy:
     """The one-process, one-device behaviour every strategy starts from."""
 
     name: ClassVar[str] = "single"
-    traits: ClassVar[Traits] = Traits(processes=ONE_PROCESS, loss=ON_ROOT, replicas=NO_REPLICAS, max_devices=1)
+    # the class's traits, with its default options; a strategy whose options change them (zero's stage, hsdp's
+    # shard_size) overrides traits_for and sets self.traits = self.traits_for(...) in its constructor
+    traits: Traits = Traits(processes=ONE_PROCESS, loss=ON_ROOT, replicas=NO_REPLICAS, max_devices=1)
     # keyword options the constructor takes besides the devices (Engine(**strategy_options) passes them)
     options: ClassVar[tuple[str, ...]] = ()
+    # option sets the planner shows besides the defaults (`dpkit plan --strategies`), e.g. ({"stage": 1},)
+    planned_variants: ClassVar[tuple[Mapping[str, Any], ...]] = ()
     # one process: rank 0 of 1; strategies with a process per device set these from the launcher's environment
     rank = 0
     world_size = 1
@@ -95,6 +159,16 @@ class Strategy:
                 f"pass devices={most} or choose a strategy for several devices"
             )
         self.criterion: Callable | None = None  # set by loss-in-replicas strategies
+
+    @classmethod
+    def traits_for(cls, **options: Any) -> Traits:
+        """The traits of an instance built with `options` (the planner predicts from them without building
+        one); the class's own unless an option changes what is sharded or over which group."""
+        unknown = sorted(set(options) - set(cls.options))
+        if unknown:
+            accepted = ", ".join(cls.options) or "none"
+            raise TypeError(f"{unknown[0]}: not an option of strategy '{cls.name}' (its options: {accepted})")
+        return cls.traits
 
     # --- launching ----------------------------------------------------------------------------------
     @classmethod

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from contextlib import AbstractContextManager
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -27,59 +28,21 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
-from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather, DefaultReduceScatter
 from torch.distributed.tensor import DTensor
 
 from dpkit.checks import check_int
 from dpkit.parallel import hooks
-from dpkit.strategies.base import ON_ROOT, PER_DEVICE, PERSISTENT, Traits
+from dpkit.strategies.base import FOR_THE_STEP, ON_ROOT, PER_DEVICE, PER_UNIT, PERSISTENT, SHARDED, Traits
+from dpkit.strategies.mesh import shard_mesh
 from dpkit.strategies.named_state import named_optimizer_state, numbered_optimizer_state
 from dpkit.strategies.per_device import PerDeviceStrategy
 from dpkit.strategies.single import one_device_forward
-
-# a module with at least this many parameters of its own (not in a unit below it) is a unit of its own
-DEFAULT_UNIT_PARAMETERS = 1_000_000
+from dpkit.strategies.units import DEFAULT_UNIT_PARAMETERS, shard_units
 
 FULL_ON_RANK_0 = StateDictOptions(full_state_dict=True, cpu_offload=True)
 FULL_EVERYWHERE = StateDictOptions(full_state_dict=True)
-
-
-def shard_units(model: nn.Module, min_parameters: int = DEFAULT_UNIT_PARAMETERS) -> list[nn.Module]:
-    """The modules the default rule shards as units of their own, innermost first (the root comes last,
-    sharded apart from this list): every block of a ModuleList (transformer layers, residual stages) with
-    everything inside it, and outside such blocks any module holding at least `min_parameters` parameters
-    not already in a unit below it. A module whose parameters are also used outside it (tied embeddings) is
-    never a unit: a tied weight must be gathered by one unit, so it stays with the root."""
-    holders: dict[int, set[int]] = {}  # id(parameter) -> ids of the modules that register it themselves
-    for module in model.modules():
-        for parameter in module.parameters(recurse=False):
-            holders.setdefault(id(parameter), set()).add(id(module))
-    in_list = {id(child) for module in model.modules() if isinstance(module, nn.ModuleList) for child in module}
-    taken: set[int] = set()
-    units: list[nn.Module] = []
-
-    def unit_if(module: nn.Module, large_enough: Callable[[int], bool]) -> bool:
-        own = [p for p in module.parameters() if id(p) not in taken]
-        inside = {id(m) for m in module.modules()}
-        if own and large_enough(sum(p.numel() for p in own)) and not any(holders[id(p)] - inside for p in own):
-            units.append(module)
-            taken.update(id(p) for p in own)
-            return True
-        return False
-
-    def visit(module: nn.Module) -> None:
-        if module is not model and id(module) in in_list and unit_if(module, lambda count: True):
-            return  # a block is one unit, whatever it holds: one gather and one reduce-scatter per block
-        for child in module.children():
-            visit(child)
-        if module is not model:
-            unit_if(module, lambda count: count >= min_parameters)
-
-    visit(model)
-    return units
-
 
 # FSDP2's own collectives, announced: the buffer is allocated, and the collective runs, inside the phase of its
 # name, so the observer books the buffer by that phase's category and times it (inside forward and backward)
@@ -120,8 +83,24 @@ class _AnnouncedReduceScatter(DefaultReduceScatter):
 class FSDP(PerDeviceStrategy):
     name = "fsdp"
     # the model's forward and the loss run in this process on its share, as under ddp; only the state is spread
-    traits = Traits(processes=PER_DEVICE, loss=ON_ROOT, replicas=PERSISTENT, sharded=True, grad_scaler=False)
+    # weights, gradients and optimizer state sharded over every process (ZeRO-3); each unit gathered for its
+    # forward and again for its backward (reshard_after_forward=False: kept from forward to backward)
+    traits = Traits(
+        processes=PER_DEVICE,
+        loss=ON_ROOT,
+        replicas=PERSISTENT,
+        weights=SHARDED,
+        gradients=SHARDED,
+        optimizer_state=SHARDED,
+        gathers=PER_UNIT,
+        grad_scaler=False,
+    )
     options = PerDeviceStrategy.options + ("reshard_after_forward", "units", "min_unit_parameters", "offload")
+
+    @classmethod
+    def traits_for(cls, **options: Any) -> Traits:
+        traits = super().traits_for(**options)
+        return replace(traits, gathers=FOR_THE_STEP) if options.get("reshard_after_forward") is False else traits
 
     def __init__(
         self,
@@ -162,6 +141,7 @@ class FSDP(PerDeviceStrategy):
                 f"on {self.device.type} the parameters are in host memory already (pass offload=False)"
             )
         self.reshard_after_forward = reshard_after_forward
+        self.traits = self.traits_for(reshard_after_forward=reshard_after_forward)
         self.units = units
         self.min_unit_parameters = min_unit_parameters
         self.offload = bool(offload)
@@ -181,7 +161,8 @@ class FSDP(PerDeviceStrategy):
         model = model.to(self.device)
         before = dict(model.named_parameters())
         units = list(self.units(model)) if self.units is not None else shard_units(model, self.min_unit_parameters)
-        mesh = init_device_mesh(self.device.type, (self.world_size,))
+        shard_size = self.traits.shard_size(self.world_size, per_node=self.local_world_size)
+        mesh = shard_mesh(self.device.type, self.world_size, shard_size)
         mp_policy = self._mixed_precision()
         offload_policy = CPUOffloadPolicy() if self.offload else OffloadPolicy()
         for unit in [*(unit for unit in units if unit is not model), model]:
