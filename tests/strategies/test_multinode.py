@@ -1,5 +1,8 @@
 """Two nodes over loopback: two `dpkit launch --nnodes 2` processes train together, like the same strategy on 2
-devices of one node, for every strategy with a process per device (ddp, fsdp)."""
+devices of one node. What two nodes change is the launcher's rendezvous and the ranks, the same for every strategy
+with a process per device; whether the weights are whole or sharded changes what is saved and gathered across the
+nodes. So one strategy of each kind runs here (ddp and fsdp today): a launch costs ~20 s of this suite, and the
+others are checked equal to them on one node (tests/strategies/test_equivalence.py)."""
 
 from __future__ import annotations
 
@@ -10,10 +13,16 @@ import pytest
 from strategy_runs import load_metrics, load_state, max_abs_diff, train_args
 
 from dpkit.launch import free_port
-from dpkit.strategies import PER_DEVICE, matching
+from dpkit.strategies import PER_DEVICE, SHARDED, WHOLE, matching
+
+# the first strategy with a process per device keeping whole weights, and the first sharding them
+ONE_OF_EACH_KIND = [
+    matching(lambda traits, weights=weights: traits.processes == PER_DEVICE and traits.weights == weights)[0]
+    for weights in (WHOLE, SHARDED)
+]
 
 
-@pytest.mark.parametrize("strategy", matching(lambda traits: traits.processes == PER_DEVICE))
+@pytest.mark.parametrize("strategy", ONE_OF_EACH_KIND)
 def test_two_nodes_over_loopback_equal_two_devices_of_one(strategy, train_run, tmp_path):
     port = free_port("127.0.0.1")
     out = tmp_path / "two-nodes"

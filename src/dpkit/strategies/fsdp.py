@@ -186,7 +186,7 @@ class FSDP(PerDeviceStrategy):
 
     def _wrapped_model(self) -> nn.Module:
         if self.model is None:
-            raise RuntimeError("fsdp: the model is sharded by engine.setup(model, optimizer); call it first")
+            raise RuntimeError(f"{self.name}: the model is sharded by engine.setup(model, optimizer); call it first")
         return self.model
 
     # --- what is gathered: told to listeners (dpkit profile), since no allocation shows it ----------------
@@ -225,8 +225,8 @@ class FSDP(PerDeviceStrategy):
         replaces every parameter by a sharded one)."""
         if any(optimizer.state.values()):
             raise ValueError(
-                "optimizer: it already holds state (it has stepped); under strategy 'fsdp' build it on the model's "
-                "parameters and pass it to engine.setup before its first step"
+                f"optimizer: it already holds state (it has stepped); under strategy '{self.name}' build it on the "
+                "model's parameters and pass it to engine.setup before its first step"
             )
         for group in optimizer.param_groups:
             group["params"] = [self._sharded_params.get(id(p), p) for p in group["params"]]
