@@ -12,6 +12,7 @@ from dpkit.plan.cost_model import Hardware
 from dpkit.plan.probe import measure_probes, probe_strategies
 from dpkit.plan.profiles import builtin_profile, given_profile, measure_model
 from dpkit.strategies import (
+    ALL_PROCESSES,
     ON_ROOT,
     ONE_PROCESS,
     PER_DEVICE,
@@ -29,7 +30,7 @@ CPUS = ["cpu:0", "cpu:1"]
 GPUS = ["cuda:0", "cuda:1"]
 SINGLE = reference()
 DDP = matching(lambda t: t.processes == PER_DEVICE and not t.sharded)[0]
-FSDP = matching(lambda t: t.sharded)[0]
+FSDP = matching(lambda t: len(t.sharded_parts) == 3 and t.shard_group == ALL_PROCESSES)[0]  # shards everything
 DP = matching(lambda t: t.replicas == PER_STEP and t.loss == ON_ROOT and not t.balances)[0]
 REPLICATED = matching(lambda t: t.processes == ONE_PROCESS and t.replicas == PERSISTENT)[0]
 SMALL = given_profile(1e6, 1e8, name="small", kernels_per_forward=20, output_bytes_per_sample=40.0)

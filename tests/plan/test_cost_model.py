@@ -23,7 +23,15 @@ from dpkit.plan.cost_model import (
     transfer_seconds,
 )
 from dpkit.plan.profiles import builtin_profile, given_profile
-from dpkit.strategies import ONE_PROCESS, PER_DEVICE, Strategy, available_strategies, matching, strategy_class
+from dpkit.strategies import (
+    ALL_PROCESSES,
+    ONE_PROCESS,
+    PER_DEVICE,
+    Strategy,
+    available_strategies,
+    matching,
+    strategy_class,
+)
 
 CATALOGUE = Catalogue.load()
 LINK = Link("test", 10e9, 10e9, 1e-5, "test")
@@ -271,7 +279,8 @@ def test_changing_one_trait_changes_what_that_trait_decides(unknown_names):
 
 # ---- sharded strategies (ZeRO-3 / FSDP): memory and communication ----------------------------------------
 
-SHARDED = matching(lambda traits: traits.sharded)[0]  # the registry's sharded strategy, whatever its name
+# the strategy that shards weights, gradients and optimizer state over every process, whatever its name (fsdp)
+SHARDED = matching(lambda traits: len(traits.sharded_parts) == 3 and traits.shard_group == ALL_PROCESSES)[0]
 UNSHARDED_PER_DEVICE = matching(lambda traits: traits.processes == PER_DEVICE and not traits.sharded)[0]
 
 

@@ -1,13 +1,15 @@
 """The plan as it is shown: tables within 100 columns, and a figure whose equal lines stay visible."""
 
+import dataclasses
+
 import pytest
 
 from dpkit.plan.catalogue import Catalogue
-from dpkit.plan.cost_model import BatchSize, Hardware
+from dpkit.plan.cost_model import BatchSize, Hardware, Setup, memory_by_category
 from dpkit.plan.planner import PHASE_HEADERS, equal_lines, make_plan
 from dpkit.plan.profiles import builtin_profile
 from dpkit.plan.tables import WIDTH, fitted_table, table, table_wrapping_last, wrap
-from dpkit.strategies import available_strategies
+from dpkit.strategies import SHARDED, Strategy, available_strategies, strategy_class
 
 CATALOGUE = Catalogue.load()
 
@@ -110,3 +112,53 @@ def test_each_strategy_has_a_line_of_its_own_in_the_figure(tmp_path, monkeypatch
     assert sizes == sorted(sizes, reverse=True) and len(set(sizes)) == len(sizes)
     title = axes.get_title()
     assert "equal within 1%: dp = dp-balanced; ddp = fsdp" in title
+
+
+# ---- memory by category: every registered strategy and each variant it plans ------------------------------------
+
+
+class PlansTwoWays(Strategy):
+    """A made-up strategy whose option shards the optimizer state: the plan shows both, knowing neither."""
+
+    name = "two-ways"
+    traits = strategy_class("ddp").traits
+    options = ("split",)
+    planned_variants = ({"split": True},)
+
+    @classmethod
+    def traits_for(cls, **options):
+        super().traits_for(**options)
+        return dataclasses.replace(cls.traits, optimizer_state=SHARDED) if options.get("split") else cls.traits
+
+
+def test_the_memory_table_shows_every_strategy_and_its_variants_by_category(monkeypatch):
+    from dpkit import strategies
+
+    monkeypatch.setitem(strategies.STRATEGIES, PlansTwoWays.name, f"{__name__}:PlansTwoWays")
+    profile = builtin_profile("gpt2-1.5b")
+    machine = Hardware(CATALOGUE.gpu("a100-40gb-sxm"), CATALOGUE.link("nvlink3"))
+    plan = make_plan(profile, machine, available_strategies(), [1, 8], 2, "bf16-mixed")
+    expected = [
+        (name, options) for name in available_strategies() for options in ({}, *strategy_class(name).planned_variants)
+    ]
+    assert [(row.strategy, row.options) for row in plan.memory] == expected
+    for row in plan.memory:
+        devices = 1 if strategy_class(row.strategy).traits.max_devices == 1 else 8
+        setup = Setup(profile, machine, row.strategy, devices, 2, "bf16-mixed", options=row.options)
+        accounts = memory_by_category(setup)
+        assert row.devices == devices and row.bytes_by_category in accounts
+        assert row.peak_bytes == max(sum(account.values()) for account in accounts)
+    by_label = {row.label: row for row in plan.memory}
+    whole, split = by_label["two-ways"], by_label["two-ways split=True"]
+    assert split.bytes_by_category["optimizer_state"] * 8 == whole.bytes_by_category["optimizer_state"]
+    assert (whole.shards, split.shards) == ("-", "o/8")
+    # in the printed plan and its JSON
+    lines = plan.memory_lines()
+    assert lines[0].startswith("memory per device by category, GiB")
+    assert max(map(len, lines)) <= WIDTH
+    labels = {" ".join(line.split()[:2]) if "=" in line else line.split()[0] for line in lines[2:] if line.strip()}
+    assert set(by_label) <= labels
+    assert "memory per device by category" in plan.format_table()
+    assert plan.to_dict()["memory_by_category"][-1] == split.to_dict() and split.to_dict()["sharded"] == [
+        "optimizer_state"
+    ]

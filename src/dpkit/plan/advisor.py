@@ -1,8 +1,10 @@
 """From predictions to advice: which strategy, why, what limits it, and what would change the answer.
 
 The advice is about DataParallel: is it fine here, or what does a process per device buy? And when the
-model does not fit a device whole, about sharding it. The advisor finds the strategies it speaks of by their
-traits in the registry (dpkit.strategies), not by name, and never recommends a configuration that does not
+model does not fit a device whole, about sharding it: the lightest sharding that fits (fewest parts of the state
+sharded, then the smallest shard group), a more sharded one only where it is clearly faster. The advisor finds
+the strategies it speaks of by their traits (dpkit.strategies), never by name nor by the registry's order, and
+among strategies alike takes the fastest. It never recommends a configuration that does not
 fit in memory or cannot run at the precision asked: when none can, the recommendation names no strategy
 (`strategy` None, JSON null) and its reasons say what would fit.
 """

@@ -17,14 +17,127 @@ from dpkit.plan.cost_model import (
     CostConstants,
     Hardware,
     Prediction,
+    Setup,
     Sizing,
     as_batch,
+    memory_by_category,
     predict_all,
 )
 from dpkit.plan.payoff import MOST_SAMPLES, break_even_batch
 from dpkit.plan.profiles import ModelProfile
 from dpkit.plan.tables import fitted_table, wrap
-from dpkit.strategies import reference
+from dpkit.strategies import PER_DEVICE, reference, strategy_class
+
+# the memory table's columns: (header, the categories of cost_model.MEMORY_CATEGORIES added up in it, legend)
+MEMORY_COLUMNS = (
+    ("params", ("parameters",), "the weights kept between steps"),
+    ("grads", ("gradients",), "the gradients after the exchange"),
+    ("optim", ("optimizer_state",), "the optimizer's state"),
+    (
+        "gathered",
+        ("gathered_parameters",),
+        "weights gathered whole, a unit's gradient before its reduce-scatter",
+    ),
+    ("copies", ("gradient_buckets", "autocast_copies"), "DDP's gradient buckets and autocast's 16-bit weights"),
+    ("activ", ("activations", "gathered_outputs"), "activations, outputs, and outputs gathered on device 0"),
+)
+
+
+@dataclass
+class MemoryRow:
+    """A strategy (with options: a variant the strategy plans, such as zero's stage=2) on the most devices it uses
+    of a plan: the fullest device's predicted bytes by category, and what it shards over how many processes."""
+
+    strategy: str
+    options: dict[str, Any]
+    devices: int  # per node
+    nodes: int
+    bytes_by_category: dict[str, int]
+    sharded_parts: tuple[str, ...]
+    shard_size: int
+    replicas_of_a_shard: int
+
+    @property
+    def label(self) -> str:
+        return " ".join([self.strategy, *(f"{key}={value}" for key, value in sorted(self.options.items()))])
+
+    @property
+    def peak_bytes(self) -> int:
+        return sum(self.bytes_by_category.values())
+
+    @property
+    def shards(self) -> str:
+        """What it shards over how many processes: "w,g,o/8", "o/8", "w,g,o/4 x2" (replicated twice), "-"."""
+        if not self.sharded_parts:
+            return "-"
+        parts = ",".join({"weights": "w", "gradients": "g", "optimizer_state": "o"}[p] for p in self.sharded_parts)
+        return f"{parts}/{self.shard_size}" + (f" x{self.replicas_of_a_shard}" if self.replicas_of_a_shard > 1 else "")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "strategy": self.strategy,
+            "options": dict(self.options),
+            "devices": self.devices,
+            "nodes": self.nodes,
+            "sharded": list(self.sharded_parts),
+            "shard_size": self.shard_size,
+            "bytes_by_category": dict(self.bytes_by_category),
+            "peak_bytes": self.peak_bytes,
+        }
+
+
+def memory_rows(
+    profile: ModelProfile,
+    hardware: Hardware,
+    strategies: list[str],
+    device_counts: list[int],
+    batch: BatchSize,
+    precision: str = "32",
+    constants: CostConstants = CostConstants(),
+    optimizer: str = "adam",
+) -> list[MemoryRow]:
+    """Every strategy asked, and each variant it plans (Strategy.planned_variants), on the most devices it can use
+    of `device_counts` (per node; nodes as in predict_all): the fullest device's memory by category."""
+    rows = []
+    for name in strategies:
+        cls = strategy_class(name)
+        for options in ({}, *cls.planned_variants):
+            traits = cls.traits_for(**options)
+            one_device = traits.max_devices == 1
+            spans_nodes = traits.processes == PER_DEVICE and not one_device
+            if hardware.nodes > 1 and not spans_nodes and not one_device:
+                continue  # one process cannot drive another node's devices
+            usable = [n for n in device_counts if traits.max_devices is None or n <= traits.max_devices]
+            if not usable:
+                continue
+            machine = replace(hardware, nodes=hardware.nodes if spans_nodes else 1)
+            devices = max(usable)
+            setup = Setup(
+                profile,
+                machine,
+                name,
+                devices,
+                batch.share(devices * machine.nodes),
+                precision,
+                constants,
+                optimizer,
+                dict(options),
+            )
+            fullest = max(memory_by_category(setup), key=lambda account: sum(account.values()))
+            sharded = traits.sharded_parts
+            rows.append(
+                MemoryRow(
+                    name,
+                    dict(options),
+                    devices,
+                    machine.nodes,
+                    fullest,
+                    sharded,
+                    setup.shard_size,
+                    setup.replicas_of_a_shard if sharded else 1,
+                )
+            )
+    return rows
 
 
 @dataclass
@@ -36,6 +149,7 @@ class Plan:
     constants: CostConstants
     precision: str = "32"
     meta: dict[str, Any] = field(default_factory=dict)
+    memory: list[MemoryRow] = field(default_factory=list)  # by category, every strategy asked and its variants
 
     def to_dict(self) -> dict[str, Any]:
         hardware = {
@@ -51,6 +165,7 @@ class Plan:
             "constants": self.constants.to_dict(),
             **self.meta,
             "predictions": [p.to_dict() for p in self.predictions],
+            "memory_by_category": [row.to_dict() for row in self.memory],
             "recommendation": self.recommendation.to_dict(),
         }
 
@@ -60,7 +175,11 @@ class Plan:
     def format_table(self) -> str:
         """The predictions in two tables within WIDTH columns (the summary, then the step by phase), the marks
         explained, and the recommendation with its reasons."""
-        return "\n".join(self.summary_lines() + [""] + self.phase_lines() + [""] + self.recommendation_lines())
+        memory = self.memory_lines()
+        return "\n".join(
+            self.summary_lines() + [""] + self.phase_lines() + [""] + memory + ([""] if memory else [])
+            + self.recommendation_lines()
+        )  # fmt: skip
 
     def _label(self, p: Prediction) -> list[str]:
         devices = f"{p.nodes}x{p.devices}" if self.hardware.nodes > 1 else str(p.devices)
@@ -117,6 +236,26 @@ class Plan:
         lines += fitted_table(header, rows, keep=2, gap=1)
         legend = ", ".join(f"{PHASE_HEADERS[name][0]} {PHASE_HEADERS[name][1]}" for name in phases)
         return lines + wrap(legend + ".")
+
+    def memory_lines(self) -> list[str]:
+        """Each strategy asked, and each variant it plans, on the most devices it uses: the fullest device's memory by
+        category, GiB, and what it shards over how many processes."""
+        if not self.memory:
+            return []
+        header = ["strategy", "devices", "shards"] + [column[0] for column in MEMORY_COLUMNS] + ["peak"]
+        rows = [
+            [row.label, f"{row.nodes}x{row.devices}" if row.nodes > 1 else str(row.devices), row.shards]
+            + [_gib(sum(row.bytes_by_category[name] for name in names)) or "-" for _, names, _ in MEMORY_COLUMNS]
+            + [_gib(row.peak_bytes)]
+            for row in self.memory
+        ]
+        lines = ["memory per device by category, GiB (the fullest device, on the most devices each uses):"]
+        lines += fitted_table(header, rows, keep=1, left=3)
+        legend = (
+            "shards: what is split (w weights, g gradients, o optimizer state) over how many processes, x the "
+            "replicas of each shard; " + "; ".join(f"{header} {words}" for header, _, words in MEMORY_COLUMNS) + "."
+        )
+        return lines + wrap(legend)
 
     def recommendation_lines(self) -> list[str]:
         recommendation = self.recommendation
@@ -213,6 +352,14 @@ def _step_milliseconds(seconds: float) -> str:
     """Two decimals below 100 ms: steps that differ by little still differ."""
     ms = seconds * 1e3
     return f"{ms:.2f}" if ms < 100 else f"{ms:.1f}" if ms < 1000 else f"{ms:,.0f}"
+
+
+def _gib(nbytes: float) -> str:
+    """Three significant figures at most, two decimals below 10 GiB: 0.02, 4.89, 16.5, 165 ("" for none)."""
+    if nbytes <= 0:
+        return ""
+    gib = nbytes / 2**30
+    return f"{gib:.2f}" if gib < 10 else f"{gib:.1f}" if gib < 100 else f"{gib:,.0f}"
 
 
 def _milliseconds(seconds: float) -> str:
@@ -316,6 +463,7 @@ def make_plan(
             return f"it does not pay at any batch up to {MOST_SAMPLES:,} {unit}"
         return f"it would pay from a batch of {pays:,} {unit}"
 
+    memory = memory_rows(profile, hardware, strategies, device_counts, batch, precision, constants, optimizer)
     recommendation = recommend(
         predictions,
         hardware.link.name,
@@ -336,4 +484,5 @@ def make_plan(
             "batch_size_per_device": batch.samples if batch.per_device else None,
             "optimizer": optimizer,
         },
+        memory,
     )
