@@ -23,6 +23,7 @@ def _seed():
 # a long file alone at the end.
 SLOWEST_FILES = [
     "tests/launch/test_restarts_and_progress.py",
+    "tests/launch/test_collective_faults.py",
     "tests/strategies/test_multinode.py",
     "tests/cli/test_train.py",
     "tests/test_docs.py",

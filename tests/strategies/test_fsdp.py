@@ -199,8 +199,11 @@ def test_the_observer_books_the_shards_and_the_gathered_units_as_torch_holds_the
         # and that block's flat all-gather buffer, which FSDP2 copies the block's parameters out of before it
         # frees it; without resharding after forward every unit stays gathered until its backward
         block, root, model = resharding["block_bytes"], resharding["root_bytes"], resharding["model_bytes"]
-        assert resharding["peaks"]["gathered_parameters"] == root + block + block
-        assert keeping["peaks"]["gathered_parameters"] == model + block
+        # (plus the step marks, a few elements each process gathers with the step's first unit, booked to its
+        # gather: observe/collectives.py; under 256 bytes on 2 processes, whatever the model's size)
+        marks = resharding["peaks"]["gathered_parameters"] - (root + block + block)
+        assert 0 <= marks < 256
+        assert 0 <= keeping["peaks"]["gathered_parameters"] - (model + block) <= marks
 
 
 @pytest.mark.cuda

@@ -16,15 +16,17 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import shutil
 import signal
 import sys
+import tempfile
 import threading
 from collections.abc import Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from dpkit.checks import check_int, check_number, check_output_folder
 from dpkit.devices import check_process_count, cpu_threads_per_device, resolve_devices
-from dpkit.launch.environment import HANG_TIMEOUT_VARIABLE, LAUNCHER_PID_VARIABLE
+from dpkit.launch.environment import HANG_TIMEOUT_VARIABLE, LAUNCHER_PID_VARIABLE, STACKS_DIR_VARIABLE
 from dpkit.launch.failures import (
     ExitWatch,
     LaunchError,
@@ -37,6 +39,7 @@ from dpkit.launch.hang_watch import HangWatch
 from dpkit.launch.logs import WorkerOutput
 from dpkit.launch.network import free_port, is_loopback, loopback_interface, port_in_use
 from dpkit.launch.slurm import from_slurm, slurm_gpus_on_node
+from dpkit.launch.stacks import fatal_stack, last_collectives
 from dpkit.launch.worker import check_script
 
 if TYPE_CHECKING:
@@ -217,7 +220,13 @@ def launch(
         master_addr,
         master_port,
     )
-    worker_env = {**(worker_environment or {}), LAUNCHER_PID_VARIABLE: str(os.getpid())}
+    # each worker writes its Python stacks there on a fatal signal or when the hang watch asks (worker.py)
+    stacks_dir = tempfile.mkdtemp(prefix="dpkit-stacks-")
+    worker_env = {
+        **(worker_environment or {}),
+        LAUNCHER_PID_VARIABLE: str(os.getpid()),
+        STACKS_DIR_VARIABLE: stacks_dir,
+    }
     if hang_timeout_seconds is not None:
         worker_env[HANG_TIMEOUT_VARIABLE] = repr(float(hang_timeout_seconds))
     watch = None
@@ -238,7 +247,14 @@ def launch(
             *script_args,
         ]
         if hang_timeout_seconds is not None:
-            watch = HangWatch(master_addr, master_port, nnodes * nproc_per_node, node_rank, float(hang_timeout_seconds))
+            watch = HangWatch(
+                master_addr,
+                master_port,
+                nnodes * nproc_per_node,
+                node_rank,
+                float(hang_timeout_seconds),
+                stacks_dir=stacks_dir,
+            )
             watch.start()
         exits = ExitWatch(nproc_per_node)
         exits.start()
@@ -264,6 +280,13 @@ def launch(
                     oom_kills_during=None
                     if oom_kills_before is None or oom_kills_after is None
                     else oom_kills_after - oom_kills_before,
+                    collectives={
+                        **(watch.collectives if watch else {}),
+                        **last_collectives(stacks_dir, list(failures)),
+                    },
+                    fatal_stacks={
+                        rank: stack for rank in failures if (stack := fatal_stack(stacks_dir, rank)) is not None
+                    },
                 ),
                 exit_codes,
                 exit_code=code or 2,
@@ -278,6 +301,7 @@ def launch(
             exits.stop()
             if watch is not None:
                 watch.stop()
+            shutil.rmtree(stacks_dir, ignore_errors=True)
 
 
 def _cuda_visible() -> bool:

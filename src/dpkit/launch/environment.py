@@ -14,6 +14,9 @@ HANG_TIMEOUT_VARIABLE = "DPKIT_HANG_TIMEOUT_SECONDS"
 RELAUNCHED_VARIABLE = "DPKIT_RELAUNCHED"
 # where each worker's progress waits in the rendezvous store for the launcher's hang watch
 HEARTBEAT_PREFIX = "dpkit/heartbeat"
+# set by dpkit's launcher: the folder where each worker writes its Python stacks (a fatal signal, or the
+# launcher's STACK_SIGNAL when it reports a hang), one file per rank (stack_file)
+STACKS_DIR_VARIABLE = "DPKIT_STACKS_DIR"
 
 
 def launched() -> bool:
@@ -28,7 +31,7 @@ class ProcessPlace:
     rank: int = 0
     world_size: int = 1
     local_rank: int = 0
-    local_world_size: int = 1
+    local_world_size: int | None = 1  # None: the launcher did not say (torchrun always does)
     node_rank: int = 0
 
     @property
@@ -42,9 +45,9 @@ def process_place() -> ProcessPlace:
         return ProcessPlace()
     environ = os.environ
     world_size = int(environ["WORLD_SIZE"])
-    local_world_size = int(environ.get("LOCAL_WORLD_SIZE", world_size))
+    local_world_size = int(environ["LOCAL_WORLD_SIZE"]) if environ.get("LOCAL_WORLD_SIZE") else None
     rank = int(environ["RANK"])
-    node_rank = int(environ.get("GROUP_RANK", rank // max(local_world_size, 1)))
+    node_rank = int(environ.get("GROUP_RANK", rank // (local_world_size or world_size)))
     return ProcessPlace(rank, world_size, int(environ["LOCAL_RANK"]), local_world_size, node_rank)
 
 
@@ -62,6 +65,15 @@ def hang_timeout_seconds() -> float | None:
 def restart_count() -> int:
     """How many times the launcher restarted this worker group (0 for the first attempt or no launcher)."""
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) if launched() else 0
+
+
+def stack_file(folder: str, rank: int | str) -> str:
+    return os.path.join(folder, f"stacks-rank{rank}.txt")
+
+
+def collective_file(folder: str, rank: int | str) -> str:
+    """Where a worker also keeps its last published collective: the launcher reads it for a rank that died."""
+    return os.path.join(folder, f"collective-rank{rank}.json")
 
 
 def heartbeat_key(attempt: str, rank: int) -> str:

@@ -124,16 +124,25 @@ def failure_summary(
     not_retried: bool = False,
     output_note: str = "each worker's own output is above",
     oom_kills_during: int | None = None,
+    collectives: dict[int, dict] | None = None,
+    fatal_stacks: dict[int, str] | None = None,
 ) -> str:
     """The failed workers first, the first to fail first (a rank the hang watch stopped, named with why),
     then the ones the agent stopped (SIGTERM) because of them. `exit_times`: pid -> monotonic exit time.
     `not_retried`: the agent did not restart the group although restarts were left, as the failure would only
     repeat (exit 2 or 3): the summary says what the code means and that it was not retried. `output_note`: where
     the failed workers' own output is, at the end in brackets. `oom_kills_during`: the out-of-memory kills the
-    kernel counted during the launch (`oom_kills`), which say whether a SIGKILL came for memory."""
+    kernel counted during the launch (`oom_kills`), which say whether a SIGKILL came for memory. `collectives`: each
+    rank's last recorded collective (the hang watch's), and `fatal_stacks`: where the user's code of a rank that
+    died of a signal was (hang_watch.fatal_stack), both said for a rank killed by a signal (gloo's abort when
+    collectives of different sizes met). A rank whose error line is the same as an earlier one's says so."""
+    from dpkit.launch.hang_watch import describe_collective
+
     failures = getattr(error, "failures", {}) or {}
     hung = hung or {}
-    failed, stopped = [hung[rank] for rank in sorted(hung)], []
+    collectives, fatal_stacks = collectives or {}, fatal_stacks or {}
+    failed, stopped = [hung[rank] for rank in sorted(hung) if hung[rank]], []
+    details: set[str] = set()
     for rank in failure_order(failures, exit_times):
         failure = failures[rank]
         if rank in hung:
@@ -156,6 +165,15 @@ def failure_summary(
             how += f" ({DETERMINISTIC_EXIT_CODES[failure.exitcode]}, not retried)"
         message = failure.message if isinstance(failure.message, str) else (failure.message or {}).get("message", "")
         detail = "" if not message or "elastic/errors.html" in str(message) else str(message).strip().splitlines()[-1]
+        if failure.exitcode is not None and failure.exitcode < 0:
+            if rank in collectives:
+                how += f"; its last collective: {describe_collective(collectives[rank])}"
+            if rank in fatal_stacks:
+                how += f"; it was at {fatal_stacks[rank]}"
+        if detail and detail in details:
+            detail = "the same error"
+        elif detail:
+            details.add(detail)
         failed.append(
             f"worker rank {rank} (local rank {failure.local_rank}, pid {failure.pid}) {how}"
             + (f": {detail}" if detail else "")
@@ -165,6 +183,10 @@ def failure_summary(
     summary = "; ".join(failed) if failed else "workers were stopped"
     if stopped:
         summary += f"; the launcher then stopped worker rank(s) {', '.join(sorted(stopped, key=int))}"
+        killed = any(f.exitcode is not None and f.exitcode < 0 for r, f in failures.items() if str(r) not in stopped)
+        waiting = [int(r) for r in stopped if int(r) in collectives]
+        if killed and waiting and not hung:  # what the others were in when a rank died (gloo aborts on a peer)
+            summary += "".join(f"; rank {r} was in {describe_collective(collectives[r])}" for r in sorted(waiting))
     return summary + f" ({output_note})"
 
 

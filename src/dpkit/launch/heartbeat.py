@@ -1,9 +1,13 @@
 """The worker's side of the hang watch: how far this rank is, published for the launcher, and `busy()`, with
-which a rank says it is working (saving a state, say) rather than hung."""
+which a rank says it is working (saving a state, say) rather than hung.
+
+With the count goes this rank's last recorded collective (observe/collectives.py: op, sequence, step, the
+user's call site) on a second line, so the launcher's report names each rank's collective and line."""
 
 from __future__ import annotations
 
 import contextlib
+import json
 import math
 import os
 import threading
@@ -11,7 +15,7 @@ from collections.abc import Iterator
 from datetime import timedelta
 
 from dpkit.checks import check_number
-from dpkit.launch.environment import heartbeat_key
+from dpkit.launch.environment import STACKS_DIR_VARIABLE, collective_file, heartbeat_key
 
 # busy() counts as progress for at most this many times the launcher's hang timeout, unless it says otherwise
 BUSY_LIMIT_FACTOR = 10
@@ -61,7 +65,7 @@ def busy(reason: str, *, limit_seconds: float | None = None) -> Iterator[None]:
             _BUSY.reason = " ".join(reason.split())  # one line, no tabs: it travels in a space-separated value
             _BUSY.limit_seconds = float(limit_seconds or 0.0)
     if outermost:
-        _publish_now()
+        publish_now()
     try:
         yield
     finally:
@@ -71,21 +75,52 @@ def busy(reason: str, *, limit_seconds: float | None = None) -> Iterator[None]:
             if ended:
                 _BUSY.block, _BUSY.reason, _BUSY.limit_seconds = 0, "", 0.0
         if ended:
-            _publish_now()
+            publish_now()
 
 
-def _publish_now() -> None:
+def publish_now() -> None:
     """Tell the launcher at once (from the calling thread), so that the heartbeat's thread, however late it
-    runs, cannot leave the launcher a stale picture."""
+    runs, cannot leave the launcher a stale picture (a busy block, or a collective the others may not join, which
+    the launcher then knows of even if the backend aborts the process); nothing without a hang watch."""
     heartbeat = _ACTIVE
     if heartbeat is not None:
         with contextlib.suppress(Exception):  # the store went away: the run is ending
             heartbeat.publish()
 
 
-def heartbeat_value(count: int, pid: int, node: str | int, block: int = 0, limit: float = 0.0, reason: str = "") -> str:
-    """What a rank publishes: `count pid node block limit reason` (block 0: not busy; limit 0: the default)."""
-    return f"{count} {pid} {node} {block} {limit!r} {reason}"
+def publish_soon() -> None:
+    """Ask the heartbeat's thread to publish now (a step's first collective: the launcher's picture stays one
+    step fresh at the cost of waking a thread, not of a store round trip in the step); nothing without one."""
+    heartbeat = _ACTIVE
+    if heartbeat is not None:
+        heartbeat.wake.set()
+
+
+def heartbeat_value(
+    count: int,
+    pid: int,
+    node: str | int,
+    block: int = 0,
+    limit: float = 0.0,
+    reason: str = "",
+    collective: dict | None = None,
+) -> str:
+    """What a rank publishes: `count pid node block limit reason` (block 0: not busy; limit 0: the default), then
+    on a second line its last recorded collective as JSON, where it has one."""
+    value = f"{count} {pid} {node} {block} {limit!r} {reason}"
+    return value if collective is None else value + "\n" + json.dumps(collective)
+
+
+def parse_collective(value: str) -> dict | None:
+    """The last recorded collective a heartbeat value carries (`Collective.as_dict`), None without one."""
+    _, newline, rest = value.partition("\n")
+    if not newline:
+        return None
+    try:
+        found = json.loads(rest)
+    except ValueError:
+        return None
+    return found if isinstance(found, dict) else None
 
 
 # (count, pid, node, busy block, busy limit, reason)
@@ -94,7 +129,7 @@ Heartbeat = tuple[int, int, int, int, float, str]
 
 def parse_heartbeat(value: str) -> Heartbeat:
     """(count, pid, node, busy block, busy limit, reason) from `heartbeat_value` (a bare `count pid node` too)."""
-    fields = value.split(" ", 5)
+    fields = value.partition("\n")[0].split(" ", 5)
     count, pid, node = int(fields[0]), int(fields[1]), int(fields[2])
     if len(fields) < 6:
         return count, pid, node, 0, 0.0, ""
@@ -126,9 +161,12 @@ class ProgressHeartbeat:
             wait_for_workers=False,
             timeout=timedelta(seconds=10),
         )
+        folder = os.environ.get(STACKS_DIR_VARIABLE)
+        self.collective_path = collective_file(folder, rank) if folder and os.path.isdir(folder) else None
         self._publish_lock = threading.Lock()  # a value read and written as one: no older one lands last
         self._done = False
         self._stop = threading.Event()
+        self.wake = threading.Event()  # publish before the interval is up (publish_soon)
         self._thread = threading.Thread(target=self._run, name="dpkit-heartbeat", daemon=True)
 
     def start(self) -> ProgressHeartbeat:
@@ -147,11 +185,25 @@ class ProgressHeartbeat:
             count = -1 if done else self.group._get_sequence_number_for_group()  # type: ignore[attr-defined]
             with _BUSY.lock:
                 block, limit, reason = _BUSY.block, _BUSY.limit_seconds, _BUSY.reason
-            value = heartbeat_value(count, os.getpid(), self.node, block, limit, reason)
+            # imported here: `dpkit.launch` is imported by every launched worker before the user's script, and
+            # the record's module loads torch (a heartbeat only runs once a process group, hence torch, exists)
+            from dpkit.observe.collectives import RECORD
+
+            last = RECORD.last()
+            value = heartbeat_value(
+                count, os.getpid(), self.node, block, limit, reason, None if last is None else last.as_dict()
+            )
             self.store.set(heartbeat_key(self.attempt, self.rank), value)
+            if last is not None and self.collective_path is not None:
+                with open(self.collective_path, "w") as handle:  # for the launcher, should this process die
+                    json.dump(last.as_dict(), handle)
 
     def _run(self) -> None:
-        while not self._stop.wait(self.interval_seconds):
+        while True:
+            self.wake.wait(self.interval_seconds)
+            self.wake.clear()
+            if self._stop.is_set():
+                return
             try:
                 self.publish()
             except Exception:  # the store went away: the launcher is gone or the run is ending
@@ -163,6 +215,7 @@ class ProgressHeartbeat:
         if _ACTIVE is self:
             _ACTIVE = None
         self._stop.set()
+        self.wake.set()
         self._thread.join(timeout=5)
         with contextlib.suppress(Exception):
             self.publish(done=True)

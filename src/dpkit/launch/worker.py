@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import faulthandler
 import importlib.machinery
 import importlib.util
 import logging
@@ -12,11 +13,14 @@ import signal
 import sys
 from collections.abc import Iterable, Sequence
 
-from dpkit.launch.environment import LAUNCHER_PID_VARIABLE
+from dpkit.launch.environment import LAUNCHER_PID_VARIABLE, STACKS_DIR_VARIABLE, stack_file
 
 log = logging.getLogger("dpkit")
 
 PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
+# the signal on which a worker writes every thread's Python stack to its stack file (the launcher's hang report)
+STACK_SIGNAL = signal.SIGUSR1
+_STACK_FILES: list = []  # open for the life of the process: faulthandler writes to their descriptors
 
 
 def die_with_parent(parent_pid: int | None = None) -> bool:
@@ -44,13 +48,39 @@ def run_worker(argv: Sequence[str] | None = None) -> None:
     mode, target, *args = list(sys.argv[1:] if argv is None else argv)
     launcher_pid = os.environ.get(LAUNCHER_PID_VARIABLE)
     die_with_parent(int(launcher_pid) if launcher_pid else None)
-    if mode == "module":
-        sys.argv = [target, *args]
-        runpy.run_module(target, run_name="__main__", alter_sys=True)
-    else:
-        sys.argv = [target, *args]
-        sys.path.insert(0, os.path.dirname(os.path.abspath(target)))
-        runpy.run_path(target, run_name="__main__")
+    write_stacks_on_signal()
+    from dpkit.observe.collectives import CollectiveMismatch
+
+    try:
+        if mode == "module":
+            sys.argv = [target, *args]
+            runpy.run_module(target, run_name="__main__", alter_sys=True)
+        else:
+            sys.argv = [target, *args]
+            sys.path.insert(0, os.path.dirname(os.path.abspath(target)))
+            runpy.run_path(target, run_name="__main__")
+    except CollectiveMismatch as error:
+        # its one line goes to the launcher's summary (torchrun's error file); the process leaves at once, as
+        # collectives that will never pair are still pending and gloo's teardown would wait for them
+        import traceback
+
+        from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
+
+        traceback.print_exc()
+        ErrorHandler().record_exception(error)
+        exit_worker(1)
+
+
+def write_stacks_on_signal() -> None:
+    """Under dpkit's launcher: every thread's Python stack goes to this rank's stack file on STACK_SIGNAL (the
+    hang report) and on a fatal signal (gloo's abort), for the launcher to name the user's line."""
+    folder = os.environ.get(STACKS_DIR_VARIABLE)
+    if not folder or not os.path.isdir(folder) or _STACK_FILES:
+        return
+    handle = open(stack_file(folder, os.environ.get("RANK", "0")), "w")  # noqa: SIM115 (open for life)
+    _STACK_FILES.append(handle)
+    faulthandler.enable(handle, all_threads=True)
+    faulthandler.register(STACK_SIGNAL, handle, all_threads=True)
 
 
 def check_script(script: str, module: bool = False) -> None:

@@ -3,6 +3,12 @@
 Each process keeps one replica; DDP all-reduces gradient buckets while backward runs. The processes, the
 data rule (every process loads its contiguous share of each global batch) and the loss weight that makes
 DDP's average the single-device gradient on uneven shares come from per_device.PerDeviceStrategy.
+
+Every bucket's all-reduce is recorded (observe/collectives.py). The first bucket of each step (DDP launches
+buckets in index order, so bucket 0's all-reduce is the step's first collective) carries every rank's place
+(batches, steps, collective sequence): ranks that disagree stop in backward, before the optimizer steps,
+with one line naming both; engine.close's collective takes bucket 0's shape, so a rank still training is told
+that another ran out of batches instead of waiting in a collective nobody joins.
 """
 
 from __future__ import annotations
@@ -12,9 +18,12 @@ import time
 from contextlib import AbstractContextManager
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
+from dpkit.launch.heartbeat import publish_soon
+from dpkit.observe.collectives import GRADIENTS, RECORD, CollectiveMismatch, read_marks, step_marks
 from dpkit.parallel import hooks
 from dpkit.strategies.base import ON_ROOT, PER_DEVICE, PERSISTENT, Traits
 from dpkit.strategies.per_device import PerDeviceStrategy
@@ -24,6 +33,7 @@ from dpkit.strategies.single import one_device_forward
 class DDP(PerDeviceStrategy):
     name = "ddp"
     traits = Traits(processes=PER_DEVICE, loss=ON_ROOT, replicas=PERSISTENT)
+    marks_in_all_gather = False  # the marks ride in the first gradient bucket (_all_reduce_with_marks)
     wrapped: nn.parallel.DistributedDataParallel | None
 
     def wrap_model(self, model: nn.Module) -> nn.Module:
@@ -31,12 +41,20 @@ class DDP(PerDeviceStrategy):
         device_ids = [self.device.index] if self.device.type == "cuda" else None
         self.wrapped = nn.parallel.DistributedDataParallel(model, device_ids=device_ids)
         self.bucket_seconds: list[tuple[float, float]] = []  # (started, reduced) per bucket, while observed
+        self._mismatch: tuple[list[tuple[int, ...]], object] | None = None  # (marks, entry) from the last check
         # torch's own all-reduce hook (the same arithmetic as DDP's default), timed while anyone listens
         self.wrapped.register_comm_hook(None, self._all_reduce_bucket)
         return self.wrapped
 
     def _all_reduce_bucket(self, state, bucket):  # unannotated: torch checks annotations against its own classes
-        reduced = allreduce_hook(state, bucket)
+        buffer = bucket.buffer()
+        with RECORD.issuing(
+            f"all_reduce of gradient bucket {bucket.index()}", buffer.numel() * buffer.element_size()
+        ) as entry:
+            if bucket.index() == 0 and self.world_size > 1 and self.marking_steps:
+                reduced = self._all_reduce_with_marks(buffer, entry)
+            else:
+                reduced = allreduce_hook(state, bucket)
         if not hooks.listening():
             return reduced
         started = time.perf_counter()
@@ -48,6 +66,27 @@ class DDP(PerDeviceStrategy):
             return future.value()
 
         return reduced.then(finished)
+
+    def _all_reduce_with_marks(self, buffer: torch.Tensor, entry: object) -> torch.futures.Future:
+        """allreduce_hook's average, with this rank's step marks appended; checked when it completes."""
+        self._step_opener = ("all_reduce", buffer.numel(), buffer.dtype)
+        publish_soon()  # the launcher knows each rank's step even if a peer's mismatched collective aborts them
+        marks = step_marks(RECORD, GRADIENTS, self.rank, self.world_size, buffer.dtype, buffer.device)
+        combined = torch.cat([buffer / self.world_size, marks])
+        future = dist.all_reduce(combined, async_op=True).get_future()
+
+        def unpack(done: torch.futures.Future) -> torch.Tensor:
+            summed = done.value()[0]
+            buffer.copy_(summed[: buffer.numel()])
+            carried = read_marks(summed[buffer.numel() :], self.world_size)
+            if any(mark != carried[0] for mark in carried):
+                # failing the bucket's future fails backward (DDP waits for it); the message is made there,
+                # in the user's thread, with the other ranks' entries
+                self._mismatch = (carried, entry)
+                raise CollectiveMismatch("the ranks' step marks differ")
+            return buffer
+
+        return future.then(unpack)
 
     def announce_all_reduce(self) -> None:
         """Tell listeners the all-reduce time of the backward that just ended, and the part of it hidden
@@ -72,6 +111,17 @@ class DDP(PerDeviceStrategy):
     def backward(self, loss: torch.Tensor, *, scale: float, sync: bool) -> None:
         # `scale` includes this process's loss weight (its rows * world / global rows, from the batch's record)
         skip_sync = self.wrapped.no_sync() if (not sync and self.wrapped is not None) else contextlib.nullcontext()
-        with skip_sync, hooks.phase("backward", self.device):  # includes waiting for the last buckets' all-reduce
-            (loss * scale if scale != 1.0 else loss).backward()
+        if sync:
+            RECORD.steps += 1
+        self._mismatch = None
+        try:
+            # the buckets' collectives get this call site (on a GPU the hook runs in autograd's thread)
+            with skip_sync, hooks.phase("backward", self.device), RECORD.pinned():
+                (loss * scale if scale != 1.0 else loss).backward()  # waits for the last buckets' all-reduce
+        except RuntimeError:
+            if self._mismatch is None:
+                raise
+        if self._mismatch is not None:
+            marks, entry = self._mismatch
+            self.check_marks(marks, entry)  # raises CollectiveMismatch, naming every rank's place
         self.announce_all_reduce()

@@ -14,6 +14,11 @@ batch with the loss weight that makes the exchanged gradient the single-device o
   loader records n_rank and N with each batch it yields and asks `loss_weight` for the factor, which it
   passes to backward in `scale`.
 Both rules are ProcessShares, which the data hooks (global_batches, batch_share, loss_weight) use.
+
+Every collective is recorded while the strategy lives (observe/collectives.py: op, size, step, the user's
+line), and each step's first collective carries every rank's place (the step marks: ddp's first gradient
+bucket, fsdp's first all-gather), so ranks at different steps stop at once with one line naming both; the
+closing collective (engine.close) takes that shape too, so a rank that ran out of batches is named as such.
 """
 
 from __future__ import annotations
@@ -31,9 +36,26 @@ from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, Rando
 
 from dpkit.checks import check_int
 from dpkit.devices import cpu_threads_per_device
-from dpkit.launch.environment import hang_timeout_seconds, launched, missing_launch_variables, process_place
-from dpkit.launch.heartbeat import ProgressHeartbeat
+from dpkit.launch.environment import (
+    hang_timeout_seconds,
+    launched,
+    missing_launch_variables,
+    process_place,
+    restart_count,
+)
+from dpkit.launch.heartbeat import ProgressHeartbeat, publish_now, publish_soon
 from dpkit.launch.rendezvous import rendezvous_store
+from dpkit.observe.collectives import (
+    CLOSING,
+    GRADIENTS,
+    RECORD,
+    CollectiveMismatch,
+    mismatch_message,
+    read_marks,
+    record_torch_collectives,
+    step_marks,
+    stop_recording_torch_collectives,
+)
 from dpkit.parallel.scatter import split_sizes
 from dpkit.strategies.base import Strategy
 
@@ -94,6 +116,8 @@ class ProcessShares:
 
 # wrapped modules whose process group was destroyed: see PerDeviceStrategy.teardown
 _KEPT_UNTIL_EXIT: list[nn.Module] = []
+# how long a rank that found a mismatch waits for the others' record entries (they found it at the same moment)
+_ENTRY_WAIT_SECONDS = 5.0
 # how long teardown gives the GIL away for gloo's threads to release their last collectives: see teardown
 _GLOO_RELEASE_SECONDS = 0.05
 
@@ -103,6 +127,9 @@ class PerDeviceStrategy(Strategy):
     ddp and fsdp share. A subclass wraps the model (keeping what holds the process group in `self.wrapped`)."""
 
     options: ClassVar[tuple[str, ...]] = ("timeout_seconds", "seed", "threads_per_device", "init_timeout_seconds")
+    # where a step's marks ride (observe/collectives.py): a step's first all-gather (fsdp); ddp carries them in
+    # its first gradient bucket instead
+    marks_in_all_gather: ClassVar[bool] = True
 
     def __init__(
         self,
@@ -125,7 +152,8 @@ class PerDeviceStrategy(Strategy):
         self.rank = place.rank
         self.world_size = place.world_size
         self.local_rank = place.local_rank
-        self.local_world_size = place.local_world_size
+        # a launcher that does not say how many processes share this node: one per device given
+        self.local_world_size = place.local_world_size or len(self.devices)
         if self.local_world_size != len(self.devices):
             raise ValueError(
                 f"devices: {len(self.devices)} devices but the launcher started "
@@ -142,6 +170,12 @@ class PerDeviceStrategy(Strategy):
         self._process_shares: ProcessShares | None = None
         self._heartbeat: ProgressHeartbeat | None = None
         self.wrapped: nn.Module | None = None  # the wrapped model, which holds on to the process group
+        # the step check: the shape of the collective that starts a step, (op, numel, dtype), which engine.close's
+        # collective takes; whether the next all-gather starts a step and carries the marks (the first, and the
+        # first after gradients were reduce-scattered)
+        self._step_opener: tuple[str, int, torch.dtype] | None = None
+        self._marks_due = True
+        self.marking_steps = True  # off only to measure what the marks cost (benchmarks/collective_record_cost.py)
 
     @property
     def root_device(self) -> torch.device:
@@ -169,6 +203,13 @@ class PerDeviceStrategy(Strategy):
                 world_size=self.world_size,
                 timeout=timedelta(seconds=self.timeout_seconds),
             )
+        # every collective from here on is recorded (observe/collectives.py), until teardown; a step's first
+        # all-gather (FSDP's, in forward) carries the step marks
+        RECORD.reset()
+        if self.marks_in_all_gather:
+            RECORD.carriers["all_gather_single"] = self._all_gather_with_marks
+            RECORD.carriers["reduce_scatter_single"] = self._gradients_reduced
+        record_torch_collectives()
         hang_timeout = hang_timeout_seconds()
         if hang_timeout is not None:
             # the launcher watches for a rank that stops making progress; tell it how far this one is
@@ -191,20 +232,28 @@ class PerDeviceStrategy(Strategy):
         return self._shares().batch_share(indices)
 
     def loss_weight(self, rows: int, global_rows: int) -> float:
+        # asked once per batch an Engine loader yields, in step with the user's loop: the record's step
+        RECORD.batches += 1
         return self._shares().loss_weight(rows, global_rows)
 
     # --- collectives -------------------------------------------------------------------------------
     def collective_device(self) -> torch.device:
         return self.device if self.device.type == "cuda" else torch.device("cpu")
 
+    # the user's collectives (engine.reduce, gather, barrier, close) are told to the launcher before they start:
+    # one a peer does not join may end in the backend aborting the process, and the report still names it
     def all_gather_object(self, obj: Any) -> list[Any]:
         gathered: list[Any] = [None] * self.world_size
-        dist.all_gather_object(gathered, obj)
+        with RECORD.issuing("all_gather_object"):
+            publish_now()
+            dist.all_gather_object(gathered, obj)
         return gathered
 
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
         result = tensor.detach().to(self.collective_device(), copy=True)
-        dist.all_reduce(result, op=dist.ReduceOp.SUM)
+        with RECORD.issuing("all_reduce", result.numel() * result.element_size()):
+            publish_now()
+            dist.all_reduce(result, op=dist.ReduceOp.SUM)
         return result / self.world_size if op == "mean" else result
 
     def all_gather_rows(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -212,16 +261,103 @@ class PerDeviceStrategy(Strategy):
         local = tensor.detach().to(self.collective_device())
         rows = torch.tensor([local.shape[0]], dtype=torch.int64, device=local.device)
         all_rows = [torch.zeros_like(rows) for _ in range(self.world_size)]
-        dist.all_gather(all_rows, rows)
-        counts = [int(r.item()) for r in all_rows]
-        padded = torch.zeros((max(counts),) + tuple(local.shape[1:]), dtype=local.dtype, device=local.device)
-        padded[: local.shape[0]] = local
-        parts = [torch.empty_like(padded) for _ in range(self.world_size)]
-        dist.all_gather(parts, padded)
+        with RECORD.issuing("all_gather of rows", local.numel() * local.element_size()):
+            publish_now()
+            dist.all_gather(all_rows, rows)
+            counts = [int(r.item()) for r in all_rows]
+            padded = torch.zeros((max(counts),) + tuple(local.shape[1:]), dtype=local.dtype, device=local.device)
+            padded[: local.shape[0]] = local
+            parts = [torch.empty_like(padded) for _ in range(self.world_size)]
+            dist.all_gather(parts, padded)
         return torch.cat([part[:count] for part, count in zip(parts, counts)]).to(tensor.device)
 
     def barrier(self) -> None:
-        dist.barrier()
+        with RECORD.issuing("barrier"):
+            publish_now()
+            dist.barrier()
+
+    # --- the step check (observe/collectives.py): marks carried in a collective every rank makes ----------
+    def _closing_collective(self) -> None:
+        """What every rank does in teardown before the process group goes: the collective that starts a step
+        (its shape as last seen: ddp's first bucket all-reduce, fsdp's first all-gather) carrying CLOSING marks
+        (`check_marks`), so a rank still training is told that this one ran out of batches instead of both
+        waiting in different collectives; a barrier before any step."""
+        if self._step_opener is None:
+            with RECORD.issuing("barrier (engine.close)"):
+                publish_now()
+                dist.barrier()
+            return
+        op, numel, dtype = self._step_opener
+        device = self.collective_device()
+        with RECORD.issuing(f"{op} (engine.close)") as entry:
+            publish_now()
+            marks = step_marks(RECORD, CLOSING, self.rank, self.world_size, dtype, device)
+            combined = torch.cat([torch.zeros(numel, dtype=dtype, device=device), marks])
+            if op == "all_reduce":
+                dist.all_reduce(combined)
+                summed = combined[numel:]
+            else:
+                gathered = torch.empty(self.world_size * combined.numel(), dtype=dtype, device=device)
+                dist.all_gather_single(gathered, combined)
+                summed = gathered.view(self.world_size, -1)[:, numel:].sum(0)
+        self.check_marks(read_marks(summed, self.world_size), entry)
+
+    def _gradients_reduced(self, reduce_scatter: Any, entry: Any, *args: Any, **kwargs: Any) -> Any:
+        self._marks_due = True  # the next all-gather starts a step
+        return reduce_scatter(*args, **kwargs)
+
+    def _all_gather_with_marks(
+        self, gather: Any, entry: Any, output_tensor: torch.Tensor, input_tensor: torch.Tensor, *args: Any, **kw: Any
+    ) -> Any:
+        """FSDP's all_gather_single, the first of a step: preceded by a gather of every rank's step marks (a few
+        elements), checked before the unit is gathered. The marks go in their own small gather, not appended to the
+        unit's: appending would copy the unit's shard and its gathered buffer, a transient second copy of the
+        step's first unit (the root, often the embeddings) at the memory peak."""
+        group = kw.get("group", args[0] if args else None)
+        if (
+            not self._marks_due
+            or not self.marking_steps
+            or kw.get("async_op", args[1] if len(args) > 1 else False)
+            or (group is not None and group.size() != self.world_size)  # a subgroup (hsdp): not checked here
+            or not input_tensor.is_floating_point()
+        ):
+            return gather(output_tensor, input_tensor, *args, **kw)
+        self._marks_due = False
+        entry = RECORD.step_begins(entry)
+        publish_soon()  # the launcher knows each rank's step even if a peer's mismatched collective aborts them
+        self._step_opener = ("all_gather_single", 0, input_tensor.dtype)
+        marks = step_marks(RECORD, GRADIENTS, self.rank, self.world_size, input_tensor.dtype, input_tensor.device)
+        gathered = torch.empty(self.world_size * marks.numel(), dtype=marks.dtype, device=marks.device)
+        gather(gathered, marks, group=group)
+        self.check_marks(read_marks(gathered.view(self.world_size, -1).sum(0), self.world_size), entry)
+        del marks, gathered  # freed before the unit's gather, so the step's memory peak is the unit's alone
+        return gather(output_tensor, input_tensor, *args, **kw)
+
+    def check_marks(self, marks: list[tuple[int, ...]], entry: Any) -> None:
+        """Raise CollectiveMismatch unless every rank carried the same marks: one line naming the ranks that
+        differ, with each rank's last collective (exchanged through the rendezvous store)."""
+        if all(mark == marks[0] for mark in marks):
+            return
+        raise CollectiveMismatch(mismatch_message(marks, self._exchange_entries(entry)))
+
+    def _exchange_entries(self, entry: Any) -> dict[int, dict[str, Any]]:
+        """Every rank's record entry at the mismatch, through the store (no collective can be trusted now)."""
+        import json
+
+        entries = {self.rank: entry.as_dict()} if entry is not None else {}
+        try:
+            store = dist.distributed_c10d._get_default_store()
+            key = f"dpkit/mismatch/{restart_count()}/{{}}"
+            if entry is not None:
+                store.set(key.format(self.rank), json.dumps(entry.as_dict()))
+            others = [key.format(r) for r in range(self.world_size) if r != self.rank]
+            store.wait(others, timedelta(seconds=_ENTRY_WAIT_SECONDS))
+            for rank in range(self.world_size):
+                if rank != self.rank:
+                    entries[rank] = json.loads(store.get(key.format(rank)))
+        except Exception as error:  # a rank that died or never got here: name what is known
+            log.debug("the other ranks' record entries did not arrive: %s", error)
+        return entries
 
     def teardown(self) -> None:
         if dist.is_initialized():
@@ -229,9 +365,10 @@ class PerDeviceStrategy(Strategy):
             # peer is still finishing its last collective can abort at exit ("terminate called ...");
             # the heartbeat runs until every rank arrived, so a rank that hangs before it is still caught
             try:
-                dist.barrier()
+                self._closing_collective()
             finally:
                 self._stop_heartbeat()
+                stop_recording_torch_collectives()
             if self.wrapped is not None:
                 # Freeing DDP's Reducer right away frees the gloo process group, whose destructor joins gloo's
                 # worker thread while holding the GIL; if that thread is still freeing a finished work that
@@ -247,6 +384,7 @@ class PerDeviceStrategy(Strategy):
             # Giving the GIL away for a moment lets them finish first.
             time.sleep(_GLOO_RELEASE_SECONDS)
         self._stop_heartbeat()
+        stop_recording_torch_collectives()
         self.wrapped = None
 
     def _stop_heartbeat(self) -> None:

@@ -1,0 +1,306 @@
+"""The collective record: every collective this process issues, numbered, with its op, size, step and the
+user's line, in a small ring (the last RING_SIZE), so that a hang or a mismatch is named at the user's line.
+
+One record per process (`RECORD`; a launched process is one rank). While a per-device strategy lives it
+wraps torch.distributed's collective functions (`record_torch_collectives`), which catches what dpkit issues
+(`engine.reduce`, barriers, `engine.close`) and what torch issues from Python for the strategy (FSDP2's
+all-gathers and reduce-scatters); DDP's gradient buckets are recorded by ddp.py's comm hook. A collective
+called inside another recorded one (all_gather_object's all_gathers) is part of it, not a second entry.
+
+The call site is the first frame outside dpkit and torch (`train.py:31 in main`); where the stack has none
+(a collective issued from autograd's own thread on a GPU) the strategy pins the site of the call that led
+there (`RECORD.pinned`, around backward). Cost: a frame walk and a few attribute writes per collective.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import os
+import sys
+import threading
+from collections import deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from dpkit.errors import DpkitError
+
+RING_SIZE = 64
+
+# the collectives of torch.distributed that dpkit and FSDP2 call from Python (torch 2.13)
+RECORDED_FUNCTIONS = (
+    "all_reduce",
+    "all_gather",
+    "all_gather_into_tensor",
+    "all_gather_single",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "reduce_scatter_single",
+    "broadcast",
+    "reduce",
+    "gather",
+    "scatter",
+    "all_to_all",
+    "all_to_all_single",
+    "barrier",
+    "monitored_barrier",
+    "all_gather_object",
+    "gather_object",
+    "broadcast_object_list",
+    "scatter_object_list",
+    "_broadcast_coalesced",
+)
+
+
+@dataclass(frozen=True)
+class Collective:
+    """One collective as this rank issued it. `step`: the batch in hand when it was issued (batches the Engine's
+    loaders yielded), or without an Engine loader the synchronised steps begun; `site`: the user's line."""
+
+    sequence: int
+    op: str
+    size_bytes: int
+    step: int
+    site: str
+
+    def describe(self) -> str:
+        """`all_reduce of 4.0 MB (collective 12, step 3, train.py:31 in main)`"""
+        size = f" of {_bytes_text(self.size_bytes)}" if self.size_bytes else ""
+        return f"{self.op}{size} (collective {self.sequence}, step {self.step}, {self.site})"
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"sequence": self.sequence, "op": self.op, "size_bytes": self.size_bytes, "step": self.step,
+                "site": self.site}  # fmt: skip
+
+
+def _bytes_text(size: int) -> str:
+    for unit, scale in (("GB", 1 << 30), ("MB", 1 << 20), ("kB", 1 << 10)):
+        if size >= scale:
+            return f"{size / scale:.1f} {unit}"
+    return f"{size} B"
+
+
+class CollectiveRecord:
+    """The ring of this process's last collectives and the counters that number them."""
+
+    def __init__(self, capacity: int = RING_SIZE):
+        self.entries: deque[Collective] = deque(maxlen=capacity)
+        self.sequence = 0  # collectives recorded so far
+        self.batches = 0  # batches the Engine's loaders yielded (the strategy counts them)
+        # synchronised steps begun, as the strategy counts them (ddp: backwards that synchronise gradients; the
+        # per-device strategies: a step's first all-gather, the first after gradients were reduce-scattered)
+        self.steps = 0
+        self._pinned: str | None = None
+        # op -> a replacement called as carrier(original, entry, *args, **kwargs): a strategy that carries its
+        # step marks in that collective (per_device.py, FSDP's all-gathers)
+        self.carriers: dict[str, Callable[..., Any]] = {}
+        self.enabled = True  # off only to measure what the record costs (benchmarks/collective_record_cost.py)
+        self._inside = threading.local()  # depth of recorded calls in this thread: inner calls are not entries
+
+    @property
+    def step(self) -> int:
+        return self.batches or self.steps
+
+    def add(self, op: str, size_bytes: int = 0, site: str | None = None) -> Collective:
+        self.sequence += 1
+        entry = Collective(self.sequence, op, size_bytes, self.step, site or self._pinned or call_site())
+        self.entries.append(entry)
+        return entry
+
+    def step_begins(self, entry: Collective) -> Collective:
+        """A synchronised step begins with this collective (already recorded): count it, and the entry, if it is
+        still the last, carries the new step."""
+        self.steps += 1
+        updated = dataclasses.replace(entry, step=self.step)
+        if self.entries and self.entries[-1] is entry:
+            self.entries[-1] = updated
+        return updated
+
+    def last(self) -> Collective | None:
+        try:
+            return self.entries[-1]
+        except IndexError:
+            return None
+
+    def reset(self) -> None:
+        self.entries.clear()
+        self.sequence = self.batches = self.steps = 0
+        self._pinned = None
+        self.carriers.clear()
+
+    @contextlib.contextmanager
+    def pinned(self, site: str | None = None) -> Iterator[str]:
+        """Collectives issued inside get this call site (the caller's by default), from whatever thread."""
+        before, self._pinned = self._pinned, site or self._pinned or call_site()
+        try:
+            yield self._pinned
+        finally:
+            self._pinned = before
+
+    @contextlib.contextmanager
+    def issuing(self, op: str, size_bytes: int = 0) -> Iterator[Collective | None]:
+        """Record one collective around its call; collectives called inside it are part of it."""
+        if not self.enabled:
+            yield None
+            return
+        depth = getattr(self._inside, "depth", 0)
+        self._inside.depth = depth + 1
+        try:
+            yield self.add(op, size_bytes) if depth == 0 else None
+        finally:
+            self._inside.depth = depth
+
+
+RECORD = CollectiveRecord()
+
+_THIS_FILE = os.path.abspath(__file__)
+_DPKIT_DIR = os.path.dirname(os.path.dirname(_THIS_FILE)) + os.sep
+_LIBRARY_FILES = ("contextlib.py", "threading.py", "functools.py")
+
+
+_TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
+
+
+def call_site(frame: Any = None) -> str:
+    """`file.py:LINE in function` of the first frame outside dpkit and torch (and contextlib); the first
+    outside torch when dpkit itself called (`dpkit train`); `?` with no Python frame at all."""
+    frame = frame or sys._getframe(1)
+    first_outside_torch = None
+    while frame is not None:
+        filename = frame.f_code.co_filename
+        in_torch = filename.startswith(_TORCH_DIR)
+        if not in_torch and filename != _THIS_FILE and not filename.endswith(_LIBRARY_FILES):
+            if not filename.startswith(_DPKIT_DIR):
+                return f"{os.path.basename(filename)}:{frame.f_lineno} in {frame.f_code.co_name}"
+            if first_outside_torch is None:
+                first_outside_torch = frame
+        frame = frame.f_back
+    if first_outside_torch is None:
+        return "?"
+    code = first_outside_torch.f_code
+    return f"{os.path.basename(code.co_filename)}:{first_outside_torch.f_lineno} in {code.co_name}"
+
+
+def _size_bytes(args: tuple, kwargs: dict) -> int:
+    """The bytes of the first tensor (or list of tensors) among the arguments: what this rank contributes."""
+    for value in (*args, *kwargs.values()):
+        if hasattr(value, "element_size") and hasattr(value, "numel"):
+            return int(value.numel() * value.element_size())
+        if isinstance(value, (list, tuple)) and value and hasattr(value[0], "numel"):
+            return int(sum(t.numel() * t.element_size() for t in value))
+    return 0
+
+
+def _recorded(name: str, function: Callable, record: CollectiveRecord) -> Callable:
+    @functools.wraps(function)
+    def collective(*args: Any, **kwargs: Any) -> Any:
+        with record.issuing(name, _size_bytes(args, kwargs)) as entry:
+            carrier = record.carriers.get(name) if entry is not None else None
+            if carrier is not None:
+                return carrier(function, entry, *args, **kwargs)
+            return function(*args, **kwargs)
+
+    collective.__dpkit_recorded__ = function  # type: ignore[attr-defined]
+    return collective
+
+
+_installed: list[tuple[Any, str, Callable]] = []  # (module, name, original) while recording
+_install_lock = threading.Lock()
+
+
+def record_torch_collectives(record: CollectiveRecord = RECORD) -> None:
+    """Wrap torch.distributed's collectives (torch.distributed and distributed_c10d, where torch's own code
+    looks them up) so each call is recorded; idempotent. `stop_recording_torch_collectives` undoes it."""
+    import torch.distributed as dist
+    import torch.distributed.distributed_c10d as c10d
+
+    with _install_lock:
+        if _installed:
+            return
+        wrappers: dict[int, Callable] = {}  # one wrapper per function, whichever module it is found in
+        for module in (dist, c10d):
+            for name in RECORDED_FUNCTIONS:
+                original = getattr(module, name, None)
+                if original is None or hasattr(original, "__dpkit_recorded__"):
+                    continue
+                wrapper = wrappers.setdefault(id(original), _recorded(name.lstrip("_"), original, record))
+                _installed.append((module, name, original))
+                setattr(module, name, wrapper)
+
+
+def stop_recording_torch_collectives() -> None:
+    with _install_lock:
+        while _installed:
+            module, name, original = _installed.pop()
+            setattr(module, name, original)
+
+
+def recording_torch_collectives() -> bool:
+    return bool(_installed)
+
+
+# --- the step check: every rank's place carried in a gradient synchronisation ------------------------------
+# Each rank writes its (kind, batches, steps, sequence) into its own slots of a small tensor appended to a
+# collective every rank makes each step (ddp: the first gradient bucket); the sum, the same on every rank, holds
+# every rank's values exactly (one rank writes each slot), so all ranks see at once whether they agree.
+MARK_FIELDS = ("kind", "batches", "steps", "sequence")
+GRADIENTS, CLOSING = 1, 2  # the kinds: a step's gradient synchronisation, the closing collective (engine.close)
+
+
+class CollectiveMismatch(DpkitError):
+    """The ranks are at different steps (one skipped a step, issued another collective, or ran out of batches):
+    found in the synchronisation itself, before any optimizer stepped on the mixed gradients."""
+
+
+def mark_modulus(dtype: torch.dtype) -> int:
+    """Values are carried modulo this: the integers the gradients' dtype holds exactly (256 in bfloat16)."""
+    return int(min(1 << 20, 2 / torch.finfo(dtype).eps))
+
+
+def step_marks(
+    record: CollectiveRecord, kind: int, rank: int, world_size: int, dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
+    modulus = mark_modulus(dtype)
+    marks = torch.zeros(len(MARK_FIELDS) * world_size, dtype=dtype, device=device)
+    values = (kind, record.batches % modulus, record.steps % modulus, record.sequence % modulus)
+    start = len(MARK_FIELDS) * rank
+    marks[start : start + len(MARK_FIELDS)] = torch.tensor(values, dtype=dtype)
+    return marks
+
+
+def read_marks(summed: torch.Tensor, world_size: int) -> list[tuple[int, ...]]:
+    """Every rank's (kind, batches, steps, sequence) from the summed marks."""
+    values = [round(v) for v in summed.detach().float().cpu().tolist()]
+    width = len(MARK_FIELDS)
+    return [tuple(values[r * width : (r + 1) * width]) for r in range(world_size)]
+
+
+def mismatch_message(marks: list[tuple[int, ...]], entries: dict[int, dict[str, Any]]) -> str:
+    """One line naming the ranks that differ from rank 0, and rank 0: where each is (its step, its collective
+    and its call site, from `entries`, every rank's last record entry where known)."""
+    odd = [rank for rank in range(len(marks)) if marks[rank] != marks[0]]
+    same_step = all(marks[r][:3] == marks[0][:3] for r in odd)  # then they differ in their collectives
+
+    def where(rank: int) -> str:
+        kind, batches, steps, _ = marks[rank]
+        entry = entries.get(rank, {})
+        site = entry.get("site", "call site unknown")
+        sequence = f", collective {entry['sequence']}" if same_step and "sequence" in entry else ""
+        if kind == CLOSING:
+            return f"ran out of batches after {steps} steps (engine.close{sequence}, {site})"
+        return f"at step {entry.get('step', batches or steps)} ({entry.get('op', 'a collective')}{sequence}, {site})"
+
+    verb = {r: "" if marks[r][0] == CLOSING else "is " for r in range(len(marks))}
+    message = "; ".join(f"rank {r} {verb[r]}{where(r)}" for r in odd) + f" while rank 0 {verb[0]}{where(0)}"
+    if any(mark[0] == CLOSING for mark in marks):
+        return (
+            f"{message}: the ranks' batch counts differ; give every rank the same number of batches "
+            "(engine.setup_dataloader does)"
+        )
+    if same_step:
+        return message + ": a rank issued a collective the others did not; stopped before the optimizer step"
+    return message + ": a rank skipped a step; stopped before the optimizer step"
