@@ -44,7 +44,6 @@ import dpkit
 from dpkit.examples import EXAMPLES, get_example
 from dpkit.observe import Observer
 from dpkit.observe.report import thread_lines
-from dpkit.parallel.apply import Turns
 from dpkit.training.engine import Engine
 
 DEVICES = 2
@@ -86,9 +85,9 @@ def contender(args: argparse.Namespace, name: str) -> tuple[Callable[[], None], 
         for module in model.modules():
             if isinstance(module, dpkit.DataParallel):
                 module.replica_cache = None  # what DataParallel(..., cache_replicas=False) sets
-                module.turns = {mode: Turns(enabled=False) for mode in module.turns}
+                module.set_concurrency("threads")
     if name == REPLICATED_BEFORE:
-        engine.strategy.turns = {site: Turns(enabled=False) for site in engine.strategy.turns}
+        engine.strategy.set_concurrency("threads")
     criterion = engine.setup_criterion(F.cross_entropy)
 
     def step() -> None:

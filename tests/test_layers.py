@@ -26,7 +26,7 @@ LAYERS = [
     ("parallel", ["dpkit.parallel"]),
     ("devices", ["dpkit.devices"]),
 ]
-LEAVES = ["dpkit.checks", "dpkit.errors", "dpkit.precision", "dpkit.examples"]
+LEAVES = ["dpkit.checks", "dpkit.errors", "dpkit.precision", "dpkit.examples", "dpkit.compilation"]
 ROOT = "dpkit"
 
 

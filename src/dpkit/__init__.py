@@ -15,17 +15,20 @@ if TYPE_CHECKING:  # the names below load on first use (__getattr__), so `import
     from dpkit.devices import cpu_devices
     from dpkit.errors import DpkitError
     from dpkit.observe import Observer
+    from dpkit.observe.collectives import CollectiveMismatch
     from dpkit.parallel import Broadcast, DataParallel, split_sizes
     from dpkit.plan.auto import choose_strategy
     from dpkit.training.checkpoint import (
-        CheckpointCorruptError,
-        CheckpointMismatchError,
-        CheckpointRefusedError,
-        CheckpointWriteError,
         load_model,
         save_model,
         strip_prefixes,
         unwrap_model,
+    )
+    from dpkit.training.checkpoint_errors import (
+        CheckpointCorruptError,
+        CheckpointMismatchError,
+        CheckpointRefusedError,
+        CheckpointWriteError,
     )
     from dpkit.training.engine import Engine
     from dpkit.training.loop_checks import NonFiniteLoss
@@ -38,6 +41,7 @@ __all__ = [
     "CheckpointMismatchError",
     "CheckpointRefusedError",
     "CheckpointWriteError",
+    "CollectiveMismatch",
     "DataParallel",
     "DpkitError",
     "Engine",
@@ -59,10 +63,11 @@ __all__ = [
 # the script needs none of them (seconds per process on a small machine).
 PUBLIC_NAMES = {
     "Broadcast": "dpkit.parallel",
-    "CheckpointCorruptError": "dpkit.training.checkpoint",
-    "CheckpointMismatchError": "dpkit.training.checkpoint",
-    "CheckpointRefusedError": "dpkit.training.checkpoint",
-    "CheckpointWriteError": "dpkit.training.checkpoint",
+    "CheckpointCorruptError": "dpkit.training.checkpoint_errors",
+    "CheckpointMismatchError": "dpkit.training.checkpoint_errors",
+    "CheckpointRefusedError": "dpkit.training.checkpoint_errors",
+    "CheckpointWriteError": "dpkit.training.checkpoint_errors",
+    "CollectiveMismatch": "dpkit.observe.collectives",
     "DataParallel": "dpkit.parallel",
     "DpkitError": "dpkit.errors",
     "Engine": "dpkit.training.engine",

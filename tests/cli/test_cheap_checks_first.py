@@ -33,10 +33,12 @@ def no_building(monkeypatch):
     """Model builds, auto's probe and process starts of train and profile fail the test."""
     import dpkit.tools.profile
     import dpkit.training.recipe
+    import dpkit.training.run_checks
 
     for module in (dpkit.training.recipe, dpkit.tools.profile):
         monkeypatch.setattr(module, "model_source", expensive("a model build"))
         monkeypatch.setattr(module, "relaunch", expensive("a process start"))
+    monkeypatch.setattr(dpkit.training.run_checks, "model_source", expensive("a model build"))
     monkeypatch.setattr(dpkit.training.recipe, "choose_strategy", expensive("auto's probe"))
 
 

@@ -16,6 +16,7 @@ from dpkit.observe import Observer
 from dpkit.observe.step_split import REPLICA_PARTS
 from dpkit.parallel import hooks
 from dpkit.parallel.apply import run_replicas
+from dpkit.parallel.concurrency import concurrency_decided
 
 DEVICES = dpkit.cpu_devices(2)
 PARTS = [f"{part}_seconds" for part in REPLICA_PARTS]
@@ -34,10 +35,11 @@ def engine_steps(strategy, devices, steps=3, **observer_options):
         engine.backward(criterion(model(x), y))
         optimizer.step()
 
-    step()
-    with Observer(engine.device, **observer_options) as observer:
-        for _ in range(steps):
-            step()
+    with concurrency_decided("threads"):  # what these tests observe: the replicas in their threads
+        step()
+        with Observer(engine.device, **observer_options) as observer:
+            for _ in range(steps):
+                step()
     engine.close()
     return observer.report()
 
@@ -145,13 +147,10 @@ def test_phases_from_another_thread_do_not_enter_the_calling_threads_split():
 
 def test_replicas_that_take_turns_on_the_calling_thread_are_its_replicas_phase(tmp_path):
     from dpkit.observe.report import thread_lines
-    from dpkit.parallel.apply import Turns
 
     torch.manual_seed(0)
-    dp = dpkit.DataParallel(nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4)), DEVICES)
-    learned = Turns()
-    learned.taking, learned.clean_runs = True, learned.SAMPLES  # turns won: the jobs run on the calling thread
-    dp.turns[True] = learned
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    dp = dpkit.DataParallel(model, DEVICES, concurrency="serial")  # the jobs run on the calling thread
     x = torch.randn(12, 8)
     with Observer("cpu:0", memory=False) as observer:
         for _ in range(3):

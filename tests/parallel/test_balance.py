@@ -242,7 +242,10 @@ class SlowOnCpu1(torch.nn.Module):
 
 
 def test_speed_balance_gives_the_slower_device_fewer_rows():
-    dp = dpkit.DataParallel(SlowOnCpu1(), dpkit.cpu_devices(2), loss_fn=F.mse_loss, balance="speed")
+    # the slowness is the thread's: the replicas run in their device threads
+    dp = dpkit.DataParallel(
+        SlowOnCpu1(), dpkit.cpu_devices(2), loss_fn=F.mse_loss, balance="speed", concurrency="threads"
+    )
     for _ in range(3):  # warm-up, one measured step, then balanced
         dp(torch.randn(40, 3), target=torch.randn(40, 1)).backward()
     fast, slow = dp.last_split_sizes

@@ -85,7 +85,7 @@ def test_zero_chunk_creates_no_replica_there():
 
 def test_one_worker_thread_per_device_and_every_replica_is_a_replica():
     module = CountingReplicas()
-    dp = DataParallel(module, dpkit.cpu_devices(3))
+    dp = DataParallel(module, dpkit.cpu_devices(3), concurrency="threads")  # (auto's second call runs serially)
     dp(torch.randn(7, 2))
     dp(torch.randn(7, 2))
     threads = sorted({thread for _, thread, _ in module.calls})

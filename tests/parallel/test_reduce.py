@@ -150,16 +150,6 @@ def test_bad_arguments_are_named():
         GradientSum([[]], dpkit.cpu_devices(2))
 
 
-def turns_for(way: str):
-    from dpkit.parallel.apply import Turns
-
-    turns = Turns(enabled=way != "side by side")
-    if way != "side by side":
-        turns.taking = True  # decided: in turns; "here" once runs in the worker threads were clean
-        turns.clean_runs = turns.SAMPLES if way == "in turns, on the calling thread" else 0
-    return turns
-
-
 def sum_of_two_micro_batches(way: str, rows: list[int], bucket_cap_bytes: int) -> tuple[list, set]:
     """Every replica's gradients after an accumulated micro-batch and a summed one; the threads backward ran in."""
     import threading
@@ -169,41 +159,44 @@ def sum_of_two_micro_batches(way: str, rows: list[int], bucket_cap_bytes: int) -
     for model in models:
         model[0].weight.register_hook(lambda grad: ran_in.add(threading.current_thread().name))
     gradient_sum = GradientSum(
-        [list(m.parameters()) for m in models], dpkit.cpu_devices(3), bucket_cap_bytes=bucket_cap_bytes
+        [list(m.parameters()) for m in models],
+        dpkit.cpu_devices(3),
+        bucket_cap_bytes=bucket_cap_bytes,
+        concurrency=way,
     )
-    gradient_sum.turns = turns_for(way)
     gradient_sum.backward(roots(models, rows), sync=False)
     gradient_sum.backward(roots(models, rows), sync=True)
     gradient_sum.remove_hooks()
     return [[p.grad for p in m.parameters()] for m in models], ran_in
 
 
-@pytest.mark.parametrize("way", ["in turns, in the worker threads", "in turns, on the calling thread"])
 @pytest.mark.parametrize("bucket_cap_bytes", [1, 10**9])
 @pytest.mark.parametrize("rows", [[4, 4, 4], [9, 2, 1], [3, 0, 2]])
-def test_backwards_in_turns_give_the_sum_of_side_by_side_bitwise(way, bucket_cap_bytes, rows):
+def test_serial_backwards_give_the_sum_of_side_by_side_bitwise(bucket_cap_bytes, rows):
     import threading
 
-    expected, threads_side_by_side = sum_of_two_micro_batches("side by side", rows, bucket_cap_bytes)
-    got, threads = sum_of_two_micro_batches(way, rows, bucket_cap_bytes)
+    expected, threads_side_by_side = sum_of_two_micro_batches("threads", rows, bucket_cap_bytes)
+    got, threads = sum_of_two_micro_batches("serial", rows, bucket_cap_bytes)
     for mine, want in zip(got, expected):
         assert all(torch.equal(a, b) for a, b in zip(mine, want))
     here = threading.current_thread().name
     assert here not in threads_side_by_side
-    assert (threads == {here}) if way == "in turns, on the calling thread" else (here not in threads)
+    assert threads == {here}
 
 
-def test_backwards_take_turns_where_learned_faster_and_the_way_is_measured_whole():
+def test_auto_backwards_measure_backward_and_sum_together_then_keep_one_way():
     models = replicas(2)
     gradient_sum = GradientSum([list(m.parameters()) for m in models], dpkit.cpu_devices(2))
-    turns = gradient_sum.turns
-    assert turns is not None and turns.enabled
-    for _ in range(turns.WARMUP + 2 * (turns.SAMPLES + turns.SAFETY)):
+    policy = gradient_sum.concurrency
+    assert policy.declared == "auto" and policy.choice() is None
+    runs = policy.WARMUP + 2 * policy.SAMPLES
+    for _ in range(runs):
         gradient_sum.backward(roots(models, [3, 5]), sync=True)
-        if turns.taking is not None:
-            break
-    assert turns.taking is not None
-    assert len(turns.seconds[True]) == turns.SAMPLES <= len(turns.seconds[False])
-    # the first runs in turns, in the worker threads, only showed it safe: the measured ones ran on this thread
-    assert turns.clean_runs == turns.SAFETY
-    assert GradientSum([list(m.parameters()) for m in models], dpkit.cpu_devices(2), coalesce=False).turns is None
+    chosen = policy.choice()
+    assert chosen in ("threads", "serial")
+    assert [len(v) for v in policy.measured().values()] == [policy.SAMPLES] * 2
+    gradient_sum.backward(roots(models, [3, 5]), sync=True)
+    assert policy.choice() == chosen and [len(v) for v in policy.measured().values()] == [policy.SAMPLES] * 2
+    # without coalesce (the per-parameter sum kept for measuring) the backwards always run side by side
+    plain = GradientSum([list(m.parameters()) for m in models], dpkit.cpu_devices(2), coalesce=False)
+    assert plain.concurrency.choice() == "threads"

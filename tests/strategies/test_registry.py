@@ -55,7 +55,7 @@ def test_the_reference_is_the_one_one_device_strategy():
 def test_an_unknown_name_or_option_is_a_clear_error():
     with pytest.raises(ValueError, match="strategy: unknown strategy 'nonesuch'; choose one of single, dp"):
         strategy_class("nonesuch")
-    with pytest.raises(TypeError, match="seed: not an option of strategy 'dp' \\(its options: none\\)"):
+    with pytest.raises(TypeError, match="seed: not an option of strategy 'dp' \\(its options: concurrency\\)"):
         strategies.create_strategy("dp", dpkit.cpu_devices(2), seed=3)
 
 

@@ -82,7 +82,7 @@ def auto_loop(monkeypatch, chosen: str, devices: int = 3, steps: int = 3, decide
     import torch
     from torch import nn
 
-    from dpkit.training import engine as engine_module
+    from dpkit.plan import auto as planner_auto
 
     asked = []
 
@@ -91,11 +91,11 @@ def auto_loop(monkeypatch, chosen: str, devices: int = 3, steps: int = 3, decide
         n = 1 if chosen == "single" else len(devices_given)
         return Choice(chosen, n, f"auto: {chosen} on {n} devices — injected", [], "test")
 
-    monkeypatch.setattr(engine_module, "choose_strategy", choose)
+    monkeypatch.setattr(planner_auto, "choose_strategy", choose)  # the Engine imports it when it decides
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(5, 8), nn.ReLU(), nn.Linear(8, 3))
     engine = Engine(strategy="auto", accelerator="cpu", devices=devices, progress=False)
-    assert engine._undecided is not None and engine.strategy.name == "single"  # the reference until the batch
+    assert engine.placement.undecided and engine.strategy.name == "single"  # the reference until the batch
     model, optimizer = engine.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
     criterion = engine.setup_criterion(nn.CrossEntropyLoss())
     generator = torch.Generator().manual_seed(1)

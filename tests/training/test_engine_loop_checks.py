@@ -11,7 +11,7 @@ from torch import nn
 
 from dpkit import Engine, NonFiniteLoss
 from dpkit.launch.network import free_port
-from dpkit.strategies import available_strategies
+from dpkit.strategies import PER_DEVICE, available_strategies, strategy_class
 
 ONE_PROCESS_GROUP = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"}
 
@@ -22,12 +22,13 @@ def model():
 
 @pytest.fixture
 def engine_for(monkeypatch):
-    """Engine(strategy) on CPU devices: two in one process, or one process of a group of one (ddp, fsdp)."""
+    """Engine(strategy) on CPU devices: two in one process, or one process of a group of one (ddp, fsdp, …)."""
     made = []
 
     def make(strategy, **options):
-        devices = 2 if strategy in ("dp", "dp-balanced", "replicated") else 1
-        if strategy in ("ddp", "fsdp"):
+        traits = strategy_class(strategy).traits
+        devices = 2 if traits.processes != PER_DEVICE and traits.max_devices is None else 1
+        if traits.processes == PER_DEVICE:
             for name, value in {
                 **ONE_PROCESS_GROUP,
                 "MASTER_ADDR": "127.0.0.1",

@@ -343,16 +343,16 @@ def test_a_damaged_run_json_is_named(tmp_path, capsys):
 
 
 def test_every_json_the_recipe_writes_is_written_whole(tmp_path, monkeypatch):
-    import dpkit.training.recipe as recipe
+    import dpkit.training.run_folder as run_folder
 
     written = []
-    real = recipe.atomic_write
+    real = run_folder.atomic_write
 
     def spy(path, write):
         written.append(Path(path).name)
         return real(path, write)
 
-    monkeypatch.setattr(recipe, "atomic_write", spy)
+    monkeypatch.setattr(run_folder, "atomic_write", spy)
     assert train(tmp_path / "run", "--steps", "2", "--checkpoint-every", "1") == 0
     assert {"run.json", "metrics.json"} <= set(written)
 

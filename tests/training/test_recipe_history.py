@@ -14,7 +14,8 @@ import torch
 
 from dpkit.cli.main import main
 from dpkit.training.metrics_log import read_metrics_csv
-from dpkit.training.state import LATEST, _pointer_text, step_directory_name
+from dpkit.training.state import LATEST, step_directory_name
+from dpkit.training.state_paths import pointer_text
 
 CPU = ["--accelerator", "cpu", "--no-progress"]
 SMALL = ["--batch-size", "32", "--log-every", "1", "--eval-every", "1"]
@@ -30,7 +31,7 @@ def killed_after(out, step):
     for folder in states.glob("step-*"):
         if int(folder.name.removeprefix("step-")) > step:
             shutil.rmtree(folder)
-    (states / LATEST).write_text(_pointer_text(step_directory_name(step)))
+    (states / LATEST).write_text(pointer_text(step_directory_name(step)))
     (out / "model.pt").unlink()
     (out / "metrics.json").unlink()
 

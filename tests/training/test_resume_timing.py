@@ -15,7 +15,7 @@ from torch import nn
 from torch.utils.data import DataLoader, RandomSampler, TensorDataset
 
 import dpkit
-from dpkit.parallel.apply import turns_decided
+from dpkit.parallel.concurrency import concurrency_decided
 from dpkit.training.checkpoint import clean_state_dict
 
 STEPS, STOP = 6, 3
@@ -36,7 +36,7 @@ def run(strategy, state_dir, *, way=None, stop_at=None, resume=False):
     )
     if resume:
         engine.load_state(state_dir)
-    forced = turns_decided(way) if way is not None else torch.enable_grad()
+    forced = concurrency_decided("serial" if way else "threads") if way is not None else torch.enable_grad()
     with forced:
         while engine.step < STEPS:
             for x, y in loader:

@@ -243,3 +243,23 @@ def test_a_save_of_the_same_step_killed_between_its_renames_loses_nothing(tmp_pa
     engine.save_state(tmp_path, note="second")  # puts the old copy back, then replaces it
     assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step-00000002"]
     assert make_engine()[0].load_state(tmp_path) == {"note": "second"}
+
+
+def test_the_thread_count_a_loaded_state_sets_lasts_until_the_engine_closes(tmp_path):
+    before = torch.get_num_threads()
+    saved_with, other = (1, 2) if before != 1 else (2, 1)
+    try:
+        torch.set_num_threads(saved_with)
+        engine = dpkit.Engine(strategy="single", accelerator="cpu", devices=1, progress=False)
+        engine.setup(nn.Linear(3, 2))
+        engine.save_state(tmp_path)
+        engine.close()
+        torch.set_num_threads(other)
+        resumed = dpkit.Engine(strategy="single", accelerator="cpu", devices=1, progress=False)
+        resumed.setup(nn.Linear(3, 2))
+        resumed.load_state(tmp_path)
+        assert torch.get_num_threads() == saved_with  # the saved run's count: its sums split alike
+        resumed.close()
+        assert torch.get_num_threads() == other  # the process's own count again
+    finally:
+        torch.set_num_threads(before)

@@ -18,7 +18,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import dpkit
 from dpkit.cli.main import main as dpkit_main
-from dpkit.training import checkpoint, state
+from dpkit.training import checked_files, state, state_write
 from dpkit.training.checkpoint import (
     CheckpointCorruptError,
     CheckpointMismatchError,
@@ -347,7 +347,7 @@ def test_an_object_weights_only_loading_refuses_is_named_not_called_damage(tmp_p
 def failing_writes(monkeypatch, after_bytes=0):
     """torch.save's writes fail with a full disk once `after_bytes` went through."""
     written = {"bytes": 0}
-    original = checkpoint._HashingWriter.write
+    original = checked_files._HashingWriter.write
 
     def write(self, data):
         if written["bytes"] + len(data) > after_bytes:
@@ -355,7 +355,7 @@ def failing_writes(monkeypatch, after_bytes=0):
         written["bytes"] += len(data)
         return original(self, data)
 
-    monkeypatch.setattr(checkpoint._HashingWriter, "write", write)
+    monkeypatch.setattr(checked_files._HashingWriter, "write", write)
 
 
 @pytest.mark.parametrize("after_bytes", [0, 300])
@@ -383,7 +383,7 @@ def test_a_full_disk_while_pointing_latest_takes_the_new_state_back_out(tmp_path
     def full(path, write):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(state, "atomic_write", full)
+    monkeypatch.setattr(state_write, "atomic_write", full)
     with pytest.raises(CheckpointWriteError, match=f"no space left on device while writing {tmp_path / 'latest'}"):
         engine.save_state(tmp_path, note="same step")  # the same step again: the old copy goes back in place
     train_steps(engine, model, optimizer, loader, 3)
@@ -412,16 +412,16 @@ def test_any_failure_midway_through_a_save_leaves_nothing_behind(tmp_path, monke
             (folder / "__0_0.distcp").write_bytes(b"half")
             raise RuntimeError("a shard write failed")
 
-        monkeypatch.setattr(state, "write_shards", broken)
+        monkeypatch.setattr(state_write, "write_shards", broken)
     else:
-        original = checkpoint.write_checked
+        original = checked_files.write_checked
 
         def broken(content, handle):
             if "format" in content:  # state.pt, after rank-0.pt
                 raise KeyError("a value torch cannot save")
             original(content, handle)
 
-        monkeypatch.setattr(state, "write_checked", broken)
+        monkeypatch.setattr(state_write, "write_checked", broken)
     with pytest.raises((RuntimeError, KeyError), match="a shard write failed|a value torch cannot save"):
         engine.save_state(tmp_path)
     assert sorted(p.name for p in tmp_path.iterdir()) == before and (tmp_path / "latest").read_bytes() == pointer
@@ -441,20 +441,20 @@ def full_disk_job(out: str) -> str:
     engine.backward(model(torch.ones(4, 3)).sum())
     optimizer.step()
     engine.save_state(folder / "state")
-    write = checkpoint._HashingWriter.write
+    write = checked_files._HashingWriter.write
     if engine.rank == 1:
 
         def full(self, data):
             raise OSError(errno.ENOSPC, "No space left on device")
 
-        checkpoint._HashingWriter.write = full
+        checked_files._HashingWriter.write = full
     try:
         engine.save_state(folder / "state", note="second")
         result = "saved"
     except Exception as error:
         result = f"{type(error).__name__} {error}"
     finally:
-        checkpoint._HashingWriter.write = write  # the group's process runs other tests' jobs next
+        checked_files._HashingWriter.write = write  # the group's process runs other tests' jobs next
     engine.close()
     return result
 

@@ -21,7 +21,6 @@ from dpkit.cli.vocabulary import add_verb
 from dpkit.training.checkpoint import (
     CheckpointCorruptError,
     CheckpointMismatchError,
-    _is_safetensors,
     atomic_save,
     read_checked,
     safetensors_has_checksum,
@@ -30,6 +29,7 @@ from dpkit.training.checkpoint import (
     verify_file,
     write_safetensors,
 )
+from dpkit.training.safetensors_files import is_safetensors
 from dpkit.training.shards import read_whole, saved_model_tensors, verify_shards
 from dpkit.training.state import (
     STATE_FILE,
@@ -112,7 +112,7 @@ def _tensor_table(state: Mapping[str, Any]) -> list[str]:
 
 
 def _integrity(path: Path) -> str:
-    if _is_safetensors(path):
+    if is_safetensors(path):
         return (
             "safetensors, dpkit SHA-256 verified"
             if safetensors_has_checksum(path)

@@ -77,6 +77,16 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     add_accelerator(run)
     add_devices(run)
     add_precision(run)
+    run.add_argument(
+        "--compile",
+        nargs="?",
+        const=True,
+        default=None,
+        metavar="BACKEND",
+        help="torch.compile the model's forward, under every strategy (each replica runs it; fsdp compiles each "
+        "unit); BACKEND: torch.compile's backend (default inductor, which needs a C++ compiler on CPU; aot_eager "
+        "needs none); docs/compile.md says where it pays",
+    )
     add_restarts(run, " (strategies with a process per device; resumes from the last saved state)")
     steps = parser.add_argument_group("optimization")
     add_steps(steps, 100, "optimizer steps in total, a resumed run's included")
@@ -153,9 +163,15 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         change=change,
         batch_size=args.batch_size if args.batch_size is not None else TrainConfig.batch_size,
         progress=not args.no_progress,
+        compile=compile_option(args.compile),
         relaunch=Command("dpkit.cli.main", tuple(argv)),
         resume_command="dpkit " + shlex.join(resume_argv),
     )
+
+
+def compile_option(value: bool | str | None) -> bool | dict[str, str] | None:
+    """--compile: True (torch's default backend); --compile BACKEND: that backend; absent: None (eager)."""
+    return {"backend": value} if isinstance(value, str) else value
 
 
 def run(args: argparse.Namespace) -> int:

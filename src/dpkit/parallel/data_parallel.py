@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 import torch
@@ -12,8 +12,9 @@ from torch import nn
 from dpkit.checks import check_dim
 from dpkit.devices import DeviceLike, parse_device, parse_device_list, tensor_on
 from dpkit.parallel import hooks, sync_batchnorm
-from dpkit.parallel.apply import Turns, parallel_apply
+from dpkit.parallel.apply import parallel_apply
 from dpkit.parallel.balance import BALANCE_MODES
+from dpkit.parallel.concurrency import THREADS, Concurrency, site_choices, site_policies
 from dpkit.parallel.gather import gather
 from dpkit.parallel.nested import leaves
 from dpkit.parallel.replica_cache import ReplicaCache
@@ -22,6 +23,8 @@ from dpkit.parallel.replicate import check_replicable, replicate
 from dpkit.parallel.scatter import batch_size_of, check_chunk_sizes, other_sizes, plan_split, scatter, unwrap_broadcasts
 
 LOSS_REDUCTIONS = ("mean", "sum")
+CONCURRENCY_SITES = ("train", "eval")  # DataParallel's call sites: its forward in each training mode
+SITE = {True: "train", False: "eval"}
 
 
 class ChunkPlanner(Protocol):
@@ -127,6 +130,11 @@ class DataParallel(nn.Module):
         cache_replicas: keep the replicas' module objects between calls and make only their tensors anew
             (parallel/replica_cache.py: rebuilt whenever the module changed, so never stale); False builds
             every replica from scratch at every call, as torch does.
+        concurrency: how the replicas' forwards run: "threads" (side by side in the device threads, as torch),
+            "serial" (one after the other on the calling thread: faster for models of many small layers on
+            virtual CPU devices), "auto" (the default: measured on the first calls, then frozen; one choice for
+            training mode and one for eval mode), or what `concurrency_choice()` returned, to run as a saved run
+            decided. Results are the same either way. Replicas with SyncBatchNorm always run threads.
 
     The wrapper's parameters are the module's own parameter objects and `state_dict()` keys carry a
     `module.` prefix as in torch; `dpkit.save_model` writes them without it.
@@ -146,6 +154,7 @@ class DataParallel(nn.Module):
         max_bytes_per_device: int | Sequence[int | None] | None = None,
         planner: ChunkPlanner | None = None,
         cache_replicas: bool = True,
+        concurrency: str | Mapping[str, str] = "auto",
     ):
         super().__init__()
         if not isinstance(module, nn.Module):
@@ -184,7 +193,8 @@ class DataParallel(nn.Module):
         self.last_split_sizes: list[int] | None = None
         self.last_devices: list[torch.device] | None = None  # the devices that got rows (and a replica)
         self.randomness = TrainingModeWatches("DataParallel's replicas")  # per-replica generators while they draw
-        self.turns = {True: Turns(), False: Turns()}  # forwards in turns or side by side, per training mode
+        self.concurrency: dict[str, Concurrency] = {}
+        self.set_concurrency(concurrency)
         if cache_replicas not in (True, False):
             raise TypeError(f"cache_replicas: expected True or False, got {cache_replicas!r}")
         self.replica_cache: ReplicaCache | None = ReplicaCache(module) if cache_replicas else None
@@ -198,6 +208,17 @@ class DataParallel(nn.Module):
                 "(dpkit.observe plugs one in when dpkit is imported); or pass planner="
             )
         return planner
+
+    def set_concurrency(self, concurrency: str | Mapping[str, str]) -> None:
+        """How the forwards run from the next call: what the constructor's `concurrency` takes (a run that
+        resumes gives back the saved `concurrency_choice()` here, after the wrapper was made)."""
+        # a call site per training mode: a training-mode forward and an eval-mode one cost differently
+        self.concurrency = site_policies(concurrency, CONCURRENCY_SITES)
+
+    def concurrency_choice(self) -> dict[str, str]:
+        """The forwards' frozen ways ({"train": "serial", ...}), a plain value to record and give back as
+        `concurrency=` (a site still measuring is left out, and measures again)."""
+        return site_choices(self.concurrency)
 
     @property
     def primary_device(self) -> torch.device:
@@ -260,7 +281,8 @@ class DataParallel(nn.Module):
             [k for _, _, k in chunks],
             devices,
             generators=self.randomness(self.module),
-            turns=None if synced is not replicas else self.turns[self.module.training],
+            # SyncBatchNorm's replicas wait for each other: side by side
+            concurrency=THREADS if synced is not replicas else self.concurrency[SITE[self.module.training]],
         )
         if hooks.listening():
             self.announce_outputs(outputs, chunks)

@@ -23,6 +23,9 @@ from dpkit.checks import check_dim
 from dpkit.devices import DeviceLike, parse_device
 from dpkit.parallel.nested import children, is_dataclass_instance, is_namedtuple, rebuild
 
+STACK = "stack"  # gather's scalars=: 0-dim outputs become a vector, one value per replica (torch's)
+ROW_MEAN = "row-mean"  # 0-dim floating outputs become their mean weighted by the replicas' rows
+
 
 def _to(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     if device.type == "cpu" and tensor.device.type == "cpu":
@@ -88,6 +91,7 @@ def _gather_tensors(
     dim: int,
     rows: Sequence[int] | None = None,
     input_sizes: Sequence[int] = (),
+    scalars: str = STACK,
 ) -> torch.Tensor:
     first = values[0]
     if first.dim() == 0:
@@ -96,6 +100,11 @@ def _gather_tensors(
                 raise ValueError(
                     f"{path}: replica {i} returned shape {tuple(value.shape)} where replica 0 returned a 0-dim tensor"
                 )
+        if scalars == ROW_MEAN and rows is not None and len(rows) == len(values) and first.is_floating_point():
+            # a mean the model computed over its rows (a loss): the batch's is the row-weighted mean of the replicas'
+            total = sum(rows)
+            terms = [_to(v, device) * (r / total) for v, r in zip(values, rows)]
+            return torch.stack(terms).sum()
         warnings.warn(
             f"{path}: replicas returned 0-dim tensors; gathering them as a vector with one value per replica "
             "(compute the loss inside the replicas with loss_fn=, or return per-sample values)",
@@ -146,6 +155,7 @@ def _gather(
     dim: int,
     rows: Sequence[int] | None = None,
     input_sizes: Sequence[int] = (),
+    scalars: str = STACK,
 ) -> Any:
     first = values[0]
     kind = _kind(first)
@@ -160,7 +170,7 @@ def _gather(
     if kind == "None" and all(v is None for v in values):
         return None
     if kind == "tensor":
-        return _gather_tensors(values, path, device, dim, rows, input_sizes)
+        return _gather_tensors(values, path, device, dim, rows, input_sizes, scalars)
     parts = children(first)
     if parts is None or kind in ("value", "None"):
         return list(values)
@@ -172,14 +182,17 @@ def _gather(
                     f"{path}: replica {i} returned keys {sorted(map(repr, value.keys()))}, "
                     f"replica 0 returned {sorted(map(repr, keys))}"
                 )
-        merged = [_gather([v[key] for v in values], f"{path}[{key!r}]", device, dim, rows, input_sizes) for key in keys]
+        merged = [
+            _gather([v[key] for v in values], f"{path}[{key!r}]", device, dim, rows, input_sizes, scalars)
+            for key in keys
+        ]
         return rebuild(first, merged)
     per_replica = [children(v) or [] for v in values]  # (each of the same type as the first: a container)
     for i, parts_i in enumerate(per_replica[1:], start=1):
         if len(parts_i) != len(parts):
             raise ValueError(f"{path}: replica {i} returned {len(parts_i)} items, replica 0 returned {len(parts)}")
     merged = [
-        _gather([p[k][1] for p in per_replica], path + suffix, device, dim, rows, input_sizes)
+        _gather([p[k][1] for p in per_replica], path + suffix, device, dim, rows, input_sizes, scalars)
         for k, (suffix, _) in enumerate(parts)
     ]
     return rebuild(first, merged)
@@ -192,20 +205,32 @@ def gather(
     *,
     rows: Sequence[int] | None = None,
     input_sizes: Sequence[int] = (),
+    scalars: str = STACK,
 ) -> Any:
     """torch.nn.parallel.gather's verb: one output on `target_device` from the replicas' outputs, in
     replica order. `target_device`: a dpkit device spec; -1 or "cpu" mean the CPU, as in torch.
 
     rows: the rows each replica received (enables the flattened-batch warning); input_sizes: the sizes of
     the split inputs' other dimensions (sequence lengths, ...), which make that warning surer.
+    scalars: what 0-dim tensors become: STACK ("stack", torch's behaviour: a vector with one value per replica,
+    and a warning) or ROW_MEAN ("row-mean": a floating one, such as a loss the model computed over its rows,
+    becomes the mean of the replicas' weighted by `rows`, which it needs).
     """
     if not outputs:
         raise ValueError("gather: no outputs to gather")
     check_dim(dim)
+    if scalars not in (STACK, ROW_MEAN):
+        raise ValueError(f"scalars: expected {STACK!r} or {ROW_MEAN!r}, got {scalars!r}")
+    if scalars == ROW_MEAN and (rows is None or len(rows) != len(outputs)):
+        raise ValueError(
+            f"rows: scalars={ROW_MEAN!r} needs the rows of each of the {len(outputs)} replicas, got {rows!r}"
+        )
     if isinstance(target_device, torch.device) and target_device.index is not None:
         device = target_device
     elif target_device == -1 or target_device == "cpu":
         device = torch.device("cpu", 0)
     else:
         device = parse_device(target_device, argument="target_device")
-    return _gather(list(outputs), "output", device, dim, None if rows is None else list(rows), tuple(input_sizes))
+    return _gather(
+        list(outputs), "output", device, dim, None if rows is None else list(rows), tuple(input_sizes), scalars
+    )

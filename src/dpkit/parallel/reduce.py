@@ -6,7 +6,8 @@ exchange that DDP's all-reduce does between processes, done here between threads
 Parameters are grouped into buckets in reverse registration order (the order backward produces their
 gradients), each up to `bucket_cap_bytes`, as DDP's reducer does.
 
-On virtual CPU devices `backward(...)` runs every replica's backward in its own worker thread. With
+On virtual CPU devices `backward(...)` runs every replica's backward in its own worker thread, or, where the
+gradient sum's `concurrency` says serial, one after the other on the calling thread and then the sum. With
 several buckets, a post-accumulate-grad hook on each replica's parameters marks its bucket; a bucket whose
 gradients are final in every replica is queued, cut in one share per thread (runs of about equal numbers
 of elements: small parameters whole, large ones in pieces). A replica thread that has finished its own
@@ -48,7 +49,8 @@ import torch
 
 from dpkit.checks import check_int
 from dpkit.parallel import hooks
-from dpkit.parallel.apply import PeerFailed, Turns, run_replicas
+from dpkit.parallel.apply import PeerFailed, run_replicas
+from dpkit.parallel.concurrency import AUTO, SERIAL, THREADS, Concurrency
 
 DEFAULT_BUCKET_CAP_BYTES = 4 * 1024 * 1024
 
@@ -262,9 +264,12 @@ class GradientSum:
         coalesce: on virtual CPU devices, sum each bucket in one share per thread, a few foreach calls each, and
             hook the parameters only when there are several buckets to overlap; False: one slice of each
             parameter per thread and a hook on every parameter, as before (kept for measuring the difference).
-            With coalesce, the replicas' backwards also take turns (one after the other, then the sum) where that
-            is learned to be faster than side by side (apply.Turns): for models of many small operators, whose
-            backwards gain nothing from running side by side on the cores and lose the hand-offs.
+        concurrency: how the replicas' backwards run on virtual CPU devices with coalesce: "threads" (side by
+            side, the sum overlapped), "serial" (one after the other on the calling thread, then the sum; for
+            models of many small operators, whose backwards gain nothing from running side by side on the cores
+            and lose the hand-offs), "auto" (measured once, backward and sum together, then frozen), or a
+            Concurrency to share. The sum is bitwise the same either way. `self.concurrency.choice()` is what a
+            run records. Without coalesce, or on GPUs, always threads.
     """
 
     def __init__(
@@ -277,6 +282,7 @@ class GradientSum:
         threads: int | None = None,
         everywhere: bool = True,
         coalesce: bool = True,
+        concurrency: str | Concurrency = AUTO,
     ):
         if len(params) != len(devices):
             raise ValueError(
@@ -308,8 +314,10 @@ class GradientSum:
         self._thread = threading.local()  # .round: the round the backward in this thread belongs to
         self._holding_copies = False  # replicas other than 0 hold the last sum (after an all-reduce)
         self._handles: list[Any] = []
-        # the replicas' backwards one after the other, or side by side with the sum overlapped: learned
-        self.turns = Turns() if self.on_cpu and len(self.devices) > 1 and coalesce else None
+        # the replicas' backwards one after the other, or side by side with the sum overlapped
+        if not isinstance(concurrency, Concurrency):
+            concurrency = Concurrency(concurrency)
+        self.concurrency = concurrency if self.on_cpu and len(self.devices) > 1 and coalesce else Concurrency(THREADS)
         # a bucket can be summed while backwards still run only if there is another one after it: with one
         # bucket the sum starts when the backwards end, and a hook per parameter would only cost Python work
         self.hooked = self.on_cpu and len(self.devices) > 1 and overlap and (len(self.buckets) > 1 or not coalesce)
@@ -427,26 +435,24 @@ class GradientSum:
                 torch.autograd.backward(loss, grad)
                 del loss, grad  # the graph goes here, in this replica's thread
 
-        turns = self.turns if len(active) > 1 else None
-        if turns is not None:
-            in_turns = turns.next()
-            here = turns.here()
-            began = time.perf_counter()
-            if in_turns:  # one after the other (on the calling thread once learned), then the sum
-                run_replicas(
-                    [self.devices[i] for i in active],
-                    lambda k: run_backward(active[k]),
-                    generators=False,
-                    threads=self.threads,
-                    in_turns=turns,
-                )
-                if sync:
-                    self.sum_now()
-            else:
-                self._side_by_side(active, by_replica, run_backward, sync)
-            turns.ran(in_turns, time.perf_counter() - began, turns.counts(in_turns, here))
+        if len(active) < 2:
+            self._side_by_side(active, by_replica, run_backward, sync)
             return
-        self._side_by_side(active, by_replica, run_backward, sync)
+        way = self.concurrency.way()
+        began = time.perf_counter()
+        if way == SERIAL:  # one after the other on the calling thread, then the sum
+            run_replicas(
+                [self.devices[i] for i in active],
+                lambda k: run_backward(active[k]),
+                generators=False,
+                threads=self.threads,
+                concurrency=SERIAL,
+            )
+            if sync:
+                self.sum_now()
+        else:
+            self._side_by_side(active, by_replica, run_backward, sync)
+        self.concurrency.ran(way, time.perf_counter() - began)  # the way measured whole: backward and sum
 
     def _side_by_side(
         self,

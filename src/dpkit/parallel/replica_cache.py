@@ -23,8 +23,12 @@ dicts and other containers (replicate.py). For a model of many small layers that
    parameters that require grad go to every device through one autograd node (`BroadcastParameters`), whose
    backward sums each parameter's gradients over the replicas in one foreach call and hands the parameter
    the sum once: per-parameter aliases and copies would be two nodes per parameter in the backward graph
-   and one more accumulation per replica. After the call the copies are dropped (`release`), so they die
-   with the step's graph, as a new replica's would.
+   and one more accumulation per replica. A call's copies stay in the replicas until the next call takes the
+   cache (`acquire` drops them before making new ones, so no device holds two calls' copies): gradient
+   checkpointing recomputes a forward in backward, after the call, on the replica modules, and needs their
+   weights there, as torch's fresh replicas, kept alive by the checkpoint, have theirs. They are alive
+   during the call's forward and backward anyway, so no device's peak grows; between steps the devices
+   other than the source keep one copy of the weights they held in the step.
 
 One call at a time uses the cache: a second, concurrent call (another thread, or a forward that calls its own
 wrapper) builds fresh replicas instead.
@@ -180,7 +184,7 @@ class _Skeleton:
             return False
 
     def release(self) -> None:
-        """Drop this call's copies: they die with the step's graph, as a new replica's would."""
+        """Drop the last call's copies: they die with its graph, as a new replica's would."""
         for tensors in self.filled:
             tensors.clear()
         for replica in self.rnns:
@@ -327,6 +331,7 @@ class ReplicaCache:
         self._lock = threading.Lock()
         self.builds = 0  # skeletons built: a test and a benchmark read it
         self._in_use: list[_Skeleton] = []  # the skeletons this call filled
+        self._holding: list[_Skeleton] = []  # the skeletons the last call filled, still holding its tensors
 
     def __reduce__(self) -> tuple:
         # a copied or pickled wrapper gets an empty cache of its own module (deepcopy maps the module through)
@@ -338,6 +343,10 @@ class ReplicaCache:
         if not self._lock.acquire(blocking=False):
             return False
         try:
+            # the last call's copies go before this call makes its own (their graph keeps what it still needs)
+            holding, self._holding = self._holding, []
+            for skeleton in holding:
+                skeleton.release()
             tree = self._tree
             if tree is None or not tree.signature.unchanged():
                 self._tree = _Tree(self.module)
@@ -347,13 +356,15 @@ class ReplicaCache:
         return True
 
     def release(self) -> None:
-        """After the call: drop the replicas' tensors (the autograd graph keeps what backward needs) and let the
-        next call in."""
+        """After the call: let the next call in. The replicas keep this call's tensors until the next acquire(),
+        for a backward that recomputes the forward on them (gradient checkpointing)."""
         try:
-            for skeleton in self._in_use:
-                skeleton.release()
+            if not torch.is_grad_enabled():  # no backward will recompute this call's forward
+                for skeleton in self._in_use:
+                    skeleton.release()
+                self._in_use = []
         finally:
-            self._in_use = []
+            self._holding, self._in_use = self._in_use, []
             self._lock.release()
 
     def _acquired(self) -> _Tree:

@@ -43,6 +43,12 @@ class ReplicaGenerator(TorchDispatchMode):
         self.seed = seed
         self.generator: torch.Generator | None = None
 
+    # torch.compile (issue 34): without this dynamo skips every frame entered under the mode, so replicas ran
+    # eagerly. Caveat: inductor's fused random ops do not dispatch here, so they draw from the default generator.
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        return True
+
     def __torch_dispatch__(
         self, func: OpOverload, types: Sequence[type], args: tuple = (), kwargs: dict[str, Any] | None = None
     ) -> Any:

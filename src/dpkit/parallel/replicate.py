@@ -28,6 +28,7 @@ from typing import Protocol, TypeVar
 import torch
 from torch import nn
 
+from dpkit.compilation import rebind_forward
 from dpkit.devices import DeviceLike, parse_device
 from dpkit.parallel import sync_batchnorm
 
@@ -59,14 +60,16 @@ def check_replicable(module: nn.Module, argument: str = "module") -> None:
         if _is_compiled_wrapper(sub):
             raise TypeError(
                 f"{path}: is a torch.compile'd module, which cannot be replicated (its compiled forward is bound to "
-                f"your original module); pass the uncompiled model to dpkit instead (for c = torch.compile(model), "
-                f"that is model, also c._orig_mod): dpkit.DataParallel(model); the replicas run it eagerly"
+                f"your original module); pass the uncompiled model instead (for c = torch.compile(model), that is "
+                f"model, also c._orig_mod) with dpkit.Engine(..., compile=True or a dict of torch.compile's "
+                f"options): every replica then runs the compiled forward"
             )
         if sub.__dict__.get("_compiled_call_impl") is not None:
             raise TypeError(
                 f"{path}: was compiled in place with .compile(), which cannot be replicated "
-                "(the compiled call is bound "
-                f"to your original module); replicate a model that was not compiled: the replicas run it eagerly"
+                "(the compiled call is bound to your original module); pass a model that was not compiled, with "
+                "dpkit.Engine(..., compile=True or a dict of torch.compile's options): every replica then runs the "
+                "compiled forward"
             )
         if isinstance(sub, torch.jit.ScriptModule):
             raise TypeError(
@@ -123,6 +126,7 @@ def _shallow_replica(module: nn.Module) -> nn.Module:
     state["_is_replica"] = True
     state["_former_parameters"] = OrderedDict()  # where torch's replicas expose their parameters
     state["zero_grad"] = _ZERO_GRAD_IN_REPLICA
+    rebind_forward(module, replica, state)  # a forward compiled by the Engine (compile=) runs the replica's weights
     object.__setattr__(replica, "__dict__", state)
     return replica
 

@@ -38,6 +38,7 @@ from torch import nn
 
 from dpkit.parallel import hooks
 from dpkit.parallel.apply import PeerFailed
+from dpkit.parallel.concurrency import check_may_wait_for_peers
 
 _current = threading.local()  # .member: (StepGroup, index) of the replica job running in this thread
 
@@ -117,6 +118,7 @@ class StepGroup:
                         f"replica {gone[0]}, whose forward ended after {self.calls[gone[0]]} SyncBatchNorm calls; "
                         "every replica must call the same SyncBatchNorm layers in the same order"
                     )
+                check_may_wait_for_peers(f"SyncBatchNorm '{stats.name}'")
                 with hooks.peer_wait():
                     self.condition.wait()
             if len(slot) > 1:

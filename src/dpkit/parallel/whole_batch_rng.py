@@ -109,6 +109,12 @@ class WholeBatchDraws(TorchDispatchMode):
     def _mine(self, whole: torch.Tensor) -> torch.Tensor:
         return whole.narrow(0, self.offset, self.rows).clone()
 
+    # torch.compile (issue 34): without this dynamo skips every frame entered under the mode, so replicas ran
+    # eagerly. Caveat: inductor's fused random ops do not dispatch here, so they are not drawn as one device would.
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        return True
+
     def __torch_dispatch__(
         self, func: OpOverload, types: Sequence[type], args: tuple = (), kwargs: dict[str, Any] | None = None
     ) -> Any:

@@ -9,7 +9,7 @@ Linear(32, 32) + ReLU layers, 32 samples) and one whose step is mostly arithmeti
 samples). Each is trained a few steps under the reference strategy on one device and under the one-process
 strategies on N devices (DataParallel's per-step replicas, persistent replicas), in interleaved rounds so that
 a busy machine's load hits them alike, one intra-op thread per device as `dpkit bench` runs them, the replicas'
-jobs of each in the way a long run settles into (apply.turns_decided: in turns for the first, side by side for
+jobs of each in the way a long run settles into (concurrency_decided: serially for the first, side by side for
 the second; learning the way would take more steps than the probe has); the constants
 are then fitted to those step times exactly as `dpkit plan --calibration` fits a bench run.
 
@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 from dpkit.devices import available_cores, cpu_devices, keep_freed_host_memory
-from dpkit.parallel.apply import turns_decided
+from dpkit.parallel.concurrency import concurrency_decided
 from dpkit.plan.calibration import BenchRun, Calibration, calibrate
 from dpkit.plan.profiles import measure_model
 from dpkit.strategies import (
@@ -64,7 +64,7 @@ class ProbeModel:
     batch: int  # global batch, split across the devices
     # its replicas' jobs in turns (a step of many small operators) or side by side (long matrix products): the
     # way a call site learns to run them, fixed here, so that a few steps measure what a long run settles into
-    in_turns: bool
+    way: str  # how its replicas run, as a long run of it settles: "serial" or "threads"
 
 
 def _launch_probe() -> nn.Module:
@@ -79,8 +79,8 @@ def _compute_probe() -> nn.Module:
 
 
 PROBES = (
-    ProbeModel("probe: 12 Linear(32, 32) layers", _launch_probe, 32, 32, in_turns=True),
-    ProbeModel("probe: two 1024-wide layers", _compute_probe, 64, 1024, in_turns=False),
+    ProbeModel("probe: 12 Linear(32, 32) layers", _launch_probe, 32, 32, way="serial"),
+    ProbeModel("probe: two 1024-wide layers", _compute_probe, 64, 1024, way="threads"),
 )
 
 
@@ -153,12 +153,12 @@ def measure_probes(devices: int, budget_seconds: float = BUDGET_SECONDS) -> list
                 contenders += [(index, _Contender(name, devices, model, x, y)) for name in probe_strategies()]
             for _ in range(WARMUP_ROUNDS):
                 for index, contender in contenders:
-                    with turns_decided(PROBES[index].in_turns):
+                    with concurrency_decided(PROBES[index].way):
                         contender.step()
             started = time.perf_counter()
             for round_index in range(ROUNDS):
                 for index, contender in contenders:
-                    with turns_decided(PROBES[index].in_turns):
+                    with concurrency_decided(PROBES[index].way):
                         contender.times.append(contender.step())
                 if round_index + 1 >= MINIMUM_ROUNDS and time.perf_counter() - started > budget_seconds:
                     break

@@ -22,6 +22,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
+from dpkit.compilation import CompileFn, compile_forward
 from dpkit.launch.environment import launched
 
 # Traits.processes
@@ -191,6 +192,12 @@ class Strategy:
         """Prepare the process (threads, process group) before any model is wrapped."""
 
     # --- wrapping -----------------------------------------------------------------------------------
+    def compile_model(self, model: nn.Module, compile_fn: CompileFn) -> None:
+        """Compile `model` (bare) with `compile_fn` (torch.compile and the user's options); engine.setup calls it
+        before wrap_model. Here: the class forward compiled once and bound on the model; the replicas that dp,
+        dp-balanced and replicated make from it rebind it to themselves, so each runs the compiled code."""
+        compile_forward(model, compile_fn)
+
     def wrap_model(self, model: nn.Module) -> nn.Module:
         return model.to(self.root_device)
 
@@ -225,6 +232,15 @@ class Strategy:
         """What this process's mean loss over its `rows` of a global batch of `global_rows` is scaled by,
         so that the gradient exchange yields the whole batch's mean (1 when one process sees it all)."""
         return 1.0
+
+    def sum_weight(self) -> float:
+        """What a loss that is a sum over this process's items is scaled by, so that the gradient exchange
+        yields the sum over every process (the exchange averages over the processes: their number)."""
+        return float(self.world_size)
+
+    def loss_is_sum(self) -> None:
+        """The next backward's loss is a sum over items, not a mean (engine.backward(loss, items=n)): a
+        strategy that combined its replicas' losses as a row-weighted mean adds them instead."""
 
     # --- the step -----------------------------------------------------------------------------------
     def backward(self, loss: torch.Tensor, *, scale: float, sync: bool) -> None:
@@ -292,6 +308,17 @@ class Strategy:
     def teardown(self) -> None:
         pass
 
+    def concurrency_choice(self) -> dict[str, str]:
+        """What this strategy's auto call sites decided about running their replicas (parallel/concurrency.py):
+        a plain value the Engine records in a run's state. None here: no replica call sites."""
+        return {}
+
+    def set_concurrency(self, concurrency: str | Mapping[str, str]) -> None:
+        """Run the replica call sites as declared, or as a saved run decided (what concurrency_choice() gave)."""
+
+
+_UNRUN = object()  # a DeferredOutput whose forward has not run on its own
+
 
 @dataclass
 class DeferredOutput:
@@ -299,18 +326,48 @@ class DeferredOutput:
 
     The forward has not run yet: it runs in each replica, on its slice of the batch, together with the
     loss, when the criterion from `engine.setup_criterion(...)` receives this object and the targets.
+    Used as what the model returns instead (`out["loss"]`, `out.loss`, `out.logits`, `out[0]`, iteration:
+    a model that computes its own loss), it runs the forward through `run`, once, and behaves as its
+    gathered output, whose 0-dim losses are the row-weighted mean of the replicas'.
     """
 
     strategy_name: str
     args: tuple
     kwargs: dict
+    run: Callable[[], Any] | None = None
+    _output: Any = _UNRUN
+
+    def output(self) -> Any:
+        """The model's output (the forward run once, gathered)."""
+        if self._output is _UNRUN:
+            if self.run is None:
+                raise AttributeError(
+                    f"model(x) under strategy '{self.strategy_name}' returns a deferred output: the forward runs "
+                    "inside the replicas together with the loss. Pass it to the criterion returned by "
+                    "engine.setup_criterion(criterion); for plain outputs call model.eval() or use torch.no_grad()"
+                )
+            self._output = self.run()
+        return self._output
 
     def __getattr__(self, name: str) -> Any:
-        raise AttributeError(
-            f"model(x) under strategy '{self.strategy_name}' returns a deferred output (no .{name}): the forward runs "
-            "inside the replicas together with the loss. Pass it to the criterion returned by "
-            "engine.setup_criterion(criterion); for plain outputs call model.eval() or use torch.no_grad()"
-        )
+        if name.startswith("_"):  # copy, pickle and dataclass probes: not the output's
+            raise AttributeError(name)
+        return getattr(self.output(), name)
+
+    def __getitem__(self, key: Any) -> Any:
+        return self.output()[key]
+
+    def __iter__(self) -> Any:
+        return iter(self.output())
+
+    def __len__(self) -> int:
+        return len(self.output())
+
+    def __contains__(self, key: Any) -> bool:
+        return key in self.output()
+
+    def keys(self) -> Any:
+        return self.output().keys()
 
     def __repr__(self) -> str:
         return f"DeferredOutput(strategy={self.strategy_name!r}, {len(self.args)} args, kwargs={sorted(self.kwargs)})"

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -36,8 +36,9 @@ from torch import nn
 from dpkit.checks import check_int
 from dpkit.devices import cpu_threads_per_device, keep_freed_host_memory
 from dpkit.parallel import hooks, sync_batchnorm
-from dpkit.parallel.apply import Turns, run_replicas
-from dpkit.parallel.gather import gather
+from dpkit.parallel.apply import run_replicas
+from dpkit.parallel.concurrency import THREADS, Concurrency, site_choices, site_policies
+from dpkit.parallel.gather import ROW_MEAN, gather
 from dpkit.parallel.reduce import GradientSum
 from dpkit.parallel.replica_rng import TrainingModeWatches
 from dpkit.parallel.replicate import check_replicable
@@ -59,7 +60,7 @@ class ReplicatedModule(nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if defers(self.strategy, self):
-            return DeferredOutput(self.strategy.name, args, kwargs)
+            return DeferredOutput(self.strategy.name, args, kwargs, run=lambda: self.strategy.forward(args, kwargs))
         return self.strategy.forward(args, kwargs)
 
     def train(self, mode: bool = True) -> ReplicatedModule:
@@ -75,7 +76,9 @@ class Replicated(Strategy):
     traits = Traits(
         processes=ONE_PROCESS, loss=IN_REPLICAS, replicas=PERSISTENT, shares_host_weights=True, grad_scaler=False
     )
-    options = ("threads_per_device", "overlap_reduce", "share_weights", "coalesce_reduce")
+    options = ("threads_per_device", "overlap_reduce", "share_weights", "coalesce_reduce", "concurrency")
+    # the call sites whose replicas run side by side or serially (parallel/concurrency.py)
+    concurrency_sites = ("forward", "forward_loss", "backward")
 
     def __init__(
         self,
@@ -85,6 +88,7 @@ class Replicated(Strategy):
         overlap_reduce: bool = True,
         share_weights: bool | None = None,
         coalesce_reduce: bool = True,
+        concurrency: str | Mapping[str, str] = "auto",
         precision: str = "32",
     ):
         super().__init__(devices, precision=precision)
@@ -113,10 +117,11 @@ class Replicated(Strategy):
         self.gradients: GradientSum | None = None
         self._sync = True  # whether a backward ends with the gradient sum; see gradient_sync()
         self._replica_backwards = 0  # backwards that went through the replicas' loss node
+        self._last_step: ReplicaStep | None = None  # the latest combined loss's, until a backward uses it
         self.has_sync_batchnorm = False  # set with the replicas
         self.randomness = TrainingModeWatches("replicated's replicas")  # per-replica generators while they draw
-        # the replicas' forwards side by side or in turns, whichever is faster (learned per call site)
-        self.turns = {"forward": Turns(), "forward_loss": Turns()}
+        # how each call site runs its replicas: declared, or auto (measured once, then frozen)
+        self.concurrency: dict[str, Concurrency] = site_policies(concurrency, self.concurrency_sites)
 
     @classmethod
     def profile_options(cls) -> dict[str, Any]:
@@ -145,6 +150,7 @@ class Replicated(Strategy):
             threads=self.threads,
             everywhere=not self.shares_weights,
             coalesce=self.coalesce_reduce,
+            concurrency=self.concurrency["backward"],
         )
         return ReplicatedModule(self, model)
 
@@ -201,7 +207,7 @@ class Replicated(Strategy):
         batch = batch_size_of(args, kwargs, 0)
         if batch is None:
             return self.replicas[0](*args, **kwargs)
-        active, _, chunks = self.split(args, kwargs, batch)
+        active, weights, chunks = self.split(args, kwargs, batch)
 
         def forward_one(k: int) -> Any:
             args_k, kwargs_k = chunks[k]
@@ -215,10 +221,13 @@ class Replicated(Strategy):
             forward_one,
             threads=self.threads,
             generators=self.randomness(self.replicas[0]),
-            turns=self.turns["forward"] if group is None else None,  # SyncBatchNorm's replicas wait for each other
+            # SyncBatchNorm's replicas wait for each other: side by side
+            concurrency=self.concurrency["forward"] if group is None else THREADS,
         )
         with hooks.phase("gather", self.root_device):
-            return gather(outputs, self.root_device, 0)
+            # a loss the model computes (0-dim per replica): the row-weighted mean, as a criterion's would be
+            rows = [round(w * batch) for w in weights]
+            return gather(outputs, self.root_device, 0, rows=rows, scalars=ROW_MEAN)
 
     def forward_loss(
         self, output: DeferredOutput, criterion: Callable, targets: tuple, criterion_kwargs: dict
@@ -252,14 +261,29 @@ class Replicated(Strategy):
             forward_and_loss,
             threads=self.threads,
             generators=self.randomness(self.replicas[0]),
-            turns=self.turns["forward_loss"] if group is None else None,
+            concurrency=self.concurrency["forward_loss"] if group is None else THREADS,
         )
         step = ReplicaStep(
             active, losses, weights, self._gradient_sum(), sync=lambda: self._sync, ran=self._count_backward
         )
         step.joined = group is not None and group.joined  # SyncBatchNorm joined the replicas' graphs
+        self._last_step = step
         with hooks.phase("loss", self.root_device):
             return combined_loss(step, self.root_device)
+
+    def loss_is_sum(self) -> None:
+        # the replicas' losses are sums over their items: added, not weighted by rows
+        step, self._last_step = self._last_step, None
+        if step is not None:
+            step.weights = [1.0] * len(step.weights)
+
+    def concurrency_choice(self) -> dict[str, str]:
+        return site_choices(self.concurrency)
+
+    def set_concurrency(self, concurrency: str | Mapping[str, str]) -> None:
+        self.concurrency = site_policies(concurrency, self.concurrency_sites)
+        if self.gradients is not None:
+            self.gradients.concurrency = self.concurrency["backward"]
 
     def _count_backward(self) -> None:
         self._replica_backwards += 1

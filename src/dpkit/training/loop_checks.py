@@ -1,14 +1,22 @@
 """Checks of what a training loop hands the Engine, made where a mistake would otherwise train nothing silently:
 an optimizer built over parameters that are not the model's (another instance, a foreign tensor mixed in), and
-the name of the error an opt-in check of non-finite losses raises."""
+the opt-in check of non-finite losses (and the error it raises)."""
 
 from __future__ import annotations
 
-from typing import Any
+import logging
+import math
+from typing import TYPE_CHECKING, Any
 
+import torch
 from torch import nn
 
 from dpkit.errors import DpkitError
+
+if TYPE_CHECKING:
+    from dpkit.strategies import Strategy
+
+log = logging.getLogger("dpkit")
 
 # Engine(nonfinite_loss=...): no check, log the first non-finite loss, or stop at it
 NONFINITE_LOSS = (None, "warn", "raise")
@@ -32,3 +40,40 @@ def check_optimizer_of(model: nn.Module, optimizer: Any) -> None:
             "model's parameters, e.g. torch.optim.SGD(model.parameters(), lr=0.1), after creating the model and "
             "before engine.setup(model, optimizer)"
         )
+
+
+class LossCheck:
+    """Engine(nonfinite_loss="warn" | "raise"): warn about, or stop at, a loss that is nan or inf in any process
+    (all processes agree, so that every one stops at the same step)."""
+
+    def __init__(self, mode: str | None):
+        if mode not in NONFINITE_LOSS:
+            raise ValueError(
+                f"nonfinite_loss: expected None (no check), 'warn' or 'raise', got {mode!r}; 'warn' logs "
+                "the first step whose loss is nan or inf, 'raise' stops there with NonFiniteLoss"
+            )
+        self.mode = mode
+        self.warned = False
+
+    def __call__(self, loss: torch.Tensor, strategy: Strategy, *, step: int, micro_batch: int, accumulate: int) -> None:
+        """Check the loss of micro-batch `micro_batch` (1-based) of `accumulate` before optimizer step `step`."""
+        if self.mode is None:
+            return
+        value = float(loss.detach().float().sum())
+        bad = torch.tensor(0.0 if math.isfinite(value) else 1.0)
+        if strategy.world_size > 1:
+            bad = strategy.all_reduce(bad, "sum")
+        if not bad:
+            return
+        what = f"{value:g}" if not math.isfinite(value) else "nan or inf in another process"
+        message = (
+            f"engine.backward: the loss is {what} at step {step}"
+            + (f" (micro-batch {micro_batch} of {accumulate})" if accumulate > 1 else "")
+            + "; the step would make every weight it touches nan: lower the learning rate, clip the gradients "
+            "(engine.clip_gradients) or look at the batch"
+        )
+        if self.mode == "raise":
+            raise NonFiniteLoss(message)
+        if not self.warned:
+            self.warned = True  # said once: a run that diverged stays diverged
+            log.warning("%s", message)

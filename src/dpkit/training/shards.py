@@ -18,15 +18,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint import FileSystemReader
-from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 from torch.utils._pytree import tree_map_only
 
-from dpkit.training.checkpoint import CheckpointCorruptError, check_state_dict
+from dpkit.training.checkpoint import check_state_dict
+from dpkit.training.checkpoint_errors import CheckpointCorruptError
+
+# torch.distributed.checkpoint is imported by the functions that use it: a process that never reads or
+# writes a sharded state (most of them) does not pay for it
 
 SHARDS = "shards"  # the folder of a state directory holding DCP's files
 # files a folder browser or a network filesystem may put into any folder: never part of a state, never an error
@@ -44,6 +43,8 @@ _CHUNK_BYTES = 1 << 20
 
 def write_shards(state: dict[str, Any], folder: Path) -> None:
     """Every process writes its shards of `state` into `folder` (a collective)."""
+    import torch.distributed.checkpoint as dcp
+
     dcp.save(state, checkpoint_id=folder)
 
 
@@ -96,6 +97,9 @@ def verify_shards(folder: Path, digests: Mapping[str, str], *, every: Iterable[s
 def shard_tensors(folder: Path) -> dict[str, torch.Tensor]:
     """{flattened key ("model.0.weight", "optimizers.0.state.0.weight.exp_avg", …): a meta tensor of the whole
     shape and dtype} from DCP's metadata, without reading any shard."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
     metadata = FileSystemReader(folder).read_metadata()
     return {
         key: torch.empty(tuple(entry.size), dtype=entry.properties.dtype, device="meta")
@@ -112,6 +116,10 @@ def saved_model_tensors(folder: Path) -> dict[str, torch.Tensor]:
 
 def read_whole(folder: Path) -> dict[str, Any]:
     """The whole state (every shard joined) in this process, on the CPU, without a process group."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
     state: dict[str, Any] = {}
     _load_state_dict(state, storage_reader=FileSystemReader(folder), planner=_EmptyStateDictLoadPlanner(), no_dist=True)
     return state
@@ -120,6 +128,8 @@ def read_whole(folder: Path) -> dict[str, Any]:
 def load_into(state: dict[str, Any], folder: Path) -> dict[str, Any]:
     """A copy of `state` (this process's shards, as a sharded strategy holds them) filled from `folder`: the
     caller's tensors stay untouched until it applies the copy (a collective; DCP reshards to this layout)."""
+    import torch.distributed.checkpoint as dcp
+
     copy = tree_map_only(torch.Tensor, lambda tensor: tensor.detach().clone(), state)
     dcp.load(copy, checkpoint_id=folder)
     return copy
