@@ -41,7 +41,6 @@ from dpkit.parallel.concurrency import (
     THREADS,
     Concurrency,
     check_concurrency,
-    concurrency_decided,
     running_serially,
 )
 from dpkit.parallel.replica_rng import RandomnessWatch, ReplicaGenerator, replica_generators
@@ -61,13 +60,11 @@ from dpkit.parallel.workers import (
 __all__ = [  # the workers' names too, for callers that knew them here
     "CallerContext",
     "PeerFailed",
-    "Turns",
     "hold_workers",
     "parallel_apply",
     "resolve_concurrency",
     "run_replicas",
     "stop_workers",
-    "turns_decided",
     "worker_for",
 ]
 
@@ -158,7 +155,6 @@ def run_replicas(
     threads: int | None = None,
     on_interrupt: Callable[[], None] | None = None,
     concurrency: str | Concurrency = THREADS,
-    turns: Concurrency | None = None,
 ) -> list[Any]:
     """[job(0), …, job(n-1)], job(i) run for devices[i]: in its worker thread, or serially on this thread.
 
@@ -174,12 +170,10 @@ def run_replicas(
             jobs that have not started are dropped: jobs that wait for each other use it to give up.
         concurrency: "threads" (side by side, the default), "serial" (one after the other on this thread),
             or the call site's Concurrency (declared, or auto: this call runs its next way and is measured).
-        turns: the former name of `concurrency` for a call site's policy (strategies/replicated.py still
-            passes it); given, it wins.
 
     With one device the job runs in the calling thread (nothing to run beside it).
     """
-    policy = resolve_concurrency(turns if turns is not None else concurrency)
+    policy = resolve_concurrency(concurrency)
     devices = list(devices)
     context = CallerContext.capture()
     streams = [current_stream(device) for device in devices]
@@ -314,7 +308,6 @@ def parallel_apply(
     *,
     generators: bool | RandomnessWatch = True,
     concurrency: str | Concurrency = THREADS,
-    turns: Concurrency | None = None,
 ) -> list[Any]:
     """torch.nn.parallel.parallel_apply on dpkit's runner: modules[i](*inputs[i], **kwargs_tup[i]) on devices[i].
 
@@ -322,7 +315,7 @@ def parallel_apply(
         is one argument. Devices accept dpkit's specs: ints (CUDA indices), "cuda:1", "cpu:3", torch.device;
         without devices, each module runs on its input's device (CPU inputs on cpu:0, cpu:1, …). Outputs come
         in module order; an error names the replica and device. `generators`, `concurrency` (default "threads",
-    as torch; "serial", or a Concurrency the caller keeps, which may be auto) and `turns` are run_replicas'.
+    as torch; "serial", or a Concurrency the caller keeps, which may be auto) are run_replicas'.
     """
     n = len(modules)
     if len(inputs) != n:
@@ -337,18 +330,4 @@ def parallel_apply(
     def job(i: int) -> Any:
         return modules[i](*arguments[i], **(kwargs_tup[i] or {}))
 
-    return run_replicas(device_list, job, generators=generators, concurrency=concurrency, turns=turns)
-
-
-# --- the names of the learners this module had, until their callers move to `concurrency` ------------------
-# (strategies/replicated.py, plan/probe.py, benchmarks/launch_bound.py, tests of training/ and observe/)
-
-
-def Turns(enabled: bool = True) -> Concurrency:  # noqa: N802  (it was a class)
-    """The former learner: now a call site's Concurrency, auto (or threads with enabled=False)."""
-    return Concurrency(AUTO if enabled else THREADS)
-
-
-def turns_decided(way: bool) -> contextlib.AbstractContextManager[None]:
-    """The former name of concurrency_decided: True is 'serial', False 'threads'."""
-    return concurrency_decided(SERIAL if way else THREADS)
+    return run_replicas(device_list, job, generators=generators, concurrency=concurrency)
