@@ -87,6 +87,9 @@ def __getattr__(name: str) -> Any:
     """A public name, or a subpackage (`dpkit.observe`, `dpkit.parallel`, …), imported on first use."""
     if name in PUBLIC_NAMES:
         value = getattr(importlib.import_module(PUBLIC_NAMES[name]), name)
+        if PUBLIC_NAMES[name] == "dpkit.parallel":
+            # DataParallel(balance="memory") measures its steps with the planner dpkit.observe plugs into the seam
+            importlib.import_module("dpkit.observe.measured_balance")
     elif importlib.util.find_spec(f"{__name__}.{name}") is not None:
         value = importlib.import_module(f"{__name__}.{name}")
     else:

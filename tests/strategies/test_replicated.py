@@ -94,8 +94,7 @@ def test_eval_returns_outputs_and_training_returns_a_deferred_output():
     engine.setup_criterion(F.cross_entropy)
     deferred = model(x)
     assert isinstance(deferred, DeferredOutput)
-    with pytest.raises(AttributeError, match="setup_criterion"):
-        _ = deferred.shape
+    assert deferred.shape == (5, 3)  # read like the model's output: the forward runs, gathered
     model.eval()
     assert all(not replica.training for replica in engine.strategy.replicas)
     with torch.no_grad():

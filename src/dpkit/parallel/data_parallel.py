@@ -205,7 +205,8 @@ class DataParallel(nn.Module):
         if planner is None:
             raise ValueError(
                 f"balance: {mode!r} needs a planner that measures steps and none is plugged in "
-                "(dpkit.observe plugs one in when dpkit is imported); or pass planner="
+                "(importing dpkit.observe plugs one in, as dpkit.DataParallel and strategy 'dp-balanced' do); "
+                "or pass planner="
             )
         return planner
 

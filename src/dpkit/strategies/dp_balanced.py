@@ -16,9 +16,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from dpkit.parallel import DataParallel, hooks
+from dpkit.observe import measured_balance  # noqa: F401  (plugs the measured balance into the seam)
+from dpkit.parallel import hooks
 from dpkit.parallel.data_parallel import StatefulChunkPlanner
 from dpkit.strategies.base import IN_REPLICAS, ONE_PROCESS, PER_STEP, DeferredOutput, Strategy, Traits, defers
+from dpkit.strategies.dp import LossMeanDataParallel
 
 
 class DPBalancedModule(nn.Module):
@@ -33,17 +35,18 @@ class DPBalancedModule(nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if defers(self.strategy, self):
-            return DeferredOutput(self.strategy.name, args, kwargs)
+            return DeferredOutput(self.strategy.name, args, kwargs, run=lambda: self.module(*args, **kwargs))
         return self.module(*args, **kwargs)
 
 
 class DPBalanced(Strategy):
     name = "dp-balanced"
     traits = Traits(processes=ONE_PROCESS, loss=IN_REPLICAS, replicas=PER_STEP, balances=True)
-    data_parallel: DataParallel | None = None  # set by wrap_model
+    data_parallel: LossMeanDataParallel | None = None  # set by wrap_model
 
     def wrap_model(self, model: nn.Module) -> nn.Module:
-        self.data_parallel = DataParallel(model.to(self.root_device), self.devices, balance="memory")
+        # a loss the model computes (0-dim per replica) is gathered as the row-weighted mean, as under dp
+        self.data_parallel = LossMeanDataParallel(model.to(self.root_device), self.devices, balance="memory")
         return DPBalancedModule(self, self.data_parallel)
 
     def wrap_criterion(self, criterion: Callable) -> Callable:
@@ -65,6 +68,12 @@ class DPBalanced(Strategy):
             return data_parallel(*output.args, target=targets[0], **output.kwargs)
 
         return loss_in_replicas
+
+    def loss_is_sum(self) -> None:
+        # the replicas' losses are sums over their items: added, not weighted by rows
+        if self.data_parallel is not None and self.data_parallel.last_weights is not None:
+            self.data_parallel.last_weights.as_sum()
+            self.data_parallel.last_weights = None
 
     def backward(self, loss: torch.Tensor, *, scale: float, sync: bool) -> None:
         with hooks.phase("backward", self.root_device):
