@@ -110,9 +110,9 @@ def test_single_and_a_user_model(tmp_path, monkeypatch):
 
 
 def test_an_unknown_strategy_is_a_clear_error(capsys):
-    assert main(["profile", "--strategy", "zero", "--accelerator", "cpu", "--no-progress"]) == 2
+    assert main(["profile", "--strategy", "nonesuch", "--accelerator", "cpu", "--no-progress"]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("dpkit profile: error: --strategy: invalid choice: 'zero' (choose from 'single', ") and (
+    assert err.startswith("dpkit profile: error: --strategy: invalid choice: 'nonesuch' (choose from 'single', ") and (
         len(err.strip().splitlines()) == 1
     )
 

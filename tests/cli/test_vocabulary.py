@@ -94,7 +94,7 @@ def test_every_verb_has_a_description_examples_and_shows_its_defaults():
 @pytest.mark.parametrize(
     ("argv", "flag"),
     [
-        (["train", "--strategy", "zero"], "--strategy"),
+        (["train", "--strategy", "nonesuch"], "--strategy"),
         (["profile", "--accelerator", "tpu"], "--accelerator"),
         (["bench", "--device-counts", "0"], "--device-counts"),
         (["plan", "--device-counts", "a"], "--device-counts"),

@@ -381,7 +381,7 @@ def test_bad_arguments_are_one_line_errors_at_construction():
         FabricDataParallelStrategy("dp", devices="cpu:0")
     with pytest.raises(ValueError, match=r"^devices\[1\]"):
         DataParallelStrategy("dp", devices=["cpu:0", "tpu:1"])
-    with pytest.raises(TypeError, match=r"^share_weights: not an option of mode 'dp' \(its options: none\)"):
+    with pytest.raises(TypeError, match=r"^share_weights: not an option of mode 'dp' \(its options: concurrency\)"):
         DataParallelStrategy("dp", devices=devices(2), share_weights=False)
     with pytest.raises(
         ValueError, match=r"^devices: the strategy was given devices=2 but Lightning's devices= gives 3"

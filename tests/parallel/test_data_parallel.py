@@ -455,11 +455,3 @@ def test_compiled_module_refused_at_construction_and_left_unchanged():
         DataParallel(compiled, device_ids=["cpu:0", "cpu:1"])
     assert module._modules == before
     assert module(torch.ones(1, 3)).shape == (1, 2)
-
-
-def test_replicated_engine_refuses_a_compiled_model():
-    import dpkit
-
-    engine = dpkit.Engine(strategy="replicated", accelerator="cpu", devices=2, progress=False)
-    with pytest.raises(TypeError, match="compile"):
-        engine.setup(torch.compile(nn.Linear(3, 2)))

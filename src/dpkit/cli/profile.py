@@ -11,6 +11,7 @@ from dpkit.cli.flags import from_args
 from dpkit.cli.vocabulary import (
     add_accelerator,
     add_batch_size,
+    add_compile,
     add_devices,
     add_lr,
     add_model_source,
@@ -57,6 +58,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     add_accelerator(parser)
     add_devices(parser)
     add_precision(parser, PRECISIONS)
+    add_compile(parser)
     add_steps(parser, 3, "observed steps")
     add_warmup(parser, 3, "unobserved steps first: optimizer state is created, dp-balanced calibrates")
     add_batch_size(parser, "64, as train's")

@@ -33,6 +33,8 @@ VOCABULARY = {
     "--optimizer": "the optimizer: sgd (with --momentum), adamw or adam",
     "--lr": "the learning rate (the peak one with a schedule)",
     "--seed": "seed of the initial weights and of the batch order",
+    "--compile": "torch.compile the model's forward under every strategy; BACKEND: torch.compile's backend "
+    "(default inductor, which needs a C++ compiler on CPU; aot_eager needs none)",
     "--example": "a built-in example's model and data",
     "--model": "your model, as 'package.module:factory' (imported from the current folder first)",
     "--data": "your data, as 'package.module:loader'; loader(seed) returns x_train, y_train, x_test, y_test",
@@ -241,6 +243,25 @@ def add_seed(parser: ParserOrGroup) -> None:
     from dpkit.checks import MAX_SEED
 
     _tag(parser.add_argument("--seed", type=int, default=0, help=f"{VOCABULARY['--seed']}, 0 … {MAX_SEED}"), "--seed")
+
+
+def add_compile(parser: ParserOrGroup) -> None:
+    _tag(
+        parser.add_argument(
+            "--compile",
+            nargs="?",
+            const=True,
+            default=None,
+            metavar="BACKEND",
+            help=VOCABULARY["--compile"] + "; docs/compile.md says where it pays",
+        ),
+        "--compile",
+    )
+
+
+def compile_option(value: bool | str | None) -> bool | dict[str, str] | None:
+    """--compile: True (torch's default backend); --compile BACKEND: that backend; absent: None (eager)."""
+    return {"backend": value} if isinstance(value, str) else value
 
 
 def add_model_source(parser: ParserOrGroup, default_example: str, *, input_shape: bool = False) -> None:

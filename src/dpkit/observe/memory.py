@@ -207,6 +207,12 @@ class AllocationTracker(TorchDispatchMode):
         self.ledger = ledger
         self.where = where
 
+    # torch.compile (issue 34): without this dynamo skips every frame entered under the mode, so replicas ran
+    # eagerly. Caveat: a compiled graph's intermediate allocations (inside inductor's kernels) are not seen here.
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        return True
+
     def __torch_dispatch__(
         self, func: OpOverload, types: Sequence[type], args: tuple = (), kwargs: dict[str, Any] | None = None
     ) -> Any:

@@ -14,7 +14,7 @@ report holding every rank's devices; without a launcher, `run` starts the proces
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -22,6 +22,7 @@ import torch
 from torch.utils.data import DataLoader, RandomSampler, TensorDataset
 
 from dpkit.checks import check_batch_split, check_int, check_output_file
+from dpkit.compilation import check_compile, compile_counts, describe_compile
 from dpkit.devices import resolve_devices
 from dpkit.launch import Command, launched, relaunch
 from dpkit.launch.environment import process_place
@@ -59,6 +60,8 @@ class ProfileSpec:
     optimizer: str = "adam"
     precision: str = "32"
     seed: int = 0
+    # torch.compile the model's forward: True, a backend's name or torch.compile's options (the Engine's compile=)
+    compile: bool | str | dict[str, Any] | None = None
     json: str | None = None
     png: str | None = None
     trace: str | None = None
@@ -77,6 +80,7 @@ class ProfileSpec:
             raise ValueError(f"optimizer: expected one of {', '.join(OPTIMIZERS)}, got {self.optimizer!r}")
         if str(self.precision) not in PRECISIONS:
             raise ValueError(f"precision: expected one of {', '.join(PRECISIONS)}, got {self.precision!r}")
+        check_compile(compile_options(self.compile))
         if self.batch_size_per_device is not None:
             check_int(self.batch_size_per_device, "batch_size_per_device")
         calibration = CALIBRATION_CALLS["memory"]
@@ -154,8 +158,10 @@ def profile(spec: ProfileSpec) -> tuple[Report | None, float]:
         devices=devices,
         precision="32" if str(spec.precision) == "64" else str(spec.precision),
         progress=spec.progress,
+        compile=compile_options(spec.compile),
         **cls.profile_options(),
     )
+    before_warm_up = compile_counts()
     try:
         model, engine_optimizer = engine.setup(model, optimizer)
         criterion = engine.setup_criterion(criterion_for(y))
@@ -177,6 +183,7 @@ def profile(spec: ProfileSpec) -> tuple[Report | None, float]:
             for _ in range(spec.warmup):
                 step()
                 bar.update()
+            after_warm_up = compile_counts()
             with Observer(engine.device, models=engine.model_copies(), optimizers=[optimizer]) as observer:
                 for _ in range(spec.steps):
                     last_loss = step()
@@ -190,6 +197,13 @@ def profile(spec: ProfileSpec) -> tuple[Report | None, float]:
                     for _ in range(spec.steps):
                         last_loss = step()
                 here.threads = timer.report().threads
+            compiled = None
+            if engine.compile_options is not None:  # the warm-up's compiles, and any recompile in the steps after
+                compiled = {
+                    "options": describe_compile(engine.compile_options),
+                    "warm_up": after_warm_up.since(before_warm_up).as_dict(),
+                    "recompiles_after_warm_up": compile_counts().since(after_warm_up).frames,
+                }
         kept = engine.gather_object(kept_bytes(engine.model_copies()[0][0], optimizer)) if cls.traits.sharded else None
         reports = engine.gather_object(here)
         writes = engine.is_global_zero
@@ -211,6 +225,8 @@ def profile(spec: ProfileSpec) -> tuple[Report | None, float]:
         "seed": spec.seed,
         "last_loss": last_loss,
     }
+    if compiled is not None:
+        report.meta["compile"] = compiled
     if kept is not None:
         report.meta["kept_bytes"] = kept  # per rank
     return report, last_loss
@@ -258,6 +274,28 @@ def sharding_line(report: Report) -> str | None:
     )
 
 
+def compile_options(value: bool | str | Mapping[str, Any] | None) -> bool | Mapping[str, Any] | None:
+    """ProfileSpec.compile as the Engine's compile=: a backend's name (`dpkit profile --compile aot_eager`) as
+    {"backend": name}."""
+    return {"backend": value} if isinstance(value, str) else value
+
+
+def compile_line(compiled: Mapping[str, Any], warmup: int) -> str:
+    """What compiling cost: graphs, graph breaks and their first reasons, seconds, recompiles after the warm-up."""
+    warm = compiled["warm_up"]
+    reasons = list(warm["break_reasons"].items())[:3]
+    breaks = f"{warm['graph_breaks']} graph break(s)" + (
+        " (" + "; ".join(f"{count}x {reason}" for reason, count in reasons) + ")" if reasons else ""
+    )
+    line = (
+        f"compile: {warm['graphs']} graph(s), {breaks}, {warm['compile_seconds']:.1f} s compiling in the "
+        f"{warmup} warm-up step(s) (not in the medians); {compiled['recompiles_after_warm_up']} recompile(s) after"
+    )
+    if warmup == 0:
+        line += "; with no warm-up the first observed step includes the compile (pass warmup of 1 or more)"
+    return line
+
+
 def run(spec: ProfileSpec) -> Report | None:
     """Profile, print the table and write the files asked for; starts one process per device first where the
     strategy needs it (the report is then printed and written by their rank 0, and None returned here)."""
@@ -283,6 +321,9 @@ def run(spec: ProfileSpec) -> Report | None:
     line = sharding_line(report)
     if line:
         print(line)
+    compiled = report.meta.get("compile")
+    if compiled is not None:
+        print(compile_line(compiled, spec.warmup))
     print(f"last loss: {last_loss:.6f}")
     if spec.json:
         print(f"wrote {report.save_json(spec.json)}")
