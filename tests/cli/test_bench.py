@@ -6,11 +6,27 @@ from dpkit.cli.main import main
 from dpkit.tools.bench import ConfigResult, lost_by_phase
 
 
-def test_bench_runs_every_strategy_and_device_count(tmp_path, capsys):
+# One strategy of each kind (one device, per-step replicas, balanced, persistent replicas, a process per device with
+# whole weights, sharded): zero and hsdp run as ddp and fsdp do here (a process per device, launched); benching them
+# too would add four launches (~40 s) to the suite. Every registered strategy is bench's default (checked below).
+KINDS = ["single", "dp", "dp-balanced", "replicated", "ddp", "fsdp"]
+
+
+def test_bench_defaults_to_every_registered_strategy():
+    from dpkit.cli.main import build_parser
+    from dpkit.strategies import available_strategies
+
+    args = build_parser().parse_args(["bench"])
+    assert args.strategies == available_strategies()
+
+
+def test_bench_runs_each_kind_of_strategy_at_every_device_count(tmp_path, capsys):
     out, png = tmp_path / "bench.json", tmp_path / "bench.png"
     code = main(
         [
             "bench",
+            "--strategies",
+            ",".join(KINDS),
             "--example",
             "digits",
             "--device-counts",
@@ -34,7 +50,7 @@ def test_bench_runs_every_strategy_and_device_count(tmp_path, capsys):
     data = json.loads(out.read_text())
     configurations = [(r["strategy"], r["devices"]) for r in data["results"]]
     assert configurations[0] == ("single", 1)
-    for strategy in ("dp", "dp-balanced", "replicated", "ddp", "fsdp"):
+    for strategy in KINDS[1:]:
         assert [n for s, n in configurations if s == strategy] == [1, 2]
     for r in data["results"]:
         assert len(r["step_seconds_samples"]) == 2 and r["step_seconds"] > 0
