@@ -113,19 +113,29 @@ def train(strategy: str, devices: int, cell: str, precision: str = "32", options
     model = TinyModel(**kwargs)
     model, optimizer = engine.setup(model, torch.optim.SGD(model.parameters(), lr=0.5))
     loader = engine.setup_dataloader(DataLoader(data(items), batch_size=BATCH))
-    for step, (x, labels) in enumerate(loader):
-        SPARE_STEPS[0] = step % 2 == 1
-        optimizer.zero_grad()
-        out = model(x, labels=labels)
-        if items:
-            loss_sum = F.cross_entropy(out.float(), labels, ignore_index=-100, reduction="sum")
-            engine.backward(loss_sum, items=(labels != -100).sum())
-        else:
-            engine.backward(loss_of(out, kwargs.get("returns", "dict")))
-        optimizer.step()
+    outcome: dict = {}
+    try:
+        for step, (x, labels) in enumerate(loader):
+            SPARE_STEPS[0] = step % 2 == 1
+            optimizer.zero_grad()
+            out = model(x, labels=labels)
+            if items:
+                loss_sum = F.cross_entropy(out.float(), labels, ignore_index=-100, reduction="sum")
+                engine.backward(loss_sum, items=(labels != -100).sum())
+            else:
+                engine.backward(loss_of(out, kwargs.get("returns", "dict")))
+            optimizer.step()
+    except Exception as error:  # a step that stops: its line, its step, and the weights it left
+        outcome = {"error": f"{type(error).__name__}: {error}", "failed_at_step": step}
     bare = engine.model_copies()[0][0]
     weights = {name: whole(p.detach()).float().cpu().clone() for name, p in bare.named_parameters()}
-    return {"weights": weights}
+    return {"weights": weights, **outcome}
+
+
+def initial_weights(cell: str) -> dict:
+    """The weights every run of the cell starts from."""
+    torch.manual_seed(0)
+    return {name: p.detach().clone() for name, p in TinyModel(**CELLS[cell]).named_parameters()}
 
 
 @functools.cache  # read only: one run per cell and precision for the whole session

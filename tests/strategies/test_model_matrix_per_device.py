@@ -6,7 +6,7 @@ not), token-weighted losses with accumulation (`items=`), each cell against one 
 from __future__ import annotations
 
 import pytest
-from model_matrix_runs import CELLS, max_difference, reference, train_many
+from model_matrix_runs import CELLS, initial_weights, max_difference, reference, train_many
 
 TOLERANCE = 1e-5
 STRATEGIES = {
@@ -16,9 +16,10 @@ STRATEGIES = {
     "zero-2": {"stage": 2},
     "hsdp": {},
 }
-# a step that leaves a trainable parameter without a gradient: ddp needs find_unused_parameters (issue 32's
-# part for strategies/ddp.py and per_device.py, not built yet); the others are exact
+# a step that leaves a trainable parameter without a gradient: ddp and zero 1 need find_unused_parameters
+# (test_unused_parameters); the others are exact as they are
 EXACT_CELLS = [cell for cell in CELLS if cell != "unused"]
+UNUSED = {"find_unused_parameters": True}
 
 
 @pytest.mark.parametrize("label", list(STRATEGIES))
@@ -33,18 +34,45 @@ def test_every_cell_equals_one_device(groups, label):
 
 
 def test_unused_parameters(groups):
-    """A parameter used every other step: the sharded strategies are exact; ddp (and zero stage 1, built on it)
-    stop with torch's line naming find_unused_parameters (dpkit's own line, before the optimizer steps, and the
-    option, are the part of issue 32 left for strategies/ddp.py)."""
-    labels = ["fsdp", "zero-2", "hsdp", "ddp", "zero-1"]
-    runs = [dict(strategy=label.split("-")[0], devices=2, cell="unused", options=STRATEGIES[label]) for label in labels]
-    results = groups(2).run(train_many, runs)[0]
+    """A parameter used every other step. FSDP2 (fsdp, zero 2, hsdp) is exact as it is, and accepts
+    find_unused_parameters (changing nothing); ddp and zero 1 (ddp's model) stop at the first step that leaves it
+    out with one line naming the parameters and the option, before the optimizer steps, and are exact with it;
+    ddp with static_graph=True is exact on a model whose steps all use the same parameters."""
+    runs = {
+        "fsdp": dict(strategy="fsdp"),
+        "zero-2": dict(strategy="zero", options={"stage": 2}),
+        "hsdp": dict(strategy="hsdp"),
+        "fsdp + option": dict(strategy="fsdp", options=UNUSED),
+        "zero-2 + option": dict(strategy="zero", options={"stage": 2, **UNUSED}),
+        "hsdp + option": dict(strategy="hsdp", options=UNUSED),
+        "ddp + option": dict(strategy="ddp", options=UNUSED),
+        "zero-1 + option": dict(strategy="zero", options={"stage": 1, **UNUSED}),
+        "ddp": dict(strategy="ddp"),
+        "zero-1": dict(strategy="zero", options={"stage": 1}),
+    }
+    stopping = ["ddp", "zero-1"]
+    static = ["ddp + static_graph / dict", "ddp + static_graph / frozen"]
+    jobs = [dict(devices=2, cell="unused", **run) for run in runs.values()]
+    jobs += [dict(strategy="ddp", devices=2, cell=cell, options={"static_graph": True}) for cell in ("dict", "frozen")]
+    results = dict(zip([*runs, *static], groups(2).run(train_many, jobs)[0]))
     single = reference("unused")["weights"]
-    for label, result in zip(labels[:3], results[:3]):
-        assert "error" not in result, f"{label}: {result.get('error')}"
-        assert max_difference(result["weights"], single) <= TOLERANCE, label
-    for label, result in zip(labels[3:], results[3:]):
-        assert "find_unused_parameters" in result.get("error", ""), f"{label}: {result}"
+    for label in [label for label in runs if label not in stopping]:
+        assert "error" not in results[label], f"{label}: {results[label].get('error')}"
+        diff = max_difference(results[label]["weights"], single)
+        assert diff <= TOLERANCE, f"{label}: max |diff| {diff:.3g} vs single"
+    for label, cell in zip(static, ("dict", "frozen")):
+        assert "error" not in results[label], f"{label}: {results[label].get('error')}"
+        assert max_difference(results[label]["weights"], reference(cell)["weights"]) <= TOLERANCE, label
+    start = initial_weights("unused")
+    for label in stopping:
+        result = results[label]
+        assert result.get("error") == (
+            "ValueError: find_unused_parameters: parameters spare.weight, spare.bias got no gradient this step "
+            "(before the optimizer stepped, the weights are unchanged); pass find_unused_parameters=True, or "
+            "freeze them (requires_grad_(False)) before engine.setup"
+        ), f"{label}: {result}"
+        assert result["failed_at_step"] == 0, label  # the first step leaves `spare` out
+        assert max_difference(result["weights"], start) == 0.0, f"{label}: the weights changed before the stop"
 
 
 def test_bf16_mixed_cells_stay_close_to_one_device(groups):

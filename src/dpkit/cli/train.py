@@ -14,6 +14,7 @@ from dpkit.cli.flags import from_args
 from dpkit.cli.vocabulary import (
     add_accelerator,
     add_batch_size,
+    add_compile,
     add_devices,
     add_lr,
     add_model_source,
@@ -26,6 +27,7 @@ from dpkit.cli.vocabulary import (
     add_steps,
     add_strategy,
     add_verb,
+    compile_option,
     positive_int,
 )
 from dpkit.devices import resolve_devices
@@ -77,15 +79,17 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     add_accelerator(run)
     add_devices(run)
     add_precision(run)
+    add_compile(run)
     run.add_argument(
-        "--compile",
-        nargs="?",
-        const=True,
-        default=None,
-        metavar="BACKEND",
-        help="torch.compile the model's forward, under every strategy (each replica runs it; fsdp compiles each "
-        "unit); BACKEND: torch.compile's backend (default inductor, which needs a C++ compiler on CPU; aot_eager "
-        "needs none); docs/compile.md says where it pays",
+        "--find-unused-parameters",
+        action="store_true",
+        help="steps may leave trainable parameters without a gradient (a branch not taken): ddp and zero stage 1 "
+        "need it then (they stop with a line saying so); the other strategies need nothing",
+    )
+    run.add_argument(
+        "--static-graph",
+        action="store_true",
+        help="ddp: every step uses the same parameters (torch's DDP learns which in the first step)",
     )
     add_restarts(run, " (strategies with a process per device; resumes from the last saved state)")
     steps = parser.add_argument_group("optimization")
@@ -167,11 +171,6 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         relaunch=Command("dpkit.cli.main", tuple(argv)),
         resume_command="dpkit " + shlex.join(resume_argv),
     )
-
-
-def compile_option(value: bool | str | None) -> bool | dict[str, str] | None:
-    """--compile: True (torch's default backend); --compile BACKEND: that backend; absent: None (eager)."""
-    return {"backend": value} if isinstance(value, str) else value
 
 
 def run(args: argparse.Namespace) -> int:

@@ -9,12 +9,26 @@ buckets in index order, so bucket 0's all-reduce is the step's first collective)
 (batches, steps, collective sequence): ranks that disagree stop in backward, before the optimizer steps,
 with one line naming both; engine.close's collective takes bucket 0's shape, so a rank still training is told
 that another ran out of batches instead of waiting in a collective nobody joins.
+
+Unused parameters: DDP's reducer waits for every trainable parameter's gradient; a step whose backward leaves
+one without (a branch not taken, a head of another task) leaves its bucket unreduced and torch fails only at
+the next forward ("Expected to have finished reduction in the prior iteration"), after the optimizer stepped
+on gradients that were not averaged. Without find_unused_parameters, a hook on each trainable parameter notes
+those that got a gradient in the step's synchronizing backward, and backward stops with one line naming the
+others and the option, before the optimizer steps. The check needs no collective: a parameter left out on
+every rank is named by every rank at once, and one left out on some ranks only leaves the others waiting in
+that bucket's all-reduce (what no flag exchanged after backward could reach), so the ranks that left it out
+name it and the launcher stops the group. find_unused_parameters=True (DDP searches the autograd graph after
+each forward and marks the parameters it left out ready; one no rank used keeps no gradient, as on one device)
+or static_graph=True (the same parameters unused in every step, learned in the first) go to DDP and turn the
+check off.
 """
 
 from __future__ import annotations
 
 import contextlib
 import time
+from collections.abc import Sequence
 from contextlib import AbstractContextManager
 
 import torch
@@ -34,17 +48,77 @@ class DDP(PerDeviceStrategy):
     name = "ddp"
     traits = Traits(processes=PER_DEVICE, loss=ON_ROOT, replicas=PERSISTENT)
     marks_in_all_gather = False  # the marks ride in the first gradient bucket (_all_reduce_with_marks)
+    options = PerDeviceStrategy.options + ("static_graph",)
     wrapped: nn.parallel.DistributedDataParallel | None
+    # names shown in the unused-parameter line before "and N more"
+    UNUSED_NAMES_SHOWN = 3
+
+    def __init__(
+        self,
+        devices: Sequence[torch.device],
+        *,
+        static_graph: bool = False,
+        timeout_seconds: float = 300.0,
+        seed: int = 0,
+        threads_per_device: int | None = None,
+        init_timeout_seconds: float = 60.0,
+        find_unused_parameters: bool = False,
+        precision: str = "32",
+    ):
+        if not isinstance(static_graph, bool):
+            raise TypeError(
+                "static_graph: expected True (every step uses the same parameters, torch's DDP learns them in the "
+                f"first) or False, got {static_graph!r}"
+            )
+        super().__init__(
+            devices,
+            precision=precision,
+            timeout_seconds=timeout_seconds,
+            seed=seed,
+            threads_per_device=threads_per_device,
+            init_timeout_seconds=init_timeout_seconds,
+            find_unused_parameters=find_unused_parameters,
+        )
+        self.static_graph = static_graph
+        # the trainable parameters the reducer waits for, by name, and those that got a gradient this backward
+        self._trainable: dict[str, nn.Parameter] = {}
+        self._got_gradient: set[str] = set()
 
     def wrap_model(self, model: nn.Module) -> nn.Module:
         model = model.to(self.device)
         device_ids = [self.device.index] if self.device.type == "cuda" else None
-        self.wrapped = nn.parallel.DistributedDataParallel(model, device_ids=device_ids)
+        self.wrapped = nn.parallel.DistributedDataParallel(
+            model,
+            device_ids=device_ids,
+            find_unused_parameters=self.find_unused_parameters,
+            static_graph=self.static_graph,
+        )
+        if not (self.find_unused_parameters or self.static_graph):
+            self._watch_gradients(model)
         self.bucket_seconds: list[tuple[float, float]] = []  # (started, reduced) per bucket, while observed
         self._mismatch: tuple[list[tuple[int, ...]], object] | None = None  # (marks, entry) from the last check
         # torch's own all-reduce hook (the same arithmetic as DDP's default), timed while anyone listens
         self.wrapped.register_comm_hook(None, self._all_reduce_bucket)
         return self.wrapped
+
+    def _watch_gradients(self, model: nn.Module) -> None:
+        """Note each trainable parameter that gets a gradient (the unused-parameter check in backward)."""
+        self._trainable = {name: p for name, p in model.named_parameters() if p.requires_grad}
+        self._got_gradient = set()
+        for name, parameter in self._trainable.items():
+            parameter.register_post_accumulate_grad_hook(lambda _, name=name: self._got_gradient.add(name))
+
+    def _check_every_parameter_got_gradient(self) -> None:
+        unused = [name for name in self._trainable if name not in self._got_gradient]
+        if not unused:
+            return
+        shown = ", ".join(unused[: self.UNUSED_NAMES_SHOWN])
+        more = f" and {len(unused) - self.UNUSED_NAMES_SHOWN} more" if len(unused) > self.UNUSED_NAMES_SHOWN else ""
+        raise ValueError(
+            f"find_unused_parameters: parameters {shown}{more} got no gradient this step (before the optimizer "
+            "stepped, the weights are unchanged); pass find_unused_parameters=True, or freeze them "
+            "(requires_grad_(False)) before engine.setup"
+        )
 
     def _all_reduce_bucket(self, state, bucket):  # unannotated: torch checks annotations against its own classes
         buffer = bucket.buffer()
@@ -114,6 +188,7 @@ class DDP(PerDeviceStrategy):
         if sync:
             RECORD.steps += 1
         self._mismatch = None
+        self._got_gradient.clear()
         try:
             # the buckets' collectives get this call site (on a GPU the hook runs in autograd's thread)
             with skip_sync, hooks.phase("backward", self.device), RECORD.pinned():
@@ -124,4 +199,7 @@ class DDP(PerDeviceStrategy):
         if self._mismatch is not None:
             marks, entry = self._mismatch
             self.check_marks(marks, entry)  # raises CollectiveMismatch, naming every rank's place
+        if sync and self._trainable:
+            # only the synchronizing backward counts: DDP's reducer waits on the parameters of that one
+            self._check_every_parameter_got_gradient()
         self.announce_all_reduce()

@@ -10,6 +10,11 @@ the average the single-device gradient on uneven shares are PerDeviceStrategy's,
 
 On CPU (gloo) it is exact and measurable, but nothing overlaps: FSDP2 prefetches and overlaps its
 collectives with CUDA streams. CPU offload of the shards (offload=True) needs CUDA.
+
+Parameters a step leaves without a gradient (a branch not taken, frozen ones) need nothing: FSDP2
+reduce-scatters the gradients that exist and leaves a parameter that got none without one, which the optimizer
+skips, as on one device. find_unused_parameters is accepted (and changes nothing) so that a script written for
+ddp runs unchanged.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGath
 from torch.distributed.tensor import DTensor
 
 from dpkit.checks import check_int
+from dpkit.compilation import CompileFn, compile_forward
 from dpkit.parallel import hooks
 from dpkit.strategies.base import FOR_THE_STEP, ON_ROOT, PER_DEVICE, PER_UNIT, PERSISTENT, SHARDED, Traits
 from dpkit.strategies.mesh import shard_mesh
@@ -96,6 +102,7 @@ class FSDP(PerDeviceStrategy):
         grad_scaler=False,
     )
     options = PerDeviceStrategy.options + ("reshard_after_forward", "units", "min_unit_parameters", "offload")
+    _compile_fn: CompileFn | None = None  # engine.setup's compile=, applied to the units by wrap_model
 
     @classmethod
     def traits_for(cls, **options: Any) -> Traits:
@@ -114,6 +121,7 @@ class FSDP(PerDeviceStrategy):
         seed: int = 0,
         threads_per_device: int | None = None,
         init_timeout_seconds: float = 60.0,
+        find_unused_parameters: bool = False,
         precision: str = "32",
     ):
         super().__init__(
@@ -123,6 +131,7 @@ class FSDP(PerDeviceStrategy):
             seed=seed,
             threads_per_device=threads_per_device,
             init_timeout_seconds=init_timeout_seconds,
+            find_unused_parameters=find_unused_parameters,
         )
         if not isinstance(reshard_after_forward, bool):
             raise TypeError(
@@ -155,6 +164,11 @@ class FSDP(PerDeviceStrategy):
             return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         return MixedPrecisionPolicy()
 
+    def compile_model(self, model: nn.Module, compile_fn: CompileFn) -> None:
+        # the whole model compiled runs eagerly: FSDP2's hooks are hidden from dynamo, and a graph break in the
+        # forward's loop over the units makes dynamo give up on it; each unit's forward compiles (torchtitan's way)
+        self._compile_fn = compile_fn
+
     def wrap_model(self, model: nn.Module) -> nn.Module:
         if isinstance(model, FSDPModule):
             raise ValueError("model: already sharded with fully_shard; give fsdp the plain model, it shards it")
@@ -173,6 +187,10 @@ class FSDP(PerDeviceStrategy):
                 mp_policy=mp_policy,
                 offload_policy=offload_policy,
             )
+        if self._compile_fn is not None:  # each unit below the root, after fully_shard put its hooks around it
+            for unit in units:
+                if unit is not model:
+                    compile_forward(unit, self._compile_fn)
         after = dict(model.named_parameters())
         self._sharded_params = {id(before[name]): after[name] for name in before if name in after}
         self.model = self.wrapped = model

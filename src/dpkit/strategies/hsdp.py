@@ -10,6 +10,8 @@ and loss weight make it equal one device on uneven shares, as under fsdp.
 
 Everything else is fsdp's (units, reshard_after_forward, mixed precision, saving): the state is saved through
 torch.distributed.checkpoint as DTensors, which a run on another mesh (or fsdp, or one device) reshards on load.
+Like fsdp it needs nothing for parameters a step leaves without a gradient, and accepts find_unused_parameters
+for scripts written for ddp.
 """
 
 from __future__ import annotations
@@ -55,6 +57,7 @@ class HSDP(FSDP):
         seed: int = 0,
         threads_per_device: int | None = None,
         init_timeout_seconds: float = 60.0,
+        find_unused_parameters: bool = False,
         precision: str = "32",
     ):
         super().__init__(
@@ -67,6 +70,7 @@ class HSDP(FSDP):
             seed=seed,
             threads_per_device=threads_per_device,
             init_timeout_seconds=init_timeout_seconds,
+            find_unused_parameters=find_unused_parameters,
             precision=precision,
         )
         self.traits = self.traits_for(reshard_after_forward=reshard_after_forward, shard_size=shard_size)

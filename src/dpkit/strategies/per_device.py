@@ -126,7 +126,13 @@ class PerDeviceStrategy(Strategy):
     """One process per device, joined in a process group: the data, the collectives and the teardown that
     ddp and fsdp share. A subclass wraps the model (keeping what holds the process group in `self.wrapped`)."""
 
-    options: ClassVar[tuple[str, ...]] = ("timeout_seconds", "seed", "threads_per_device", "init_timeout_seconds")
+    options: ClassVar[tuple[str, ...]] = (
+        "timeout_seconds",
+        "seed",
+        "threads_per_device",
+        "init_timeout_seconds",
+        "find_unused_parameters",
+    )
     # where a step's marks ride (observe/collectives.py): a step's first all-gather (fsdp); ddp carries them in
     # its first gradient bucket instead
     marks_in_all_gather: ClassVar[bool] = True
@@ -139,8 +145,14 @@ class PerDeviceStrategy(Strategy):
         seed: int = 0,
         threads_per_device: int | None = None,
         init_timeout_seconds: float = 60.0,
+        find_unused_parameters: bool = False,
         precision: str = "32",
     ):
+        if not isinstance(find_unused_parameters, bool):
+            raise TypeError(
+                "find_unused_parameters: expected True (steps may leave trainable parameters without a gradient) "
+                f"or False, got {find_unused_parameters!r}"
+            )
         if not launched():
             raise RuntimeError(
                 f"strategy='{self.name}' runs one process per device, and this process was not started by a launcher "
@@ -167,6 +179,8 @@ class PerDeviceStrategy(Strategy):
         self.timeout_seconds = timeout_seconds
         self.init_timeout_seconds = init_timeout_seconds  # how long to wait for every rank to join
         self.seed = seed
+        # ddp hands it to torch's DistributedDataParallel; FSDP2 needs nothing (see each strategy's docstring)
+        self.find_unused_parameters = find_unused_parameters
         self._process_shares: ProcessShares | None = None
         self._heartbeat: ProgressHeartbeat | None = None
         self.wrapped: nn.Module | None = None  # the wrapped model, which holds on to the process group

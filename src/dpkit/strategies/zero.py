@@ -25,6 +25,9 @@ Saving (engine.save_state): each process writes its shards through torch.distrib
 parameter names as fsdp's are: stage 1 the optimizer state of the parameters it owns (the weights are whole
 and written once), stage 2 its shards of everything; so zero, fsdp and any strategy resume each other's state
 on any process count. engine.save / optimizer_state gather the whole state on rank 0.
+
+Parameters a step leaves without a gradient: stage 1 is ddp's model, so it stops with ddp's line unless
+find_unused_parameters=True (passed to DDP); stage 2 is FSDP2's, which needs nothing and accepts the option.
 """
 
 from __future__ import annotations
@@ -93,6 +96,7 @@ class Zero(PerDeviceStrategy):
         seed: int = 0,
         threads_per_device: int | None = None,
         init_timeout_seconds: float = 60.0,
+        find_unused_parameters: bool = False,
         precision: str = "32",
     ):
         super().__init__(
@@ -102,6 +106,7 @@ class Zero(PerDeviceStrategy):
             seed=seed,
             threads_per_device=threads_per_device,
             init_timeout_seconds=init_timeout_seconds,
+            find_unused_parameters=find_unused_parameters,
         )
         self.stage = check_stage(stage)
         self.traits = STAGE_TRAITS[self.stage]

@@ -64,6 +64,7 @@ class Run:
             accumulate=config.accumulate,
             progress=config.progress,
             compile=config.compile,
+            **config.strategy_options(),
         )
         if self.engine.device.type == "cpu" and strategy_class(config.strategy).traits.processes != PER_DEVICE:
             # the intra-op threads decide how large sums are split, so the run's count comes from the machine,

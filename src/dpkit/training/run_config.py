@@ -76,6 +76,8 @@ class TrainConfig:
     precision: str = "32"
     accumulate: int = 1
     compile: Any = None  # True or torch.compile's options: the model's forward compiled (not a setting of the model)
+    find_unused_parameters: bool = False  # ddp, zero 1: steps may leave trainable parameters without a gradient
+    static_graph: bool = False  # ddp: every step uses the same parameters
     out: str = "runs/train"
     checkpoint_every: int | None = None
     keep: int = 2
@@ -112,6 +114,16 @@ class TrainConfig:
             "clip_grad_norm": self.clip_grad_norm,
             "steps": self.steps,
         }
+
+    def strategy_options(self) -> dict[str, Any]:
+        """The strategy's options these settings ask for: find_unused_parameters where the strategy takes it (the
+        single-process strategies need nothing), static_graph whenever asked (a strategy without it refuses it)."""
+        options: dict[str, Any] = {}
+        if self.find_unused_parameters and "find_unused_parameters" in strategy_class(self.strategy).options:
+            options["find_unused_parameters"] = True
+        if self.static_graph:
+            options["static_graph"] = True
+        return options
 
     def changes(self) -> tuple[str, ...]:
         """`change` as names: ("lr",) from "lr", ["lr"] or ("lr",)."""
@@ -187,7 +199,7 @@ def check_config(config: TrainConfig) -> list[torch.device]:
         check_batch_split(config.batch_size, len(devices))
         Precision(config.precision, devices[0].type)
         return devices
-    traits = strategy_class(config.strategy).traits
+    traits = strategy_class(config.strategy).traits_for(**config.strategy_options())  # (refuses an option it lacks)
     if traits.max_devices is not None and len(devices) > traits.max_devices:
         others = [name for name in available_strategies() if strategy_class(name).traits.max_devices is None]
         raise ValueError(
