@@ -1,6 +1,6 @@
 """A real transformers model with the unchanged transformers loop (`out = model(**batch);
-engine.backward(out.loss)`), labels and gradient checkpointing on, under the single-process strategies: the
-weights after three steps equal one device's (issue 32). No download: GPT-2 built from a tiny config."""
+engine.backward(out.loss)`), labels and gradient checkpointing on, under every strategy: the weights after three
+steps equal one device's (issue 32). No download: GPT-2 built from a tiny config."""
 
 from __future__ import annotations
 
@@ -56,3 +56,21 @@ def test_tiny_gpt2_with_checkpointing_equals_single(strategy):
     diff = max((weights[k] - reference[k]).abs().max().item() for k in reference)
     assert diff <= TOLERANCE, f"{strategy}: max |diff| {diff:.3g} vs single"
     assert losses == pytest.approx(reference_losses, abs=1e-5)
+
+
+# the strategies with a process per device (ddp, fsdp, zero, hsdp), in one launched group of 2
+PER_DEVICE = dpkit.strategies.matching(lambda traits: traits.processes == dpkit.strategies.PER_DEVICE)
+
+
+@pytest.mark.filterwarnings("ignore:`gradient_checkpointing_enable` is deprecated")
+def test_tiny_gpt2_with_checkpointing_equals_single_under_every_process_per_device_strategy(tmp_path, groups):
+    from gpt2_runs import tiny_gpt2, train_many
+
+    runs = [(strategy, 2, str(tmp_path / f"{strategy}.pt")) for strategy in PER_DEVICE]
+    groups(2).run(train_many, runs)
+    reference, _ = train("single")
+    for strategy, _, path in runs:
+        model = dpkit.load_model(tiny_gpt2(), path)
+        weights = {k: v for k, v in model.state_dict().items() if v.is_floating_point()}
+        diff = max((weights[k] - reference[k]).abs().max().item() for k in reference)
+        assert diff <= TOLERANCE, f"{strategy}: max |diff| {diff:.3g} vs single"
