@@ -1,10 +1,9 @@
-"""`dpkit bench`: every strategy on 1, 2 and 3 virtual CPU devices in one command."""
+"""`dpkit bench`: strategies side by side on 1 and 2 virtual CPU devices in one command."""
 
 import json
 
 from dpkit.cli.main import main
 from dpkit.tools.bench import ConfigResult, lost_by_phase
-
 
 # One strategy of each kind (one device, per-step replicas, balanced, persistent replicas, a process per device with
 # whole weights, sharded): zero and hsdp run as ddp and fsdp do here (a process per device, launched); benching them
