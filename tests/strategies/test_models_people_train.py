@@ -10,11 +10,11 @@ must leave the weights of a single-device run (max difference 1e-5 in float32). 
 from __future__ import annotations
 
 import copy
-from collections import OrderedDict
 
 import pytest
 import torch
 import torch.nn.functional as F
+from model_matrix_runs import Output  # transformers' ModelOutput in miniature
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
@@ -25,19 +25,6 @@ STRATEGIES = ["dp", "dp-balanced", "replicated"]
 TOLERANCE = {"32": 1e-5, "bf16-mixed": 2e-2}  # bf16's rounding differs with the rows each matmul sees
 STEPS = 3
 SPARE_STEPS = [False]  # whether the step's forward uses TinyModel.spare (unused=True): odd steps only
-
-
-class Output(OrderedDict):
-    """transformers' ModelOutput in miniature: keys, attributes and indices alike."""
-
-    def __getattr__(self, name):
-        try:
-            return self[name]
-        except KeyError:
-            raise AttributeError(name) from None
-
-    def __getitem__(self, key):
-        return list(self.values())[key] if isinstance(key, int) else super().__getitem__(key)
 
 
 class TinyModel(nn.Module):
