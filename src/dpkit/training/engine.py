@@ -73,7 +73,8 @@ class Engine:
     """Set up model, optimizer, criterion and loader for a strategy; backward, reduce, gather, save.
 
     Args:
-        strategy: "single", "dp", "dp-balanced", "replicated", "ddp" or "fsdp" (see dpkit.strategies); "auto"
+        strategy: one of dpkit.strategies.available_strategies() (single, dp, dp-balanced, replicated, ddp,
+            fsdp, zero, hsdp); "auto"
             (one device: single; under a launcher: ddp; several devices in one process: the model's first call
             chooses among the one-process strategies by dpkit.choose_strategy's rules, from the model, that
             batch and the devices, and prints its choice and the reason); or the Choice that
