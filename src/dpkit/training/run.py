@@ -24,7 +24,6 @@ from dpkit.compilation import compile_counts, describe_compile
 from dpkit.devices import available_cores
 from dpkit.errors import DpkitError
 from dpkit.launch import StoppedBySignal, relaunched
-from dpkit.strategies import PER_DEVICE, strategy_class
 from dpkit.training.engine import Engine
 from dpkit.training.evaluation import Best, Scores, evaluate
 from dpkit.training.optimization import build_optimizer, schedule_at
@@ -66,7 +65,7 @@ class Run:
             compile=config.compile,
             **config.strategy_options(),
         )
-        if self.engine.device.type == "cpu" and strategy_class(config.strategy).traits.processes != PER_DEVICE:
+        if self.engine.device.type == "cpu" and not self.engine.placement.per_device:
             # the intra-op threads decide how large sums are split, so the run's count comes from the machine,
             # never from what the process ran before (a process per device has its share already); a resume
             # takes the state's count (engine.load_state)
