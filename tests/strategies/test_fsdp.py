@@ -201,9 +201,16 @@ def test_the_observer_books_the_shards_and_the_gathered_units_as_torch_holds_the
         block, root, model = resharding["block_bytes"], resharding["root_bytes"], resharding["model_bytes"]
         # (plus the step marks, a few elements each process gathers with the step's first unit, booked to its
         # gather: observe/collectives.py; under 256 bytes on 2 processes, whatever the model's size)
-        marks = resharding["peaks"]["gathered_parameters"] - (root + block + block)
+        # One race is torch's, not ours: gloo's worker thread drops its reference to a finished all-gather (and
+        # so to its output buffer) only after it has woken the waiting thread, so on a busy machine the previous
+        # unit's buffer can still be alive when the next unit allocates its own: at most one block more.
+        def beyond(peak: int, expected: int) -> int:
+            extra = peak - expected
+            return extra - block if extra >= block else extra
+
+        marks = beyond(resharding["peaks"]["gathered_parameters"], root + block + block)
         assert 0 <= marks < 256
-        assert 0 <= keeping["peaks"]["gathered_parameters"] - (model + block) <= marks
+        assert 0 <= beyond(keeping["peaks"]["gathered_parameters"], model + block) <= marks
 
 
 @pytest.mark.cuda
