@@ -100,4 +100,6 @@ def test_bf16_mixed_trains_digits_to_the_fp32_accuracy_band(tmp_path, one_thread
 
     full, mixed = accuracy("32"), accuracy("bf16-mixed")
     assert full >= 0.9 and mixed >= 0.9
-    assert abs(full - mixed) <= 0.03
+    # no more than 3 points below float32 (11 of the 360 test images); above is no fault: at this learning rate
+    # two float32 runs with different seeds already differ by 1-3 points
+    assert mixed >= full - 0.03

@@ -223,11 +223,11 @@ def test_resume_with_other_settings_names_the_flag(tmp_path, capsys):
 
 def test_a_loss_that_becomes_nan_stops_the_run_with_one_line_and_no_nan_on_disk(tmp_path, capsys):
     out = tmp_path / "run"
-    code = main(["train", "--accelerator", "cpu", "--no-progress", "--steps", "30", "--lr", "10000", "--out", str(out)])
+    code = main(["train", "--accelerator", "cpu", "--no-progress", "--steps", "30", "--lr", "1e6", "--out", str(out)])
     lines = capsys.readouterr().err.strip().splitlines()
     assert code == 3
     assert len(lines) == 1 and lines[0].startswith("dpkit train: error: --lr: the loss became nan at step "), lines
-    assert "with --lr 10000;" in lines[0] and lines[0].endswith("try a smaller lr or --clip-grad-norm 1")
+    assert "with --lr 1e+06;" in lines[0] and lines[0].endswith("try a smaller lr or --clip-grad-norm 1")
     assert not out.exists() or not any(out.iterdir())  # nothing written from a diverged model
 
 

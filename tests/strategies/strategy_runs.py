@@ -60,13 +60,17 @@ class Runs:
         key = (strategy, devices, batch_size, *extra)
         if key not in self.done:
             out = self.root / "-".join(map(str, key)).replace("--", "")
-            argv = train_args(strategy, devices, batch_size, out, *extra)
-            if strategy_class(strategy).traits.processes == PER_DEVICE:
-                assert self.groups(devices).run(train_here, argv) == [0] * devices
-            else:
-                assert train_here(argv) == 0
-            self.done[key] = out
+            self.done[key] = self.run_into(out, strategy, devices, batch_size, *extra)
         return self.done[key]
+
+    def run_into(self, out: Path, strategy: str, devices: int, batch_size: int, *extra: str) -> Path:
+        """The run, not cached, into `out`."""
+        argv = train_args(strategy, devices, batch_size, out, *extra)
+        if strategy_class(strategy).traits.processes == PER_DEVICE:
+            assert self.groups(devices).run(train_here, argv) == [0] * devices
+        else:
+            assert train_here(argv) == 0
+        return out
 
 
 def load_state(folder: Path) -> dict[str, torch.Tensor]:

@@ -179,6 +179,12 @@ def memory_job(plain_path: str) -> list:
     return [observed_memory(True), observed_memory(False), refused]
 
 
+def beyond(peak: int, expected: int, block: int) -> int:
+    """What a gathered peak holds beyond `expected`, less the one block's buffer gloo may still hold (below)."""
+    extra = peak - expected
+    return extra - block if extra >= block else extra
+
+
 def test_the_observer_books_the_shards_and_the_gathered_units_as_torch_holds_them(tmp_path, groups):
     results = groups(2).run(memory_job, str(tmp_path / "plain.pt"))
     for rank in range(2):
@@ -199,18 +205,15 @@ def test_the_observer_books_the_shards_and_the_gathered_units_as_torch_holds_the
         # and that block's flat all-gather buffer, which FSDP2 copies the block's parameters out of before it
         # frees it; without resharding after forward every unit stays gathered until its backward
         block, root, model = resharding["block_bytes"], resharding["root_bytes"], resharding["model_bytes"]
+
         # (plus the step marks, a few elements each process gathers with the step's first unit, booked to its
         # gather: observe/collectives.py; under 256 bytes on 2 processes, whatever the model's size)
         # One race is torch's, not ours: gloo's worker thread drops its reference to a finished all-gather (and
         # so to its output buffer) only after it has woken the waiting thread, so on a busy machine the previous
         # unit's buffer can still be alive when the next unit allocates its own: at most one block more.
-        def beyond(peak: int, expected: int) -> int:
-            extra = peak - expected
-            return extra - block if extra >= block else extra
-
-        marks = beyond(resharding["peaks"]["gathered_parameters"], root + block + block)
+        marks = beyond(resharding["peaks"]["gathered_parameters"], root + block + block, block)
         assert 0 <= marks < 256
-        assert 0 <= beyond(keeping["peaks"]["gathered_parameters"], model + block) <= marks
+        assert 0 <= beyond(keeping["peaks"]["gathered_parameters"], model + block, block) <= marks
 
 
 @pytest.mark.cuda

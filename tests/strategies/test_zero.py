@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from fsdp_runs import RunSpec, launched_runs, max_difference, train
-from sharding_runs import STATE, observed_many, predicted, scheduled, scheduled_many
+from fsdp_runs import Blocks, RunSpec, launched_runs, max_difference, train
+from sharding_runs import STATE, WIDTH, observed_many, predicted, scheduled, scheduled_many
 
 from dpkit.strategies import create_strategy, strategy_traits
 
@@ -104,9 +104,12 @@ def test_each_process_keeps_what_the_planner_predicts_from_the_traits(groups):
     assert (
         sum(measured[0]["kept"]["optimizer_state"] for measured in results) == results[0][2]["kept"]["optimizer_state"]
     )
-    # stage 2 gathers the whole model for the step, as predicted
-    gathered = results[0][1]["peaks"]["gathered_parameters"]
-    assert abs(gathered / predicted(*runs[1])["gathered_parameters"] - 1) <= 0.15
+    # stage 2 gathers the whole model for the step, as predicted; on a busy machine one block's all-gather buffer
+    # more can be alive at the peak, held by gloo's worker thread for a moment after the wait returned (see
+    # test_fsdp.py's observer test)
+    gathered, expected = results[0][1]["peaks"]["gathered_parameters"], predicted(*runs[1])["gathered_parameters"]
+    block = 4 * sum(p.numel() for p in Blocks(width=WIDTH).blocks[0].parameters())
+    assert any(abs((gathered - extra) / expected - 1) <= 0.15 for extra in (0, block)), (gathered, expected, block)
 
 
 def test_a_scheduler_on_the_users_optimizer_sets_the_sharded_optimizers_rate_also_after_a_resume(tmp_path, groups):

@@ -130,3 +130,32 @@ def test_a_window_mixing_sums_and_means_is_refused():
     engine.backward(model(ids).sum(), items=10)
     with pytest.raises(ValueError, match="items: give items= to every engine.backward"):
         engine.backward(model(ids).mean())
+
+
+class TokenSum(nn.Module):
+    """A criterion that says it sums its rows, as torch's losses with reduction="sum" do."""
+
+    reduction = "sum"
+
+    def forward(self, logits, labels):
+        return token_sum(logits, labels)
+
+
+@pytest.mark.parametrize("strategy", ["dp-balanced", "replicated"])
+def test_a_summing_criterion_in_the_replicas_returns_the_whole_batch_sum(strategy):
+    """The loss such a criterion returns is the sum over every replica's rows (what `dpkit train` shows), not the
+    replicas' sums averaged by rows; its step with items= is one device's token mean."""
+    ids, labels = step_batches(1)[0][0]
+    whole = token_sum(token_model()(ids), labels).item()
+    model = token_model()
+    engine = dpkit.Engine(strategy=strategy, accelerator="cpu", devices=2)
+    model, optimizer = engine.setup(model, torch.optim.SGD(model.parameters(), lr=0.5))
+    criterion = engine.setup_criterion(TokenSum())
+    assert criterion(model(ids), labels).item() == pytest.approx(whole, rel=1e-6)
+    for micro in step_batches(1):
+        for ids, labels in micro:
+            optimizer.zero_grad()
+            engine.backward(criterion(model(ids), labels), items=(labels != -100).sum())
+        optimizer.step()
+    weights = dpkit.unwrap_model(model).parameters()
+    assert max((a - b).abs().max().item() for a, b in zip(weights, reference_weights(1))) <= TOLERANCE

@@ -49,8 +49,6 @@ def run_worker(argv: Sequence[str] | None = None) -> None:
     launcher_pid = os.environ.get(LAUNCHER_PID_VARIABLE)
     die_with_parent(int(launcher_pid) if launcher_pid else None)
     write_stacks_on_signal()
-    from dpkit.observe.collectives import CollectiveMismatch
-
     try:
         if mode == "module":
             sys.argv = [target, *args]
@@ -59,7 +57,12 @@ def run_worker(argv: Sequence[str] | None = None) -> None:
             sys.argv = [target, *args]
             sys.path.insert(0, os.path.dirname(os.path.abspath(target)))
             runpy.run_path(target, run_name="__main__")
-    except CollectiveMismatch as error:
+    except Exception as error:
+        # a script's first code loads no torch here (a launch of a torch-free script stays cheap): a
+        # CollectiveMismatch exists only if its module was loaded, so look it up only then
+        collectives = sys.modules.get("dpkit.observe.collectives")
+        if collectives is None or not isinstance(error, collectives.CollectiveMismatch):
+            raise
         # its one line goes to the launcher's summary (torchrun's error file); the process leaves at once, as
         # collectives that will never pair are still pending and gloo's teardown would wait for them
         import traceback

@@ -132,6 +132,13 @@ class Traits:
         return self.processes == PER_DEVICE or self.max_devices == 1
 
 
+def criterion_sums(criterion: Callable) -> bool:
+    """Whether a criterion adds its rows' losses (torch's losses with reduction="sum"): the replicas' losses of
+    such a criterion are added, not averaged by rows, in value and gradient (pair it with
+    engine.backward(loss, items=n))."""
+    return getattr(criterion, "reduction", None) == "sum"
+
+
 class Strategy:
     """The one-process, one-device behaviour every strategy starts from."""
 

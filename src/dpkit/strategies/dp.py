@@ -64,7 +64,8 @@ class LossMeanDataParallel(DataParallel):
                 self.last_weights = ReplicaWeights(rows)
                 moved = [loss.to(self.output_device) for loss in outputs]
                 return WeightedLosses.apply(self.last_weights, *moved)
-        if with_loss:
+        if with_loss:  # a criterion that sums its rows: the replicas' sums are added
+            self.last_weights = None
             return super().combine(outputs, sizes, with_loss, inputs, kwargs)
         with hooks.phase("gather", self.output_device):
             return gather(

@@ -19,7 +19,16 @@ from torch import nn
 from dpkit.observe import measured_balance  # noqa: F401  (plugs the measured balance into the seam)
 from dpkit.parallel import hooks
 from dpkit.parallel.data_parallel import StatefulChunkPlanner
-from dpkit.strategies.base import IN_REPLICAS, ONE_PROCESS, PER_STEP, DeferredOutput, Strategy, Traits, defers
+from dpkit.strategies.base import (
+    IN_REPLICAS,
+    ONE_PROCESS,
+    PER_STEP,
+    DeferredOutput,
+    Strategy,
+    Traits,
+    criterion_sums,
+    defers,
+)
 from dpkit.strategies.dp import LossMeanDataParallel
 
 
@@ -55,6 +64,8 @@ class DPBalanced(Strategy):
             raise RuntimeError("criterion: dp-balanced wraps the criterion of a model it wrapped; wrap the model first")
         self.criterion = criterion
         data_parallel.loss_fn = criterion  # dp(x, target=y) now returns the loss; dp(x) still the outputs
+        # a criterion that sums its rows: the replicas' sums are added (value and gradient)
+        data_parallel.loss_reduction = "sum" if criterion_sums(criterion) else "mean"
 
         def loss_in_replicas(output: DeferredOutput, *targets: Any, **criterion_kwargs: Any) -> torch.Tensor:
             if criterion_kwargs or len(targets) != 1:

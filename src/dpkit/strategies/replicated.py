@@ -43,7 +43,16 @@ from dpkit.parallel.reduce import GradientSum
 from dpkit.parallel.replica_rng import TrainingModeWatches
 from dpkit.parallel.replicate import check_replicable
 from dpkit.parallel.scatter import batch_size_of, plan_split, scatter
-from dpkit.strategies.base import IN_REPLICAS, ONE_PROCESS, PERSISTENT, DeferredOutput, Strategy, Traits, defers
+from dpkit.strategies.base import (
+    IN_REPLICAS,
+    ONE_PROCESS,
+    PERSISTENT,
+    DeferredOutput,
+    Strategy,
+    Traits,
+    criterion_sums,
+    defers,
+)
 from dpkit.strategies.combined_loss import ReplicaStep, combined_loss
 from dpkit.strategies.replica_optimizers import ReplicaOptimizers, SharedOptimizer, clone_optimizer
 
@@ -240,6 +249,8 @@ class Replicated(Strategy):
         if batch is None:
             raise ValueError("model inputs: strategy 'replicated' found no tensor to split along dim 0")
         active, weights, chunks = self.split((output.args, targets), output.kwargs, batch)
+        if criterion_sums(criterion):  # each replica's loss is a sum over its items: the batch's is their sum
+            weights = [1.0] * len(weights)
 
         def forward_and_loss(k: int) -> torch.Tensor:
             (args_k, targets_k), kwargs_k = chunks[k]
@@ -248,7 +259,7 @@ class Replicated(Strategy):
                 loss = criterion(out, *targets_k, **criterion_kwargs)
             if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
                 raise ValueError(
-                    "criterion: must return a scalar (0-dim) mean loss, "
+                    "criterion: must return a scalar (0-dim) loss, a mean or a sum over its rows, "
                     f"got {type(loss).__name__} {getattr(loss, 'shape', '')}"
                 )
             return loss

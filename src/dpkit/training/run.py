@@ -124,7 +124,9 @@ class Run:
             config.optimizer, model.parameters(), config.lr, config.momentum, config.weight_decay
         )
         self.model, self.optimizer = engine.setup(model, self.base_optimizer)
-        self.criterion = engine.setup_criterion(nn.CrossEntropyLoss())
+        # a sum over each micro-batch's rows, weighted by engine.backward(loss, items=rows): the step's gradient is
+        # that of the mean over all its rows, however they are split over devices, micro-batches and processes
+        self.criterion = engine.setup_criterion(nn.CrossEntropyLoss(reduction="sum"))
         train_data = TensorDataset(x_train, y_train)
         # the batch order comes from its own seeded generator: the same global batches for every strategy
         order = RandomSampler(train_data, generator=torch.Generator().manual_seed(config.seed))
@@ -214,8 +216,8 @@ class Run:
         config, engine, optimizer = self.config, self.engine, self.optimizer
         optimizer.zero_grad()
         loss = self.criterion(self.model(x), y)
-        engine.backward(loss)
-        self.window_losses.append(loss.detach().float() * len(y))
+        engine.backward(loss, items=len(y))
+        self.window_losses.append(loss.detach().float())
         self.window_rows += len(y)
         norm = None
         if config.clip_grad_norm is not None and engine.window_complete:
