@@ -148,11 +148,20 @@ def test_replicated_reports_every_replica_on_its_own_device(tmp_path):
     assert len(optimizer_tracks) == 3
 
 
-def test_ddp_writes_one_report_with_every_rank_and_its_all_reduce(tmp_path):
-    small = ["--devices", "2", "--batch-size", "64", "--warmup", "1", "--precision", "64"]
-    report = run_profile(
-        tmp_path, "ddp", *small, "--trace", str(tmp_path / "ddp_trace.json"), "--png", str(tmp_path / "ddp.png")
-    )
+PER_DEVICE_SMALL = ["--devices", "2", "--batch-size", "64", "--warmup", "1", "--precision", "64"]
+
+
+@pytest.fixture(scope="module")
+def ddp_profile(tmp_path_factory):
+    """One `dpkit profile --strategy ddp` (launched: two processes), with its trace and plot, read by two tests."""
+    folder = tmp_path_factory.mktemp("ddp-profile")
+    trace, png = str(folder / "ddp_trace.json"), str(folder / "ddp.png")
+    return run_profile(folder, "ddp", *PER_DEVICE_SMALL, "--trace", trace, "--png", png), folder
+
+
+def test_ddp_writes_one_report_with_every_rank_and_its_all_reduce(tmp_path, ddp_profile):
+    small = PER_DEVICE_SMALL
+    report, folder = ddp_profile
     assert report["processes"] == 2
     assert [d["device"] for d in report["devices"]] == ["cpu:0", "cpu:1"]
     assert [d["rows"] for d in report["devices"]] == [32, 32] and report["steps"] == 2
@@ -161,23 +170,22 @@ def test_ddp_writes_one_report_with_every_rank_and_its_all_reduce(tmp_path):
         assert {"forward", "loss", "backward", "all_reduce", "optimizer"} <= set(phases)
         assert 0.0 <= entry["hidden_seconds_by_phase"].get("all_reduce", 0.0) <= phases["all_reduce"] + 1e-9
         assert entry["peak_bytes_by_category"]["parameters"] == param_bytes_of_wide_output(8)
-    trace = json.loads((tmp_path / "ddp_trace.json").read_text())["traceEvents"]
+    trace = json.loads((folder / "ddp_trace.json").read_text())["traceEvents"]
     tracks = {e["args"]["name"]: e["tid"] for e in trace if e.get("name") == "thread_name"}
     assert {e["tid"] for e in trace if e["ph"] == "X" and e["name"] == "all_reduce"} == {
         tracks["cpu:0"],
         tracks["cpu:1"],
     }
-    assert (tmp_path / "ddp.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (folder / "ddp.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     # the global batch's loss after three Adam steps equals one device's, as ddp promises
     single = run_profile(tmp_path, "single", *small, "--devices", "1")
     assert report["last_loss"] == pytest.approx(single["last_loss"], rel=1e-9)
 
 
-def test_fsdp_books_its_shards_and_says_what_ddp_would_keep(tmp_path, capfd):
-    small = ["--devices", "2", "--batch-size", "64", "--warmup", "1", "--precision", "64"]
-    ddp = run_profile(tmp_path, "ddp", *small)
+def test_fsdp_books_its_shards_and_says_what_ddp_would_keep(tmp_path, capfd, ddp_profile):
+    ddp = ddp_profile[0]
     capfd.readouterr()
-    fsdp = run_profile(tmp_path, "fsdp", *small)
+    fsdp = run_profile(tmp_path, "fsdp", *PER_DEVICE_SMALL)
     printed = capfd.readouterr().out  # printed by rank 0, a process of its own
     for entry, whole in zip(fsdp["devices"], ddp["devices"]):
         mine, theirs = entry["peak_bytes_by_category"], whole["peak_bytes_by_category"]

@@ -114,12 +114,18 @@ def test_a_reduce_that_meets_a_gradient_collective_is_named_at_both_lines(tmp_pa
     assert re.search(rf"rank 0[^;]*all_\w+[^;]*step 6, train\.py:({BACKWARD_LINE}|{FORWARD_LINE})", message), message
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
-def test_a_stuck_rank_is_named_with_its_collective_and_where_it_is(tmp_path, strategy):
-    message, elapsed, files = _run(tmp_path, strategy, "stuck")
-    assert elapsed < BOUND_SECONDS, elapsed
+# ddp only: the hang watch and the heartbeats that carry each rank's last collective are the same for every
+# strategy with a process per device; fsdp's own collective record is named by the three cases above
+def test_a_stuck_rank_is_named_with_its_collective_and_where_it_is(tmp_path):
+    message, elapsed, files = _run(tmp_path, "ddp", "stuck")
+    assert elapsed < BOUND_SECONDS, elapsed  # far below the Engine's 120 s collective timeout
     assert "rank1-step3" in files and "rank0-stepped3" not in files
-    assert re.match(r"worker rank 1 \(pid \d+, node 0\) made no progress for \d+ s", message), message
+    # the culprit comes first and is the one named as making no progress; rank 0 only waited
+    assert re.match(
+        rf"worker rank 1 \(pid \d+, node 0\) made no progress for \d+ s \(hang_timeout_seconds={HANG_TIMEOUT}\)",
+        message,
+    ), message
+    assert "rank(s) 0 waited" in message and "worker rank 0" not in message
     assert re.search(r"last collectives: rank 0: all_\w+.*step 3, train\.py:\d+ in <module>\)", message), message
     assert f"rank 1 at train.py:{STUCK_LINE} in <module>" in message, message  # where rank 1 is now
 
