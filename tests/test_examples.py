@@ -13,6 +13,34 @@ from dpkit.strategies.fsdp import shard_units
 from dpkit.training.sources import model_source
 
 
+def test_digits_are_scikit_learns_split_by_class_and_seed():
+    """Read from scikit-learn's bundled file without importing it (run in a fresh process to see that), the
+    same rows as its own loader; each class's share of the 360 test rows is its share of the data."""
+    import subprocess
+    import sys
+
+    from sklearn.datasets import load_digits as sklearn_digits
+
+    from dpkit.examples.digits import load_digits
+
+    code = (
+        "import sys; from dpkit.examples.digits import load_digits; load_digits(); assert 'sklearn' not in sys.modules"
+    )
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=120).returncode == 0
+    x_train, y_train, x_test, y_test = load_digits(seed=0)
+    assert len(x_train) == 1437 and len(x_test) == 360
+    reference = sklearn_digits()
+    x, y = torch.cat([x_train, x_test]), torch.cat([y_train, y_test])
+    rows = sorted(zip(x.mul(16).round().int().tolist(), y.tolist()))
+    expected = sorted(zip(torch.tensor(reference.data).int().tolist(), reference.target.tolist()))
+    assert rows == expected  # every row once, with its label
+    counts, test_counts = torch.bincount(y), torch.bincount(y_test, minlength=10)
+    assert ((test_counts - 0.2 * counts).abs() < 1).all()
+    again, other = load_digits(seed=0), load_digits(seed=1)
+    assert torch.equal(again[3], y_test) and torch.equal(again[2], x_test)
+    assert not torch.equal(other[2], x_test)
+
+
 @pytest.mark.parametrize("name", sorted(EXAMPLES))
 def test_every_example_builds_loads_class_labels_and_runs_a_forward(name):
     example = get_example(name)
@@ -63,14 +91,20 @@ def test_wide_blocks_weights_dominate_and_each_block_is_an_fsdp_unit():
     assert shard_units(model) == list(model.blocks)  # fsdp's default rule: the ModuleList's blocks
 
 
+def main_here(argv: list[str]) -> int:
+    """`dpkit ARGV` in this process: in a launched group's process, as that rank of the command."""
+    return main(argv)
+
+
 @pytest.mark.slow
-def test_wide_blocks_fsdp_keeps_at_most_0_6x_of_ddps_training_state_per_device(tmp_path):
+def test_wide_blocks_fsdp_keeps_at_most_0_6x_of_ddps_training_state_per_device(tmp_path, groups):
     state = {}
     for strategy in ("ddp", "fsdp"):
         out = tmp_path / f"{strategy}.json"
         argv = ["profile", "--example", "wide-blocks", "--strategy", strategy, "--accelerator", "cpu"]
         argv += ["--devices", "2", "--batch-size", "64", "--steps", "1", "--warmup", "1", "--no-progress"]
-        assert main([*argv, "--json", str(out)]) == 0
+        # each rank of a launched group runs the profile, as `dpkit profile` runs it in the processes it starts
+        assert groups(2).run(main_here, [*argv, "--json", str(out)]) == [0, 0]
         report = json.loads(out.read_text())
         assert len(report["devices"]) == 2
         # parameters, gradients and optimizer state at each device's peak, as the table shows them

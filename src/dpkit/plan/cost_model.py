@@ -643,6 +643,13 @@ def memory_by_category(setup: Setup) -> list[dict[str, int]]:
     On virtual CPU devices (`hardware.shared_compute`) a strategy that shares host weights (replicated) makes its
     replicas views of replica 0's weights, stepped once with one optimizer state: the other replicas hold only
     their gradients until the sum."""
+    root, other = _root_and_other(setup)
+    return [root] + [dict(other) for _ in range(setup.devices - 1)]
+
+
+def _root_and_other(setup: Setup) -> tuple[dict[str, int], dict[str, int]]:
+    """memory_by_category's device 0 and any other device (all the others hold the same): the advisor asks for up
+    to thousands of devices."""
     profile, traits = setup.profile, setup.traits
     parameters = profile.parameters
     whole = {part: per * parameters for part, per in state_bytes_per_parameter(setup.optimizer).items()}
@@ -689,26 +696,26 @@ def memory_by_category(setup: Setup) -> list[dict[str, int]]:
         "activations": per_sample * batch,
         "gathered_outputs": 0.0,
     }
-    devices = [dict(first) for _ in range(setup.devices)]
+    root, other = dict(first), dict(first)
     if traits.replicas == PER_STEP:  # device 0 keeps the model and the optimizer state; the others a copy per step
-        for other in devices[1:]:
-            other["optimizer_state"] = 0
+        other["optimizer_state"] = 0
         if traits.loss == ON_ROOT and setup.devices > 1:
             # gathered logits and their gradient (one device: DataParallel runs the module directly)
-            devices[0]["gathered_outputs"] = 2 * profile.output_bytes_per_sample * setup.devices * batch
+            root["gathered_outputs"] = 2 * profile.output_bytes_per_sample * setup.devices * batch
     elif traits.shares_host_weights and setup.hardware.shared_compute:
-        for other in devices[1:]:
-            other["parameters"] = other["optimizer_state"] = 0
-    return [{name: int(account[name]) for name in MEMORY_CATEGORIES} for account in devices]
+        other["parameters"] = other["optimizer_state"] = 0
+    return {name: int(root[name]) for name in MEMORY_CATEGORIES}, {name: int(other[name]) for name in MEMORY_CATEGORIES}
 
 
 def memory_per_device(setup: Setup) -> tuple[list[int], list[float]]:
     """(peak bytes per device, bytes per extra sample per device), device 0 first: memory_by_category added up."""
-    at_zero = memory_by_category(setup.with_batch(0))
-    at_one = memory_by_category(setup.with_batch(1))
+    # device 0 and one other stand for all: every device after the first holds the same
+    at_zero = _root_and_other(setup.with_batch(0))
+    at_one = _root_and_other(setup.with_batch(1))
     slopes = [float(sum(one.values()) - sum(zero.values())) for zero, one in zip(at_zero, at_one)]
     peaks = [int(sum(zero.values()) + slope * setup.batch_per_device) for zero, slope in zip(at_zero, slopes)]
-    return peaks, slopes
+    others = setup.devices - 1
+    return peaks[:1] + peaks[1:] * others, slopes[:1] + slopes[1:] * others
 
 
 def largest_batch_per_device(setup: Setup) -> int:
