@@ -92,12 +92,16 @@ def test_a_wait_for_the_other_replicas_is_booked_as_such_not_as_the_gil():
 
 
 def test_without_memory_accounts_no_dispatch_mode_runs_in_the_calling_thread():
+    # compared with what runs before: an observer an earlier test in this process left started (a balance
+    # measurement stopped by its wrapper's finalizer, which garbage collection has not run yet) keeps the shared
+    # tracker entered, and a memory-less observer must add nothing to it
+    before = _get_current_dispatch_mode()
     seen = []
     with Observer("cpu:0", memory=False):
         seen.append(_get_current_dispatch_mode())
     with Observer("cpu:0"):
         seen.append(_get_current_dispatch_mode())
-    assert seen[0] is None and seen[1] is not None
+    assert seen[0] is before and type(seen[1]).__name__ == "CallingThreadTracker"
 
 
 def test_the_split_is_in_the_json_and_under_the_table(tmp_path):
