@@ -7,6 +7,8 @@ the others run it here. A strategy added to the registry is checked here without
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from torch import nn
@@ -40,6 +42,8 @@ def engine_run(
     torch.manual_seed(3)
     model = nn.Sequential(nn.Linear(20, 32), nn.ReLU(), nn.Linear(32, 5))
     model, optimizer = engine.setup(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+    # made on the Engine's optimizer after setup, as torch's examples make theirs: it is a torch Optimizer
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
     criterion = engine.setup_criterion(nn.CrossEntropyLoss())
     order = RandomSampler(range(300), generator=torch.Generator().manual_seed(5))
     loader = engine.setup_dataloader(DataLoader(data(), batch_size=batch_size, sampler=order))
@@ -55,6 +59,8 @@ def engine_run(
             if clip is not None and micro_batches % accumulate == 0:
                 norms.append(float(engine.clip_gradients(optimizer, clip)))
             optimizer.step()
+            if micro_batches % accumulate == 0:
+                scheduler.step()
             if engine.step == STEPS:
                 break
     weights = [whole(p.detach()).clone() for p in bare.parameters()]
@@ -116,6 +122,29 @@ def test_clipped_gradients_take_the_single_device_step(strategy, single_runs, gr
         where = f"{strategy} clipped, on 3 devices, batch 67, process {rank}"
         assert_close(list(result["norms"]), list(single["norms"]), f"{where}: norms before clipping")
         assert_close(result["weights"], single["weights"], f"{where}: weights after {STEPS} steps")
+
+
+def test_the_single_run_is_torchs_own_loop_with_its_schedule():
+    """The reference is plain torch: the same model, data order, SGD and StepLR, without an Engine (so the
+    scheduler made on the Engine's optimizer does set the learning rate every strategy above steps with)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        single = engine_run(reference(), 1, 64)
+    assert not [w for w in caught if "lr_scheduler" in str(w.message)]  # the scheduler saw optimizer.step()
+    torch.manual_seed(3)
+    model = nn.Sequential(nn.Linear(20, 32), nn.ReLU(), nn.Linear(32, 5))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
+    order = RandomSampler(range(300), generator=torch.Generator().manual_seed(5))
+    batches = iter(DataLoader(data(), batch_size=64, sampler=order))
+    for _ in range(STEPS):
+        x, y = next(batches)
+        optimizer.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        optimizer.step()
+        scheduler.step()
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(0.1 * 0.5 ** (STEPS // 2))
+    assert_close(single["weights"], [p.detach() for p in model.parameters()], "single against torch's loop")
 
 
 def test_the_runs_are_not_vacuous(single_runs):

@@ -12,8 +12,8 @@ from torch.utils.data import DataLoader, RandomSampler, TensorDataset
 
 import dpkit
 from dpkit.training.checkpoint import CheckpointCorruptError, CheckpointMismatchError
-from dpkit.training.engine import Accumulation
 from dpkit.training.state import ResumableLoader, capture_rng, restore_rng
+from dpkit.training.wrappers import Accumulation
 
 
 def draws() -> tuple:
@@ -117,7 +117,7 @@ def test_two_optimizers_both_step_and_the_step_counts_once():
     accumulation = Accumulation(every=1)
     model = nn.Linear(2, 2)
     from dpkit.precision import Precision
-    from dpkit.training.engine import EngineOptimizer
+    from dpkit.training.wrappers import EngineOptimizer
 
     first = EngineOptimizer(torch.optim.SGD([model.weight], lr=1.0), accumulation, Precision())
     second = EngineOptimizer(torch.optim.SGD([model.bias], lr=1.0), accumulation, Precision())

@@ -20,7 +20,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import dpkit
 from dpkit.strategies import PER_DEVICE, SHARDED, available_strategies, strategy_class
-from dpkit.training.engine import Engine, EngineModule
+from dpkit.training.engine import Engine
+from dpkit.training.wrappers import EngineModule
 
 LR = 0.5
 TOLERANCE = 1e-6

@@ -12,10 +12,10 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Iterable
-from typing import Any
 
 import torch
 from torch.autograd.graph import Node
+from torch.utils.hooks import RemovableHandle
 
 from dpkit.observe.timing import PhaseClock
 
@@ -30,9 +30,9 @@ class BackwardMarker:
         self.clock = clock
         self.home_device = home_device
         self._local = threading.local()  # .stack: marked nodes running in this thread
-        self._accumulate_nodes: dict[int, Any] = {}  # strong refs: hooked once per node, ids stay unique
-        self._broadcast: Any = None  # the last broadcast node hooked (a strong ref: its id stays unique)
-        self._handles: list[Any] = []
+        self._accumulate_nodes: dict[int, Node] = {}  # strong refs: hooked once per node, ids stay unique
+        self._broadcast: Node | None = None  # the last broadcast node hooked (a strong ref: its id stays unique)
+        self._handles: list[RemovableHandle] = []
         self.seconds_off_home = 0.0  # time spent in nodes of other devices (taken out of the home's backward)
 
     def current(self) -> tuple[str, str] | None:
@@ -40,7 +40,7 @@ class BackwardMarker:
         stack = getattr(self._local, "stack", None)
         return stack[-1][:2] if stack else None
 
-    def mark(self, roots: Iterable[Any], device: str, stop: Iterable[Any] = ()) -> None:
+    def mark(self, roots: Iterable[object], device: str, stop: Iterable[Node | None] = ()) -> None:
         """Mark the nodes behind `roots` with `device`, stopping at the nodes in `stop` (the graph the
         replica's inputs came from) and at the reduction's nodes (hooked once as the home's "reduce")."""
         stop_ids = {id(node) for node in stop if node is not None}
@@ -67,14 +67,14 @@ class BackwardMarker:
             self._hook(node, device, "backward")
             stack.extend(next_node for next_node, _ in node.next_functions)
 
-    def _hook(self, node: Any, device: str, phase: str, keep: bool | None = None) -> None:
-        def enter(*_: Any) -> None:
+    def _hook(self, node: Node, device: str, phase: str, keep: bool | None = None) -> None:
+        def enter(*_: object) -> None:
             stack = getattr(self._local, "stack", None)
             if stack is None:
                 stack = self._local.stack = []
             stack.append((device, phase, self.clock.begin(device, phase) if self.clock is not None else None))
 
-        def leave(*_: Any) -> None:
+        def leave(*_: object) -> None:
             stack = getattr(self._local, "stack", None)
             if not stack:
                 return

@@ -161,7 +161,7 @@ class MemoryLedger:
 
 
 @functools.cache  # one entry per operator overload seen
-def _fresh_returns(func: Any) -> tuple[bool, ...]:
+def _fresh_returns(func: OpOverload) -> tuple[bool, ...]:
     """Per return value: True when the operator allocates it (it does not alias an input)."""
     return tuple(ret.alias_info is None for ret in func._schema.returns)
 

@@ -31,7 +31,9 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.autograd.graph import Node
 from torch.utils._pytree import tree_leaves
+from torch.utils.hooks import RemovableHandle
 
 from dpkit.observe.cuda import AllocatorPeaks
 from dpkit.observe.graph import BackwardMarker
@@ -97,7 +99,7 @@ class Observer:
         self.allocator_peaks = AllocatorPeaks()
         self.step_split = StepSplit() if timing else None  # the step by thread (step_split.py)
         self._thread = threading.local()  # .phases: this thread's phase stack; .scope: its replica scope
-        self._handles: list[Any] = []  # gradient hooks of watched parameters
+        self._handles: list[RemovableHandle] = []  # gradient hooks of watched parameters
         self._watched: set[int] = set()
         self._listening: hooks.Handle | None = None
         self._started = False
@@ -146,7 +148,7 @@ class Observer:
     def __enter__(self) -> Observer:
         return self.start()
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.stop()
 
     # ---- where this thread's work goes -----------------------------------------------------------
@@ -321,7 +323,7 @@ class Observer:
             self.steps += 1
             self.watch(module, devices[0])
 
-    def outputs(self, outputs: Sequence[Any], devices: Sequence[torch.device], stop: Sequence[Any]) -> None:
+    def outputs(self, outputs: Sequence[Any], devices: Sequence[torch.device], stop: Sequence[Node | None]) -> None:
         """The replicas' outputs: their autograd nodes are their devices' backward."""
         if not self.backward_by_device:
             return
@@ -341,7 +343,9 @@ class Observer:
         finally:
             self.step_split.leave(OBSERVER)
 
-    def mark_backward(self, roots: Iterable[Any], device: torch.device | str, stop: Iterable[Any] = ()) -> None:
+    def mark_backward(
+        self, roots: Iterable[object], device: torch.device | str, stop: Iterable[Node | None] = ()
+    ) -> None:
         """Charge and time the autograd nodes behind `roots` (a replica's outputs) to `device`."""
         self.backward.mark(roots, device_key(device), stop)
 

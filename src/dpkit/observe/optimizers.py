@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+from torch.utils.hooks import RemovableHandle
 
 if TYPE_CHECKING:
     from dpkit.observe.observer import Observer
@@ -36,7 +37,7 @@ class OptimizerWatch:
     def __init__(self, observer: Observer):
         self.observer = observer
         self.seen: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()  # optimizers that stepped while observed
-        self._handles: list[Any] = []
+        self._handles: list[RemovableHandle] = []
 
     def start(self) -> None:
         self._handles = [
@@ -58,11 +59,11 @@ class OptimizerWatch:
                     return where[0]
         return None
 
-    def _before_step(self, optimizer: torch.optim.Optimizer, *_: Any) -> None:
+    def _before_step(self, optimizer: torch.optim.Optimizer, *_: object) -> None:
         self.seen.add(optimizer)
         device = self.device_of(optimizer)
         self.observer.watch_optimizer(optimizer, device)
         self.observer.enter_phase("optimizer", device)
 
-    def _after_step(self, *_: Any) -> None:
+    def _after_step(self, *_: object) -> None:
         self.observer.leave_phase("optimizer")

@@ -10,7 +10,6 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
@@ -52,7 +51,7 @@ class _Open:
     device: str
     phase: str
     host_start: float
-    start_event: Any = None
+    start_event: torch.cuda.Event | None = None
 
 
 class PhaseClock:
@@ -64,7 +63,7 @@ class PhaseClock:
         self.keep_spans = keep_spans
         self._lock = threading.Lock()
         self._spans: list[Span] = []
-        self._pending_cuda: list[tuple[_Open, Any]] = []
+        self._pending_cuda: list[tuple[_Open, torch.cuda.Event, torch.cuda.Event]] = []  # (phase, start, end)
         self._totals: dict[str, dict[str, float]] = {}
 
     def begin(self, device: str, phase: str) -> _Open:
@@ -79,7 +78,7 @@ class PhaseClock:
             end_event = torch.cuda.Event(enable_timing=True)
             end_event.record(_stream_of(token.device))
             with self._lock:
-                self._pending_cuda.append((token, end_event))
+                self._pending_cuda.append((token, token.start_event, end_event))
             return
         self.add(token.device, token.phase, token.host_start, time.perf_counter() - token.host_start)
 
@@ -103,9 +102,9 @@ class PhaseClock:
         """Turn recorded CUDA event pairs into seconds (waits for them to complete)."""
         with self._lock:
             pending, self._pending_cuda = self._pending_cuda, []
-        for token, end_event in pending:
+        for token, start_event, end_event in pending:
             end_event.synchronize()
-            self.add(token.device, token.phase, token.host_start, token.start_event.elapsed_time(end_event) / 1e3)
+            self.add(token.device, token.phase, token.host_start, start_event.elapsed_time(end_event) / 1e3)
 
     def seconds_by_phase(self, device: str) -> dict[str, float]:
         self.resolve()

@@ -8,7 +8,6 @@ loaders follow the new strategy). Only strategies that drive every device from t
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import torch
 from torch import nn
@@ -24,7 +23,13 @@ def _candidates(grad_scaler: bool) -> list[str]:
 
 
 def choose_from_batch(
-    placement: Placement, model: nn.Module, args: tuple, kwargs: dict, optimizer: Any, *, grad_scaler: bool
+    placement: Placement,
+    model: nn.Module,
+    args: tuple,
+    kwargs: dict,
+    optimizer: torch.optim.Optimizer | str,
+    *,
+    grad_scaler: bool,
 ) -> tuple[Placement, str]:
     """The placement dpkit.choose_strategy picks for `model` on the model's first call (`args`, `kwargs`),
     among placement.auto_devices, and the choice's one-line reason."""
@@ -55,7 +60,7 @@ def choose_from_batch(
     return placement.decided(choice.strategy, placement.auto_devices[: choice.devices]), choice.reason
 
 
-def choose_from_state(placement: Placement, saved: Any, where: Path, *, grad_scaler: bool) -> tuple[Placement, str]:
+def choose_from_state(placement: Placement, saved: object, where: Path, *, grad_scaler: bool) -> tuple[Placement, str]:
     """The placement of the strategy a state in `where` was saved under, when this process can run it, and the
     line that says so; otherwise `placement` unchanged (the first batch still decides) and ""."""
     if saved not in _candidates(grad_scaler):

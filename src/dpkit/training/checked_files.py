@@ -14,8 +14,9 @@ import logging
 import os
 import secrets
 import zipfile
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import BinaryIO
 
 import torch
 
@@ -77,7 +78,7 @@ class _HashingWriter:
         self.handle.flush()
 
 
-def write_checked(obj: Any, handle: BinaryIO) -> None:
+def write_checked(obj: object, handle: BinaryIO) -> None:
     """torch.save `obj` into an open binary file, then its SHA-256 into the archive's zip comment, and fsync."""
     writer = _HashingWriter(handle)
     torch.save(obj, writer)  # type: ignore[arg-type]  # torch.save writes to any object with write() (its docs say)
@@ -90,7 +91,7 @@ def write_checked(obj: Any, handle: BinaryIO) -> None:
     os.fsync(handle.fileno())
 
 
-def atomic_write(path: str | os.PathLike, write: Any) -> Path:
+def atomic_write(path: str | os.PathLike, write: Callable[[BinaryIO], object]) -> Path:
     """write(handle) into a temporary file next to `path`, fsync, rename over `path`, fsync the folder."""
     path = Path(path)
     if path.is_dir():
@@ -130,7 +131,7 @@ def os_error_in(error: BaseException) -> OSError | None:
     return None
 
 
-def write_error(failure: OSError, path: Any, intact: str) -> CheckpointWriteError:
+def write_error(failure: OSError, path: str | os.PathLike, intact: str) -> CheckpointWriteError:
     """One line for a write that failed: what happened, where, and that what was there before is intact."""
     if failure.errno == errno.ENOSPC:
         what = "no space left on device"
@@ -143,7 +144,7 @@ def write_error(failure: OSError, path: Any, intact: str) -> CheckpointWriteErro
     return error
 
 
-def atomic_save(obj: Any, path: str | os.PathLike) -> Path:
+def atomic_save(obj: object, path: str | os.PathLike) -> Path:
     """torch.save with a checksum, to a temporary file in the same folder, fsynced, then renamed over `path`."""
     return atomic_write(path, lambda handle: write_checked(obj, handle))
 

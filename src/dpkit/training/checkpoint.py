@@ -20,7 +20,7 @@ import sys
 from collections import OrderedDict
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -53,6 +53,9 @@ from dpkit.training.safetensors_files import (  # noqa: F401
     safetensors_has_checksum,
     write_safetensors,
 )
+
+if TYPE_CHECKING:
+    from torch.serialization import MAP_LOCATION as MapLocation
 
 log = logging.getLogger("dpkit")
 
@@ -146,7 +149,7 @@ def clean_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
 # --- reading ------------------------------------------------------------------------------------------
 
 
-def read_checked(path: str | os.PathLike, *, map_location: Any = "cpu") -> Any:
+def read_checked(path: str | os.PathLike, *, map_location: MapLocation = "cpu") -> Any:
     """Verify a checkpoint file, then torch.load it with weights_only=True; errors name the path."""
     path = Path(path)
     if is_safetensors(path):
@@ -233,7 +236,7 @@ def save_state_dict(state: Mapping[str, Any], path: str | os.PathLike) -> Path:
     return written
 
 
-def read_model_file(path: str | os.PathLike, *, map_location: Any = "cpu") -> dict[str, Any]:
+def read_model_file(path: str | os.PathLike, *, map_location: MapLocation = "cpu") -> dict[str, Any]:
     """The model state dict a checkpoint file holds (its checksum verified, read with weights_only=True),
     unpacked from a trainer's {'state_dict': ...} / {'model': ...} container."""
     path = Path(path)
@@ -289,7 +292,7 @@ def check_state_dict(target: nn.Module, state: Mapping[str, Any], source: Any) -
     return {own_keys[key]: value for key, value in state.items()}
 
 
-def load_model(model: nn.Module, path: str | os.PathLike, *, map_location: Any = "cpu") -> nn.Module:
+def load_model(model: nn.Module, path: str | os.PathLike, *, map_location: MapLocation = "cpu") -> nn.Module:
     """Load a clean or prefixed state dict, or a trainer's {'state_dict': ...} / {'model': ...} container,
     into a bare or wrapped model. The file's checksum is verified and it is read with weights_only=True.
 

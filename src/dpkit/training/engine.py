@@ -27,12 +27,11 @@ import logging
 import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, overload
 
 import torch
 from torch import nn
 from torch.utils.data import DataLoader
-from tqdm import tqdm
 
 from dpkit.checks import check_int
 from dpkit.compilation import check_compile, check_cpp_compiler, take_compiled
@@ -41,18 +40,17 @@ from dpkit.launch.heartbeat import busy
 from dpkit.parallel.workers import hold_workers
 from dpkit.precision import Precision
 from dpkit.strategies import PER_DEVICE, Strategy, create_strategy, matching
+from dpkit.training.among_processes import AmongProcesses
 from dpkit.training.auto_choice import choose_from_batch, choose_from_state
 from dpkit.training.checkpoint import unwrap_model
 from dpkit.training.item_weighting import ItemCount, check_items
-from dpkit.training.loop_checks import LossCheck, check_optimizer_of
+from dpkit.training.loop_checks import LossCheck, check_loss, check_setup
 from dpkit.training.model_files import load_whole_model, save_whole_model
 from dpkit.training.placement import Placement, is_choice, resolve_placement
 from dpkit.training.state import BatchRecord, ResumableLoader, read_state_directory, resumable
 from dpkit.training.state_load import LoaderPosition, load_training_state
 from dpkit.training.state_save import save_training_state
-
-# the wrappers, importable from here as before
-from dpkit.training.wrappers import (  # noqa: F401
+from dpkit.training.wrappers import (
     Accumulation,
     DeviceLoader,
     EngineCriterion,
@@ -60,7 +58,6 @@ from dpkit.training.wrappers import (  # noqa: F401
     EngineOptimizer,
     SetUp,
     clip_gradients,
-    whole_tensors_as_shards,
 )
 
 if TYPE_CHECKING:
@@ -69,7 +66,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("dpkit")
 
 
-class Engine:
+class Engine(AmongProcesses):
     """Set up model, optimizer, criterion and loader for a strategy; backward, reduce, gather, save.
 
     Args:
@@ -112,7 +109,7 @@ class Engine:
         self.placement: Placement = resolve_placement(strategy, accelerator, devices, precision)
         check_cpp_compiler(self.compile_options, self.placement.device.type)  # before a process group exists
         if is_choice(strategy) and self.placement.rank == 0:
-            print(strategy.reason, flush=True)  # type: ignore[union-attr]  # (is_choice: a Choice)
+            print(strategy.reason, flush=True)
         if self.placement.device.type == "cpu":
             # before any step, so that every step runs alike: glibc would hand each freed activation back to the
             # kernel and page-fault it in again the next step (DPKIT_KEEP_HOST_MEMORY=0 leaves malloc alone)
@@ -153,42 +150,19 @@ class Engine:
         strategy.setup_environment()
         return strategy
 
-    # --- where we are ------------------------------------------------------------------------------
-    @property
-    def devices(self) -> list[torch.device]:
-        """The devices the strategy runs on (this node's, under a strategy with a process per device)."""
-        return list(self.placement.devices)
-
-    @property
-    def rank(self) -> int:
-        return self.placement.rank
-
-    @property
-    def world_size(self) -> int:
-        return self.placement.processes
-
-    @property
-    def is_global_zero(self) -> bool:
-        return self.placement.rank == 0
-
-    @property
-    def device(self) -> torch.device:
-        """Where this process's model lives and where its batches go."""
-        return self.strategy.root_device
-
     # --- setup -------------------------------------------------------------------------------------
-    def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> Any:
+    @overload
+    def setup(self, model: nn.Module) -> EngineModule: ...
+    @overload
+    def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[EngineModule, EngineOptimizer]: ...
+    def setup(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None
+    ) -> EngineModule | tuple[EngineModule, EngineOptimizer]:
         """(model, optimizer) wrapped for the strategy; build the optimizer from model.parameters() first.
 
-        The wrapped model's state_dict() and load_state_dict() use `model`'s own keys under every strategy."""
-        if not isinstance(model, nn.Module):
-            raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
-        if self._model is not None:
-            raise RuntimeError("engine.setup: this engine already set up a model; create one Engine per model")
-        if optimizer is not None and (not hasattr(optimizer, "step") or not hasattr(optimizer, "param_groups")):
-            raise TypeError(f"optimizer: expected a torch.optim.Optimizer, got {type(optimizer).__name__}")
-        if optimizer is not None:
-            check_optimizer_of(model, optimizer)
+        The wrapped model's state_dict() and load_state_dict() use `model`'s own keys under every strategy; the
+        wrapped optimizer is a torch.optim.Optimizer (torch's LR schedulers take it)."""
+        check_setup(model, optimizer, set_up_before=self._model is not None)
         # compiled before setup or with compile=: the strategy gets the bare module (clean keys) and compiles it
         model, compile_fn = take_compiled(model, self.compile_options)
         if compile_fn is not None:
@@ -280,13 +254,7 @@ class Engine:
         items: `loss` is a sum over this many items (tokens, rows) of the micro-batch this process's loop sees;
         the step's gradient is then that of all such sums over every device and micro-batch of the step divided
         by their total count (training/item_weighting.py). Give it on every backward of a step or on none."""
-        if not isinstance(loss, torch.Tensor):
-            raise TypeError(f"loss: expected a tensor, got {type(loss).__name__}")
-        if loss.dim() != 0:  # torch's own error ("grad can be implicitly created ...") names no argument
-            raise ValueError(
-                f"loss: expected one value (a 0-dim mean or sum over the batch), got shape {tuple(loss.shape)}; "
-                "reduce it first, e.g. loss.mean()"
-            )
+        check_loss(loss)
         # off by default: the check reads the loss's value each step (a device sync, and a collective across
         # processes so that every process stops at the same step)
         window = self._accumulation.micro_batches % self.accumulate + 1  # this backward's place in its window
@@ -323,7 +291,7 @@ class Engine:
         return bool(self._accumulation.complete)
 
     # --- metrics across processes ------------------------------------------------------------------
-    def clip_gradients(self, optimizer: Any, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+    def clip_gradients(self, optimizer: torch.optim.Optimizer, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """torch.nn.utils.clip_grad_norm_ for the gradients the next `optimizer.step()` applies, under every strategy
         and precision (16-mixed unscales first; replicas that step themselves are clipped alike; a sharded model's
         norm is the whole model's). Call it after the last micro-batch's backward; returns the norm before
@@ -332,48 +300,12 @@ class Engine:
             raise RuntimeError("engine.clip_gradients: pass the optimizer engine.setup(model, optimizer) returned")
         return clip_gradients(self.strategy, self._model, optimizer, self.precision, max_norm, norm_type)
 
-    def reduce(self, value: Any, op: str = "mean", *, weight: float | None = None) -> torch.Tensor:
-        """`value` combined over processes: "sum", "mean", or with weight= the weight-averaged mean
-        (e.g. a per-process mean loss with weight=len(y) gives the mean over all samples)."""
-        if op not in ("mean", "sum"):
-            raise ValueError(f"op: expected 'mean' or 'sum', got {op!r}")
-        tensor = torch.as_tensor(value.detach() if isinstance(value, torch.Tensor) else value, dtype=torch.float64)
-        if weight is not None:
-            if op != "mean":
-                raise ValueError("weight: only op='mean' takes a weight")
-            weights = self.strategy.all_reduce(torch.as_tensor(float(weight), dtype=torch.float64), "sum")
-            return self.strategy.all_reduce(tensor * float(weight), "sum") / weights
-        return self.strategy.all_reduce(tensor, op)
-
-    def gather(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Rows from every process in global-batch order; with engine.setup_dataloader each sample once."""
-        if not isinstance(tensor, torch.Tensor) or tensor.dim() == 0:
-            raise TypeError("tensor: expected a tensor with a batch dimension (rows) to gather")
-        return self.strategy.all_gather_rows(tensor)
-
-    def barrier(self) -> None:
-        self.strategy.barrier()
-
-    def gather_object(self, obj: Any) -> list[Any]:
-        """Every process's `obj` (picklable, e.g. an observe.Report), in rank order; [obj] in one process."""
-        return self.strategy.all_gather_object(obj)
-
     def model_copies(self) -> list[tuple[nn.Module, torch.device]]:
         """(module, device) for every copy of the model this process keeps between steps: a strategy's
         persistent replicas where it has them (replicated), else the set-up model on this process's device."""
         if self._bare_model is None:
             raise RuntimeError("engine.model_copies: call engine.setup(model, optimizer) first")
         return self.strategy.model_copies(self._bare_model)
-
-    # --- rank-0 output -----------------------------------------------------------------------------
-    def progress(self, iterable: Iterable | None = None, **tqdm_kwargs: Any) -> tqdm:
-        """A tqdm bar, shown on rank 0 only (and only with progress=True)."""
-        disable = not (self.show_progress and self.is_global_zero) or tqdm_kwargs.pop("disable", False)
-        return tqdm(iterable, disable=disable, **tqdm_kwargs)
-
-    def print(self, *args: Any, **kwargs: Any) -> None:
-        if self.is_global_zero:
-            print(*args, **kwargs)
 
     def save(self, model: nn.Module, path: str | os.PathLike) -> None:
         """Rank 0 writes the clean state dict (as dpkit.save_model); every process calls it and waits for it."""

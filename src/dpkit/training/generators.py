@@ -38,7 +38,7 @@ def capture_rng(*, cuda: bool = True) -> dict[str, Any]:
     return state
 
 
-def check_rng(state: Any, source: Any) -> None:
+def check_rng(state: object, source: object) -> None:
     if not isinstance(state, dict) or not {"python", "numpy", "torch"} <= set(state):
         raise CheckpointCorruptError(
             f"{source}: the generator states are missing or incomplete; the state cannot be resumed exactly"

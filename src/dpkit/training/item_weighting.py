@@ -12,7 +12,6 @@ the loss, so dividing at the step is exact, and it comes before any clipping.
 from __future__ import annotations
 
 import math
-from typing import Any
 
 import torch
 from torch import nn
@@ -20,7 +19,7 @@ from torch import nn
 from dpkit.strategies import Strategy
 
 
-def check_items(items: Any) -> float:
+def check_items(items: object) -> float:
     """`items` as a float: a count of at least 0 (a Python number or a one-element tensor)."""
     value = items.item() if isinstance(items, torch.Tensor) and items.numel() == 1 else items
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:

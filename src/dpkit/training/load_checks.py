@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -24,7 +24,14 @@ from dpkit.training.state import kind_of, same_kind, short_kind
 log = logging.getLogger("dpkit")
 
 
-def check_optimizer_class(index: int, optimizer: Any, saved_class: str | None) -> None:
+class Stateful(Protocol):
+    """What a load changes and can put back: a model, an optimizer, a strategy, a scheduler given by name."""
+
+    def state_dict(self) -> dict[str, Any]: ...
+    def load_state_dict(self, state_dict: dict[str, Any], /) -> object: ...
+
+
+def check_optimizer_class(index: int, optimizer: torch.optim.Optimizer, saved_class: str | None) -> None:
     """Refuse the state of another optimizer class (Adam's moments into SGD) before anything changes."""
     here = kind_of(getattr(optimizer, "user", optimizer))
     if saved_class is not None and same_kind(saved_class, here) is False:
@@ -105,10 +112,10 @@ class Undo:
     """What load_state changed so far, each with its state from before, put back when a later step fails."""
 
     def __init__(self) -> None:
-        self.changed: list[tuple[str, Any, Any]] = []
+        self.changed: list[tuple[str, Stateful, dict[str, Any]]] = []
         self.step = "the state"  # what is being loaded now, for the message
 
-    def keep(self, what: str, target: Any, before: Any) -> None:
+    def keep(self, what: str, target: Stateful, before: dict[str, Any]) -> None:
         self.changed.append((what, target, before))
         self.step = what
 

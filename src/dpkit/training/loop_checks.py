@@ -1,12 +1,13 @@
-"""Checks of what a training loop hands the Engine, made where a mistake would otherwise train nothing silently:
-an optimizer built over parameters that are not the model's (another instance, a foreign tensor mixed in), and
-the opt-in check of non-finite losses (and the error it raises)."""
+"""Checks of what a training loop hands the Engine: the arguments of engine.setup and engine.backward, in one
+line each before any work; where a mistake would otherwise train nothing silently, an optimizer built over
+parameters that are not the model's (another instance, a foreign tensor mixed in); and the opt-in check of
+non-finite losses (and the error it raises)."""
 
 from __future__ import annotations
 
 import logging
 import math
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, cast
 
 import torch
 from torch import nn
@@ -26,7 +27,31 @@ class NonFiniteLoss(DpkitError):
     """engine.backward got a loss that is nan or inf (Engine(nonfinite_loss='raise'))."""
 
 
-def check_optimizer_of(model: nn.Module, optimizer: Any) -> None:
+def check_setup(model: object, optimizer: object, *, set_up_before: bool) -> None:
+    """engine.setup's arguments: a module, an optimizer (or None) over that module's parameters, a first setup."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
+    if set_up_before:
+        raise RuntimeError("engine.setup: this engine already set up a model; create one Engine per model")
+    if optimizer is None:
+        return
+    if not hasattr(optimizer, "step") or not hasattr(optimizer, "param_groups"):  # (an optimizer by its duck)
+        raise TypeError(f"optimizer: expected a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    check_optimizer_of(model, cast(torch.optim.Optimizer, optimizer))
+
+
+def check_loss(loss: object) -> None:
+    """engine.backward's loss: one value (torch's own error for a vector names no argument)."""
+    if not isinstance(loss, torch.Tensor):
+        raise TypeError(f"loss: expected a tensor, got {type(loss).__name__}")
+    if loss.dim() != 0:
+        raise ValueError(
+            f"loss: expected one value (a 0-dim mean or sum over the batch), got shape {tuple(loss.shape)}; "
+            "reduce it first, e.g. loss.mean()"
+        )
+
+
+def check_optimizer_of(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
     """Raise ValueError unless every parameter `optimizer` updates is one of `model`'s: an optimizer over another
     model's parameters steps them while the model trained never changes (an optimizer over part of the model, as
     in fine-tuning, is fine)."""

@@ -18,7 +18,7 @@ import dataclasses
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, TypeGuard, cast
 
 import torch
 
@@ -74,7 +74,7 @@ class Placement:
         return dataclasses.replace(self, strategy=strategy, devices=tuple(devices), auto_devices=())
 
 
-def is_choice(strategy: Any) -> bool:
+def is_choice(strategy: object) -> TypeGuard[Choice]:
     """Whether `strategy` is the Choice dpkit.choose_strategy returned (without importing the planner: a
     process that holds a Choice has imported it already)."""
     auto = sys.modules.get("dpkit.plan.auto")
@@ -112,8 +112,8 @@ def resolve_placement(
     in_a_group = place.world_size > 1 or launched()
     auto_devices: list[torch.device] = []
     if is_choice(strategy):
-        name = strategy.strategy  # type: ignore[union-attr]  # (is_choice: a Choice)
-        if strategy.devices == 1 and not in_a_group:  # type: ignore[union-attr]
+        name = strategy.strategy
+        if strategy.devices == 1 and not in_a_group:
             devices = resolve_devices(accelerator, devices)[:1]
     elif strategy == "auto":
         if place.world_size > 1:  # a launcher started a process per device

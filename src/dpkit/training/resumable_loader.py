@@ -10,15 +10,18 @@ from __future__ import annotations
 
 import collections
 import itertools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeGuard
+from typing import TYPE_CHECKING, Any, TypeGuard
 
 import torch
 from torch.utils.data import DataLoader, IterableDataset, Sampler
 
 from dpkit.training.checkpoint_errors import CheckpointCorruptError
 from dpkit.training.generators import capture_rng, restore_rng
+
+if TYPE_CHECKING:
+    from dpkit.strategies import Strategy
 
 
 @dataclass(frozen=True)
@@ -53,7 +56,7 @@ class GlobalBatches(Sampler[list[int]]):
         first = next(batches, None)
         return self._shares(first, batches, skip)
 
-    def _shares(self, first: Any, batches: Iterator, index: int) -> Iterator[list[int]]:
+    def _shares(self, first: Sequence[int] | None, batches: Iterator[Sequence[int]], index: int) -> Iterator[list[int]]:
         if first is None:
             return
         for batch in itertools.chain([first], batches):
@@ -67,7 +70,7 @@ class GlobalBatches(Sampler[list[int]]):
         return len(self.batch_sampler)
 
 
-def _generators(loader: DataLoader, batch_sampler: Any) -> list[torch.Generator]:
+def _generators(loader: DataLoader, batch_sampler: object) -> list[torch.Generator]:
     """The torch generators that decide a loader's order (its own, its sampler's), each once."""
     found: dict[int, torch.Generator] = {}
     sampler = getattr(batch_sampler, "sampler", None)
@@ -78,7 +81,7 @@ def _generators(loader: DataLoader, batch_sampler: Any) -> list[torch.Generator]
     return list(found.values())
 
 
-def _stateful_samplers(batch_sampler: Any) -> list[Any]:
+def _stateful_samplers(batch_sampler: object) -> list[Any]:
     samplers = [batch_sampler, getattr(batch_sampler, "sampler", None)]
     return [
         s
@@ -87,7 +90,7 @@ def _stateful_samplers(batch_sampler: Any) -> list[Any]:
     ]
 
 
-def resumable(loader: Any) -> TypeGuard[DataLoader]:
+def resumable(loader: object) -> TypeGuard[DataLoader]:
     """Whether the Engine can track and restore this loader's position (a map-style DataLoader with batches)."""
     return (
         isinstance(loader, DataLoader)
@@ -107,7 +110,9 @@ class ResumableLoader:
     are told the epoch. `last_batch` is the record of the batch yielded last, also handed to `on_batch`.
     """
 
-    def __init__(self, loader: DataLoader, rule: Any = None, *, on_batch: Callable[[BatchRecord], None] | None = None):
+    def __init__(
+        self, loader: DataLoader, rule: Strategy | None = None, *, on_batch: Callable[[BatchRecord], None] | None = None
+    ):
         if not resumable(loader):
             raise TypeError(
                 "loader: expected a torch DataLoader over a map-style dataset with batch_size= or batch_sampler=, "
@@ -225,7 +230,7 @@ class ResumableLoader:
         """This process's generator states from the start of the epoch in progress (None between epochs)."""
         return self.epoch_start if self.in_epoch else None
 
-    def check_position(self, position: Any, source: str) -> None:
+    def check_position(self, position: object, source: str) -> None:
         if not isinstance(position, dict) or not {"epoch", "next_batch", "batches_per_epoch"} <= set(position):
             raise CheckpointCorruptError(f"{source}: the data position is missing or incomplete")
         here = len(self.global_batches)

@@ -14,7 +14,7 @@ import signal
 import time
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -71,7 +71,7 @@ class Run:
             # takes the state's count (engine.load_state)
             torch.set_num_threads(available_cores())
         # rank 0 decided what to do with the folder; the others learn it here
-        self.plan: Plan = self.engine.gather_object(prepared.plan)[0]
+        self.plan = cast(Plan, self.engine.gather_object(prepared.plan)[0])  # (rank 0's is never None)
         self.prepared = prepared
         self.stop = StopRequest()
         self.best = Best(config.keep_best, BEST_BY[config.keep_best]) if config.keep_best else None

@@ -8,6 +8,7 @@ about the batch then names the argument the caller gave, with the per-device fig
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -15,7 +16,7 @@ import torch
 
 from dpkit.checks import check_batch_split, check_int, check_last_batch, check_number, check_output_folder, check_seed
 from dpkit.compilation import check_compile, check_cpp_compiler
-from dpkit.devices import check_process_count
+from dpkit.devices import DeviceLike, check_process_count
 from dpkit.errors import DpkitError
 from dpkit.launch import Command
 from dpkit.launch.environment import launched
@@ -61,7 +62,7 @@ class TrainConfig:
     data: str | None = None  # 'package.module:loader', loader(seed) -> x_train, y_train, x_test, y_test
     strategy: str = "single"
     accelerator: str = "auto"
-    devices: Any = "auto"
+    devices: int | str | Sequence[DeviceLike] = "auto"
     steps: int = 100  # optimizer steps in total, a resumed run's included
     batch_size: int = 64  # the global batch, split across devices
     batch_size_per_device: int | None = None  # instead of batch_size: the global batch is this times the devices
@@ -75,7 +76,9 @@ class TrainConfig:
     clip_grad_norm: float | None = None  # clip the gradients' global norm to this before each step
     precision: str = "32"
     accumulate: int = 1
-    compile: Any = None  # True or torch.compile's options: the model's forward compiled (not a setting of the model)
+    compile: bool | Mapping[str, Any] | None = (
+        None  # True or torch.compile's options: the model's forward compiled (not a setting of the model)
+    )
     find_unused_parameters: bool = False  # ddp, zero 1: steps may leave trainable parameters without a gradient
     static_graph: bool = False  # ddp: every step uses the same parameters
     out: str = "runs/train"
@@ -86,7 +89,9 @@ class TrainConfig:
     log_every: int = 10  # write the steps' metrics to OUT/metrics.csv every K steps (rows per step)
     tensorboard: bool = False  # also write them to TensorBoard in OUT/tensorboard
     resume: bool = False
-    change: Any = ()  # with resume: the settings of CHANGEABLE the resumed run changes, e.g. ("lr",) or "lr,schedule"
+    change: (
+        str | Sequence[str]
+    ) = ()  # with resume: the settings of CHANGEABLE the resumed run changes, e.g. ("lr",) or "lr,schedule"
     overwrite: bool = False
     max_restarts: int = 0  # with processes started by `run` itself
     hang_timeout_seconds: float | None = None  # with processes started by `run` itself

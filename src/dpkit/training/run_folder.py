@@ -14,8 +14,9 @@ import shutil
 import socket
 import tempfile
 import uuid
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import torch
 
@@ -297,6 +298,11 @@ def best_files(out: Path) -> dict[str, torch.Tensor]:
     }
 
 
+def writing(data: bytes) -> Callable[[BinaryIO], int]:
+    """What atomic_write calls to write `data`."""
+    return lambda handle: handle.write(data)
+
+
 def restore_best_files(out: Path, saved: dict[str, torch.Tensor] | None) -> None:
     """best.pt and best.json back to what they were when the state was saved: each written whole (or removed
     when the state had none), best.json out first and in last, so a best.json always describes its best.pt."""
@@ -307,7 +313,7 @@ def restore_best_files(out: Path, saved: dict[str, torch.Tensor] | None) -> None
     (out / BEST).unlink(missing_ok=True)
     for name in (BEST_MODEL, BEST):
         if name in saved_bytes:
-            atomic_write(out / name, lambda handle, data=saved_bytes[name]: handle.write(data))
+            atomic_write(out / name, writing(saved_bytes[name]))
         else:
             (out / name).unlink(missing_ok=True)
 

@@ -9,7 +9,7 @@ import signal
 import threading
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from types import FrameType
 
 from dpkit.training.run_config import TrainConfig
 from dpkit.training.run_folder import newest_state
@@ -25,7 +25,7 @@ class StopRequest:
     def __init__(self) -> None:
         self.signum: int | None = None
 
-    def _handle(self, signum: int, frame: Any) -> None:
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
         if self.signum is not None and signum == signal.SIGINT:
             raise KeyboardInterrupt
         self.signum = signum

@@ -7,11 +7,14 @@ import json
 import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import TYPE_CHECKING, BinaryIO
 
 import torch
 
 from dpkit.training.checked_files import atomic_write, corrupt_error
+
+if TYPE_CHECKING:
+    from torch.serialization import MAP_LOCATION as MapLocation
 
 _SAFETENSORS_KEY = "dpkit_sha256"
 
@@ -77,7 +80,7 @@ def safetensors_has_checksum(path: str | os.PathLike) -> bool:
     return _SAFETENSORS_KEY in (header.get("__metadata__") or {})
 
 
-def read_safetensors(path: str | os.PathLike, *, map_location: Any = "cpu") -> dict[str, torch.Tensor]:
+def read_safetensors(path: str | os.PathLike, *, map_location: MapLocation = "cpu") -> dict[str, torch.Tensor]:
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"path: no checkpoint at {path}")

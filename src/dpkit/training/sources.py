@@ -19,7 +19,6 @@ import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -32,25 +31,30 @@ from dpkit.examples import get_example, load_factory
 Tensors = tuple[torch.Tensor, ...]
 
 
+def built_model(factory: Callable[[], object], name: str) -> nn.Module:
+    """Call a model factory and insist on an nn.Module back."""
+    try:
+        model = factory()
+    except Exception as error:  # the user's code: say where it came from, in one line
+        raise ValueError(f"model: {name}() raised {type(error).__name__}: {error}") from error
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model: {name}() returned {type(model).__name__}, expected a torch.nn.Module")
+    return model
+
+
 @dataclass(frozen=True)
 class Source:
     """A named model factory and a data loader; `model_name` and `data_name` are what errors call them."""
 
     name: str
-    factory: Callable[[], Any]
-    loader: Callable[[int], Any]
+    factory: Callable[[], object]
+    loader: Callable[[int], object]
     model_name: str = "model"
     data_name: str = "data"
 
     def build_model(self) -> nn.Module:
         """Call the factory and insist on an nn.Module back."""
-        try:
-            model = self.factory()
-        except Exception as error:  # the user's code: say where it came from, in one line
-            raise ValueError(f"model: {self.model_name}() raised {type(error).__name__}: {error}") from error
-        if not isinstance(model, nn.Module):
-            raise TypeError(f"model: {self.model_name}() returned {type(model).__name__}, expected a torch.nn.Module")
-        return model
+        return built_model(self.factory, self.model_name)
 
     def load_data(self, seed: int) -> Tensors:
         """Whatever the loader returns for `seed`, at least (x, y) with matching rows."""
@@ -97,7 +101,7 @@ class Source:
         return x_train, y_train, x_test, y_test
 
 
-def _described(data: Any) -> str:
+def _described(data: object) -> str:
     if not isinstance(data, (tuple, list)):
         return type(data).__name__
     return f"{len(data)} item(s) of {', '.join(type(t).__name__ for t in data)}"
@@ -114,8 +118,8 @@ def model_source(
     """The model from `model` ('package.module:factory') or the example's; the data from `data`
     ('package.module:loader'), synthetic rows of `input_shape` (with a model of yours), or the example's."""
     own_data = data is not None or (model is not None and input_shape is not None)
-    factory: Callable[[], Any]
-    loader: Callable[[int], Any]
+    factory: Callable[[], object]
+    loader: Callable[[int], object]
     if model is not None and own_data:  # no example needed
         name = model
         factory = load_factory(model)
@@ -123,7 +127,7 @@ def model_source(
             loader = load_factory(data)
         else:
             shape = tuple(check_int_list(input_shape, "input_shape", minimum=1))
-            loader = _synthetic_regression(factory, shape, synthetic_rows)
+            loader = _synthetic_regression(lambda: built_model(factory, name), shape, synthetic_rows)
     else:
         chosen = get_example(example if example is not None else "")
         name = model or chosen.name
@@ -133,7 +137,7 @@ def model_source(
 
 
 def _synthetic_regression(
-    factory: Callable[[], Any], input_shape: tuple[int, ...], rows: int
+    factory: Callable[[], nn.Module], input_shape: tuple[int, ...], rows: int
 ) -> Callable[[int], Tensors]:
     """Gaussian inputs of `input_shape` and Gaussian targets of the model's output shape, from the seed."""
 

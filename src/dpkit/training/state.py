@@ -20,7 +20,7 @@ import io
 import logging
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -44,6 +44,9 @@ from dpkit.training.state_paths import (  # noqa: F401
     step_of,
 )
 from dpkit.training.state_write import remove_old_states, remove_stale_state_temporaries, write_state_directory  # noqa: F401
+
+if TYPE_CHECKING:
+    from torch.serialization import MAP_LOCATION as MapLocation
 
 log = logging.getLogger("dpkit")
 
@@ -81,7 +84,7 @@ def check_state_files(folder: Path, shared: dict[str, Any]) -> None:
 
 
 def read_state_directory(
-    directory: str | os.PathLike, rank: int, *, map_location: Any = "cpu"
+    directory: str | os.PathLike, rank: int, *, map_location: MapLocation = "cpu"
 ) -> tuple[Path, dict[str, Any], dict[str, Any]]:
     """(step directory, shared state, this rank's state); a rank the saved run did not have reads rank 0's.
 
@@ -111,7 +114,7 @@ def read_state_directory(
     return chosen, shared, mine
 
 
-def check_state_format(shared: Any, source: Any) -> None:
+def check_state_format(shared: object, source: object) -> None:
     """Raise CheckpointCorruptError unless `shared` is a training state in the format this dpkit reads."""
     found = shared.get("format") if isinstance(shared, dict) else None
     if found == STATE_FORMAT:
@@ -127,7 +130,7 @@ def check_state_format(shared: Any, source: Any) -> None:
     )
 
 
-def check_keep(keep: Any) -> int | None:
+def check_keep(keep: int | None) -> int | None:
     if keep is not None:
         check_int(keep, "keep", meaning="states to keep, or None for all")
     return keep
@@ -155,7 +158,7 @@ def pack_extras(extra: dict[str, Any]) -> dict[str, dict[str, Any]]:
     return packed
 
 
-def kind_of(obj: Any) -> str:
+def kind_of(obj: object) -> str:
     """An object's class as the state records it ('torch.optim.sgd.SGD')."""
     return f"{type(obj).__module__}.{type(obj).__qualname__}"
 
@@ -165,7 +168,7 @@ def short_kind(kind: str) -> str:
     return kind.rsplit(".", 1)[-1]
 
 
-def same_kind(saved: Any, here: str) -> bool | None:
+def same_kind(saved: object, here: str) -> bool | None:
     """Whether a recorded kind is `here`'s class, by class name (a class that moved to another module, or ran as
     __main__ when saved, is the same); None when nothing usable was recorded."""
     if not isinstance(saved, str) or not saved:

@@ -78,8 +78,8 @@ def load_training_state(
             "set up the same model and optimizer(s) before engine.load_state"
         )
     saved_classes = list(shared.get("optimizer_classes") or [])  # absent from states saved before it was recorded
-    for index, (optimizer, saved) in enumerate(zip(set_up.optimizers, saved_optimizers)):
-        groups = [len(group["params"]) for group in optimizer.param_groups]
+    for index, (engine_optimizer, saved) in enumerate(zip(set_up.optimizers, saved_optimizers)):
+        groups = [len(group["params"]) for group in engine_optimizer.param_groups]
         saved_groups = (
             [len(group.get("params", ())) for group in saved.get("param_groups", [])]
             if isinstance(saved, dict)
@@ -87,14 +87,16 @@ def load_training_state(
         )
         if sharded_load:
             saved_groups = list(shared["optimizer_groups"][index])
-        check_optimizer_class(index, optimizer.optimizer, saved_classes[index] if index < len(saved_classes) else None)
+        check_optimizer_class(
+            index, engine_optimizer.optimizer, saved_classes[index] if index < len(saved_classes) else None
+        )
         if groups != saved_groups:
             raise ValueError(
                 f"optimizer {index}: the state has param groups of sizes {saved_groups}, this optimizer {groups}; "
                 "build the optimizer as in the saved run"
             )
         if not sharded_load:
-            check_optimizer_state(index, optimizer.optimizer, saved)
+            check_optimizer_state(index, engine_optimizer.optimizer, saved)
     positions = shared.get("loaders", [])
     order_states = mine.get("loaders", [])
     for index, (loader, position) in enumerate(zip(set_up.loaders, positions)):
@@ -197,7 +199,9 @@ def verify_shards_together(strategy: Strategy, folder: Path, digests: dict[str, 
         raise CheckpointCorruptError(found)
 
 
-def load_shards(strategy: Strategy, bare: nn.Module, optimizers: list[Any], in_shards: list[str], folder: Path) -> None:
+def load_shards(
+    strategy: Strategy, bare: nn.Module, optimizers: list[torch.optim.Optimizer], in_shards: list[str], folder: Path
+) -> None:
     """Read this process's shards into copies, then apply them: a load that fails leaves the model as it was,
     and the optimizers too (asking a fresh optimizer for its sharded state initializes it; undone here).
     An optimizer saved before its first step is left fresh."""

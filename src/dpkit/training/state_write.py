@@ -68,7 +68,7 @@ def _raise_write_failure(error: BaseException, path: Path) -> None:
     raise write_error(failure, path, "the previous state is intact") from error
 
 
-def _together(agree: Callable[[Any], list[Any]], action: Callable[[], None]) -> None:
+def _together(agree: Callable[[str | None], list[str | None]], action: Callable[[], None]) -> None:
     """Run this process's part of a step of the save; then every process learns whether every part succeeded,
     and all raise if one failed (none waits for a process that gave up)."""
     failed: BaseException | None = None
@@ -106,7 +106,7 @@ def write_state_directory(
     keep: int | None,
     barrier: Callable[[], None],
     shards: dict[str, Any] | None = None,
-    gather: Callable[[Any], list[Any]] | None = None,
+    gather: Callable[[str | None], list[str | None]] | None = None,
 ) -> Path:
     """Write one state directory; every process calls this (rank 0 passes `shared`). With `shards` (a sharded
     strategy's state, on every process) each process writes its shards into the folder SHARDS through
@@ -121,7 +121,7 @@ def write_state_directory(
     if root.exists() and not root.is_dir():  # every process checks, so none waits for a rank 0 that failed here
         raise NotADirectoryError(f"directory: {root} is a file; give a folder for the training state")
 
-    def agree_at_barrier(message: Any) -> list[Any]:
+    def agree_at_barrier(message: str | None) -> list[str | None]:
         barrier()
         return [message]
 

@@ -9,7 +9,7 @@ and restores it.
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import OrderedDict, defaultdict
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sized
 from dataclasses import dataclass, field
 from typing import Any
@@ -154,10 +154,20 @@ class Accumulation:
             self.steps += 1
 
 
-class EngineOptimizer:
-    """The strategy's optimizer; step and zero_grad act once per `accumulate` backward calls."""
+class EngineOptimizer(torch.optim.Optimizer):
+    """The strategy's optimizer; step and zero_grad act once per `accumulate` backward calls.
 
-    def __init__(self, optimizer: Any, accumulation: Accumulation, precision: Precision, given: Any = None):
+    An instance of torch.optim.Optimizer (torch's LR schedulers and anything else that checks for one take it)
+    that holds no state of its own: param_groups, state and defaults are the strategy's optimizer's, whose
+    hyperparameters the user's optimizer gives (a scheduler made on either changes the same learning rates)."""
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        accumulation: Accumulation,
+        precision: Precision,
+        given: torch.optim.Optimizer | None = None,
+    ):  # torch.optim.Optimizer.__init__ is not called: there is nothing of its own to hold
         self.optimizer = optimizer
         self.accumulation = accumulation
         self.precision = precision
@@ -167,11 +177,35 @@ class EngineOptimizer:
         """Step under `strategy` from now on (in-process auto adopting its choice)."""
         self.optimizer = strategy.wrap_optimizer(self.given)
 
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return self.optimizer.param_groups
+
+    @param_groups.setter
+    def param_groups(self, groups: list[dict[str, Any]]) -> None:
+        self.optimizer.param_groups = groups
+
+    @property
+    def state(self) -> defaultdict[torch.Tensor, Any]:  # per parameter, whatever its optimizer keeps
+        return self.optimizer.state
+
+    @state.setter
+    def state(self, state: defaultdict[torch.Tensor, Any]) -> None:
+        self.optimizer.state = state
+
+    @property
+    def defaults(self) -> dict[str, Any]:
+        return self.optimizer.defaults
+
+    @defaults.setter
+    def defaults(self, defaults: dict[str, Any]) -> None:
+        self.optimizer.defaults = defaults
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         if self.accumulation.micro_batches == 0 or self.accumulation.complete:  # not in the middle of a window
             self.optimizer.zero_grad(set_to_none=set_to_none)
 
-    def step(self, closure: Callable | None = None) -> Any:
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
         if self.accumulation.micro_batches == 0:
             # a plain loss.backward() bypasses the Engine's count: stepping silently never would be worse
             raise RuntimeError(
@@ -185,16 +219,28 @@ class EngineOptimizer:
             return self.optimizer.step(closure)
         return self.precision.step(self.optimizer)
 
-    def state_dict(self) -> dict:
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        self.optimizer.add_param_group(param_group)
+
+    def state_dict(self) -> dict[str, Any]:
         return self.optimizer.state_dict()
 
-    def load_state_dict(self, state_dict: dict) -> None:
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.optimizer.load_state_dict(state_dict)
 
-    def __getattr__(self, name: str) -> Any:  # param_groups, state, defaults, …
+    def __getattr__(self, name: str) -> Any:  # the strategy's optimizer's other attributes (its hooks, …)
         if name in ("optimizer", "accumulation", "precision", "given"):
             raise AttributeError(name)
         return getattr(self.optimizer, name)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return self.__dict__
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+
+    def __repr__(self) -> str:
+        return f"EngineOptimizer({self.optimizer!r})"
 
 
 class EngineCriterion:
