@@ -181,7 +181,7 @@ def _warn(message: str) -> None:
     print(f"dpkit ckpt inspect: warning: {message}", file=sys.stderr)
 
 
-def _unknown_format(loaded: Any) -> str | None:
+def _unknown_format(loaded: object) -> str | None:
     """The 'format' a file declares when it is not the one this dpkit writes (None: no format, or ours)."""
     found = loaded.get("format") if isinstance(loaded, Mapping) else None
     return None if found is None or found == STATE_FORMAT else str(found)

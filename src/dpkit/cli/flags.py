@@ -13,7 +13,10 @@ import argparse
 import dataclasses
 import re
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
+
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
 
 _LEADING_NAMES = re.compile(r"^((?:[a-z_][a-z0-9_]*(?:\[\d+\])?)(?:/[a-z_][a-z0-9_]*(?:\[\d+\])?)*):")
 _NAME_IS_VALUE = re.compile(r"(?<![\w.\-])([a-z_][a-z0-9_]*)=([^\s,;:)]+)")
@@ -71,7 +74,10 @@ class Flags:
         return _NAME_IS_VALUE.sub(mention, text)
 
 
-def from_args(cls: type, args: argparse.Namespace, **given: Any) -> Any:
+Spec = TypeVar("Spec", bound="DataclassInstance")
+
+
+def from_args(cls: type[Spec], args: argparse.Namespace, **given: Any) -> Spec:
     """An instance of the dataclass `cls` (a library spec or config) from parsed arguments: each field from the
     argument of the same name; `given` fields (the ones the command spells or shapes differently) as given."""
     values = {field.name: getattr(args, field.name) for field in dataclasses.fields(cls) if hasattr(args, field.name)}

@@ -27,7 +27,8 @@ collective lost its peer) can look as early as the culprit; `ExitWatch` notes wh
 """
 
 import importlib
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from dpkit.launch.environment import LAUNCH_VARIABLES, launched, restart_count
 from dpkit.launch.failures import LaunchError, StoppedBySignal
@@ -39,7 +40,7 @@ if TYPE_CHECKING:
     from dpkit.launch.agent import launch
 
 
-def __getattr__(name: str) -> Any:
+def __getattr__(name: str) -> Callable[..., None]:
     """`launch` loads torch's launcher on first use: a worker's first code (dpkit.launch.worker) needs none of it."""
     if name != "launch":
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -22,7 +22,7 @@ import sys
 import tempfile
 import threading
 from collections.abc import Iterable, Iterator, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from dpkit.checks import check_int, check_number, check_output_folder
 from dpkit.devices import check_process_count, cpu_threads_per_device, resolve_devices
@@ -323,11 +323,11 @@ def _agent_class() -> type[LocalElasticAgent]:
     global _agent_cls
     if _agent_cls is not None:
         return _agent_cls
-    from torch.distributed.elastic.agent.server.api import WorkerState
+    from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerState
     from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 
     class NoPointlessRestartAgent(LocalElasticAgent):
-        def _monitor_workers(self, worker_group: Any) -> Any:
+        def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
             result = super()._monitor_workers(worker_group)
             if result.state == WorkerState.FAILED and self._remaining_restarts > 0:
                 code = deterministic_failure(result.failures)

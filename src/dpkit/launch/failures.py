@@ -18,9 +18,12 @@ import signal
 import sys
 import threading
 import time
-from typing import Any
+from typing import TYPE_CHECKING
 
 from dpkit.errors import DpkitError
+
+if TYPE_CHECKING:
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
 log = logging.getLogger("dpkit")
 
@@ -52,7 +55,7 @@ class StoppedBySignal(DpkitError):
         self.exit_code = 128 + signum
 
 
-def failure_order(failures: dict[int, Any], exit_times: dict[int, float] | None = None) -> list[int]:
+def failure_order(failures: dict[int, ProcessFailure], exit_times: dict[int, float] | None = None) -> list[int]:
     """The failed ranks, the first to fail first.
 
     By `exit_times` (pid -> when the launcher saw that worker exit, `ExitWatch`) where every failure has
@@ -72,7 +75,9 @@ def failure_order(failures: dict[int, Any], exit_times: dict[int, float] | None 
     return sorted(failures, key=key)
 
 
-def deterministic_failure(failures: dict[int, Any], exit_times: dict[int, float] | None = None) -> int | None:
+def deterministic_failure(
+    failures: dict[int, ProcessFailure], exit_times: dict[int, float] | None = None
+) -> int | None:
     """The exit code (2 or 3, DETERMINISTIC_EXIT_CODES) when a restart would only repeat this failure, else None.
 
     That is when some worker exited with 2 or 3 and every other failed worker either did too or was stopped by
@@ -208,7 +213,7 @@ class ExitWatch:
         self.exit_times: dict[int, float] = {}
         self._watched: dict[int, int] = {}  # pidfd -> pid
         self._earlier: set[int] = set()  # children from before start: not workers
-        self._poller: Any = None
+        self._poller: select.poll | None = None  # made by start, where pidfds can be watched
         self._wake_read = self._wake_write = -1
         self._lock = threading.Lock()
         self._stopped = False
@@ -278,11 +283,12 @@ class ExitWatch:
             except OSError:
                 continue  # exited and reaped meanwhile (or pidfds are not allowed here)
             self._watched[fd] = pid
-            self._poller.register(fd, select.POLLIN)
+            self._started_poller().register(fd, select.POLLIN)
 
     def _note_exits(self, timeout_ms: int | None) -> bool:
         """Wait up to timeout_ms (None: for ever) for an exit or stop; returns False once stopped."""
-        events = self._poller.poll(timeout_ms)
+        poller = self._started_poller()
+        events = poller.poll(timeout_ms)
         now = time.monotonic()
         running = True
         for fd, _ in events:
@@ -292,10 +298,14 @@ class ExitWatch:
             pid = self._watched.pop(fd, None)
             if pid is None:
                 continue
-            self._poller.unregister(fd)
+            poller.unregister(fd)
             os.close(fd)
             self.exit_times.setdefault(pid, now)
         return running
+
+    def _started_poller(self) -> select.poll:
+        assert self._poller is not None  # (the thread runs, and stop reads the exits, only after start made it)
+        return self._poller
 
     def _run(self) -> None:
         try:

@@ -17,11 +17,14 @@ import threading
 import time
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING
 
 from dpkit.launch.environment import heartbeat_key
 from dpkit.launch.heartbeat import BUSY_LIMIT_FACTOR, Heartbeat, parse_collective, parse_heartbeat
 from dpkit.launch.stacks import request_stacks
+
+if TYPE_CHECKING:
+    from torch.distributed import TCPStore
 
 log = logging.getLogger("dpkit")
 
@@ -72,7 +75,7 @@ class HangWatch:
         self._stop.set()
         self._thread.join(timeout=5)
 
-    def _connect(self) -> Any:
+    def _connect(self) -> TCPStore | None:
         import torch.distributed as dist
 
         while not self._stop.is_set():  # the agent creates the store when it starts; wait for it

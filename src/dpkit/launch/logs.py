@@ -22,7 +22,10 @@ import tempfile
 import threading
 import time
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, BinaryIO
+
+if TYPE_CHECKING:
+    from torch.distributed.elastic.multiprocessing import LogsDest, LogsSpecs
 
 log = logging.getLogger("dpkit")
 
@@ -48,7 +51,7 @@ class _Followed:
 
     def __init__(self, path: str, stream_name: str, prefix: str, console: dict[str, _Followed | None]):
         self.path, self.stream_name, self.prefix, self.console = path, stream_name, prefix, console
-        self.handle: Any = None
+        self.handle: BinaryIO | None = None
         self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self.line_start = True
         self.after_carriage_return = False  # the last line ended with \r: its next one redraws it
@@ -241,7 +244,7 @@ class WorkerOutput:
             shutil.rmtree(self._scratch, ignore_errors=True)
             self._scratch = None
 
-    def logs_specs(self) -> Any:
+    def logs_specs(self) -> LogsSpecs:
         """torchrun's LogsSpecs for the agent (inside the `with`)."""
         from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
 
@@ -250,14 +253,14 @@ class WorkerOutput:
         output = self
 
         class RankLogsSpecs(DefaultLogsSpecs):
-            def reify(self, envs: dict[int, dict[str, str]]) -> Any:
+            def reify(self, envs: dict[int, dict[str, str]]) -> LogsDest:
                 destinations = super().reify(envs)
                 output._attempt_started(envs, destinations)
                 return destinations
 
         return RankLogsSpecs(log_dir=self.log_dir or self._scratch, redirects=Std.ALL)
 
-    def _attempt_started(self, envs: dict[int, dict[str, str]], destinations: Any) -> None:
+    def _attempt_started(self, envs: dict[int, dict[str, str]], destinations: LogsDest) -> None:
         """A (re)started worker group: the last group's files are copied to their end, this group's followed."""
         self._copy.finish()
         for local_rank, env in sorted(envs.items()):

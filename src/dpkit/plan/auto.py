@@ -41,7 +41,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, TypeAlias
 
 import torch
 from torch import nn
@@ -69,6 +69,8 @@ PAYS = 1.1  # several devices must be this much faster than one (rule 5)
 EQUALS = 1.1  # candidates within this factor of the fastest are equals (rule 6)
 USABLE_SHARE = 0.9  # of a GPU's memory, or of the host's for virtual CPU devices together
 STATED_PHASES = ("scatter", "replicate", "gather", "reduce", "all_reduce", "all_gather", "reduce_scatter")
+# what calibration= takes: a fitted Calibration, or the `dpkit bench --json` file(s) to fit one to
+CalibrationSource: TypeAlias = Calibration | str | os.PathLike | Sequence[str | os.PathLike]
 
 
 @dataclass
@@ -151,7 +153,7 @@ def choose_strategy(
     precision: str = "32",
     optimizer: str | torch.optim.Optimizer = "sgd",
     can_launch: bool = True,
-    calibration: Calibration | str | os.PathLike | Sequence[str | os.PathLike] | None = None,
+    calibration: CalibrationSource | None = None,
     *,
     hardware: Hardware | None = None,
     step_seconds: Mapping[str, float] | None = None,
@@ -288,7 +290,7 @@ def _lightest_pool(
     return pool, notes
 
 
-def _optimizer_name(optimizer: Any) -> str:
+def _optimizer_name(optimizer: str | torch.optim.Optimizer) -> str:
     """The cost model's name for an optimizer given by name or as a torch optimizer (others count as Adam: the
     most state, the most traffic)."""
     if isinstance(optimizer, str):
@@ -312,7 +314,9 @@ def _parse_devices(devices: Sequence[DeviceLike]) -> list[torch.device]:
     return parsed
 
 
-def _profile(model: Any, sample_input: Any) -> ModelProfile:
+def _profile(
+    model: nn.Module | Callable[[], nn.Module] | ModelProfile, sample_input: torch.Tensor | Sequence[int] | None
+) -> ModelProfile:
     if isinstance(model, ModelProfile):
         return model
     if not isinstance(model, nn.Module) and not callable(model):
@@ -341,7 +345,7 @@ def host_memory_bytes() -> int:
 
 
 def _machine(
-    devices: list[torch.device], calibration: Any, hardware: Hardware | None
+    devices: list[torch.device], calibration: CalibrationSource | None, hardware: Hardware | None
 ) -> tuple[Hardware, CostConstants, str]:
     """(hardware, constants, the hardware in words) for the devices given."""
     count = len(devices)
@@ -382,7 +386,7 @@ def _one_cpu() -> Hardware:
     return Hardware(cpu, Link("in-process copy", 1e10, 1e10, 2e-6, ""), shared_compute=True)
 
 
-def _calibration(calibration: Any, hardware: Hardware | None) -> Calibration:
+def _calibration(calibration: CalibrationSource, hardware: Hardware | None) -> Calibration:
     if isinstance(calibration, Calibration):
         return calibration
     if isinstance(calibration, (str, os.PathLike, list, tuple)):

@@ -27,11 +27,15 @@ import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dpkit.plan.catalogue import GPU, PRECISIONS, Link
 from dpkit.plan.cost_model import CostConstants, Hardware, predict
 from dpkit.plan.profiles import ModelProfile
+
+if TYPE_CHECKING:
+    import numpy as np
+    import numpy.typing as npt
 
 HOST_MEMORY_BYTES = 64 * 2**30  # virtual CPU devices: memory is not what the fit is about
 
@@ -253,7 +257,7 @@ def calibrate(
     cores = max(run.cores for run in runs)
     configurations = [(run, strategy, devices, seconds) for run in runs for strategy, devices, seconds in run.measured]
 
-    def machine(vector: Any) -> tuple[Hardware, CostConstants]:
+    def machine(vector: npt.NDArray[np.float64]) -> tuple[Hardware, CostConstants]:
         values = {k.name: float(math.exp(v)) for k, v in zip(knobs, vector)}
         if on_cpu:
             return cpu_machine(values, cores, source)
@@ -261,7 +265,7 @@ def calibrate(
         constants = host_constants(values, compute_efficiency=values["compute_efficiency"])
         return hardware, replace(constants, source=f"fitted to {source}")
 
-    def predicted(vector: Any) -> list[float]:
+    def predicted(vector: npt.NDArray[np.float64]) -> list[float]:
         used_hardware, constants = machine(vector)
         return [
             run.predict_step(strategy, devices, used_hardware, constants)
@@ -272,7 +276,7 @@ def calibrate(
     measured = np.array([seconds for *_, seconds in configurations])
     prior_weight = 0.05  # weak: each knob may move by orders of magnitude when the data ask for it
 
-    def residuals(vector: Any) -> Any:
+    def residuals(vector: npt.NDArray[np.float64]) -> npt.NDArray[np.float64]:
         fit = np.log(np.array(predicted(vector)) / measured)
         return np.concatenate([fit, prior_weight * (vector - start)])
 

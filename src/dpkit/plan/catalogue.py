@@ -30,7 +30,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
 from importlib import resources
-from typing import Any
+from typing import Any, TypeVar
 
 PRECISIONS = ("32", "tf32", "bf16-mixed", "16-mixed")
 SECTIONS = ("gpus", "links", "networks")
@@ -198,7 +198,10 @@ class Catalogue:
         return self.gpus.get(key) if key else None
 
 
-def _lookup(table: Mapping[str, Any], name: str, argument: str) -> Any:
+Entry = TypeVar("Entry")  # a catalogue entry: GPU or Link
+
+
+def _lookup(table: Mapping[str, Entry], name: str, argument: str) -> Entry:
     key = normalize_name(name) if isinstance(name, str) else None
     if key is None or key not in table:
         raise ValueError(
@@ -249,7 +252,7 @@ def read_user_file(path: str) -> dict[str, Any]:
     return dict(data)
 
 
-def _positive_number(origin: str, where: str, value: Any, what: str) -> float:
+def _positive_number(origin: str, where: str, value: object, what: str) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
         raise ValueError(f"{origin}: {where}: expected a positive number ({what}), got {value!r}")
     return float(value)

@@ -368,7 +368,7 @@ def _milliseconds(seconds: float) -> str:
     return f"{ms:.2f}" if ms < 10 else f"{ms:.1f}" if ms < 100 else f"{ms:,.0f}"
 
 
-def _colours(count: int) -> list[Any]:
+def _colours(count: int) -> list[tuple[float, float, float, float]]:
     import matplotlib
 
     palette = matplotlib.colormaps["tab10" if count <= 10 else "tab20"]

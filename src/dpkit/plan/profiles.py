@@ -110,7 +110,7 @@ def meta_copy(model: nn.Module) -> nn.Module:
     replaced by a meta tensor of its shape before the deep copy reaches it)."""
     import copy
 
-    memo: dict[int, Any] = {}
+    memo: dict[int, torch.Tensor] = {}
     for tensor in list(model.parameters()) + list(model.buffers()):
         if id(tensor) in memo:
             continue
@@ -119,7 +119,7 @@ def meta_copy(model: nn.Module) -> nn.Module:
     return copy.deepcopy(model, memo)
 
 
-def _tensor_bytes(value: Any) -> int:
+def _tensor_bytes(value: object) -> int:
     if isinstance(value, torch.Tensor):
         return value.numel() * value.element_size()
     if isinstance(value, (list, tuple)):

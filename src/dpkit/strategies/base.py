@@ -14,16 +14,19 @@ time and memory from its traits.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, TypeVar
 
 import torch
 from torch import nn
 
 from dpkit.compilation import CompileFn, compile_forward
 from dpkit.launch.environment import launched
+
+if TYPE_CHECKING:
+    from torch.utils.data import DataLoader
 
 # Traits.processes
 ONE_PROCESS = "one"  # one process drives every device of its node (threads, one per device)
@@ -132,6 +135,19 @@ class Traits:
         return self.processes == PER_DEVICE or self.max_devices == 1
 
 
+T = TypeVar("T")
+
+
+class StrategyOptimizer(Protocol):
+    """What the saving hooks (optimizer_state, sharded_state, ...) are given: the optimizer the strategy's
+    wrap_optimizer returned, the user's torch optimizer or an optimizer-like object over it (replicated's
+    ReplicaOptimizers and SharedOptimizer); the base hooks use its state dict only."""
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state_dict: dict[str, Any], /) -> None: ...
+
+
 def criterion_sums(criterion: Callable) -> bool:
     """Whether a criterion adds its rows' losses (torch's losses with reduction="sum"): the replicas' losses of
     such a criterion are added, not averaged by rows, in value and gradient (pair it with
@@ -209,6 +225,7 @@ class Strategy:
         return model.to(self.root_device)
 
     def wrap_optimizer(self, optimizer: torch.optim.Optimizer) -> Any:
+        # (Any: a StrategyOptimizer, which the Engine's EngineOptimizer holds as a torch optimizer)
         return optimizer
 
     def wrap_criterion(self, criterion: Callable) -> Callable:
@@ -226,7 +243,7 @@ class Strategy:
         norm counts), or one per replica that steps itself; clipping scales every list alike."""
         return [list(model.parameters())]
 
-    def global_batches(self, loader: Any) -> Any:
+    def global_batches(self, loader: DataLoader) -> Iterable[list[int]] | None:
         """The batch sampler whose batches of indices are the global batches (`loader` is a torch DataLoader
         over a map-style dataset with batches)."""
         return loader.batch_sampler
@@ -270,20 +287,22 @@ class Strategy:
         model.load_state_dict(state, strict=True)
         self.weights_loaded()
 
-    def optimizer_state(self, optimizer: Any) -> dict[str, Any] | None:
+    def optimizer_state(self, optimizer: StrategyOptimizer) -> dict[str, Any] | None:
         """The optimizer's whole state dict for saving, on rank 0 (None on the other ranks)."""
         return optimizer.state_dict() if self.rank == 0 else None
 
-    def load_optimizer_state(self, optimizer: Any, state: dict[str, Any]) -> None:
+    def load_optimizer_state(self, optimizer: StrategyOptimizer, state: dict[str, Any]) -> None:
         optimizer.load_state_dict(state)
 
-    def sharded_state(self, model: nn.Module, optimizers: Mapping[str, Any]) -> dict[str, Any] | None:
+    def sharded_state(self, model: nn.Module, optimizers: Mapping[str, StrategyOptimizer]) -> dict[str, Any] | None:
         """This process's shards of the model ("model") and of the optimizers given by name ("optimizers":
         {name: …}), which save_state writes through torch.distributed.checkpoint; None (the default): the
         state is saved whole, from model_state and optimizer_state. A `sharded` strategy returns the shards."""
         return None
 
-    def load_sharded_state(self, model: nn.Module, optimizers: Mapping[str, Any], state: dict[str, Any]) -> None:
+    def load_sharded_state(
+        self, model: nn.Module, optimizers: Mapping[str, StrategyOptimizer], state: dict[str, Any]
+    ) -> None:
         """Apply what sharded_state returned, filled from a saved state (same keys, this process's layout)."""
         raise NotImplementedError(f"strategy '{self.name}' saves whole states; it has no sharded state to load")
 
@@ -305,7 +324,7 @@ class Strategy:
     def all_gather_rows(self, tensor: torch.Tensor) -> torch.Tensor:
         return tensor
 
-    def all_gather_object(self, obj: Any) -> list[Any]:
+    def all_gather_object(self, obj: T) -> list[T]:
         """Every process's `obj` (picklable), in rank order."""
         return [obj]
 
@@ -361,16 +380,16 @@ class DeferredOutput:
             raise AttributeError(name)
         return getattr(self.output(), name)
 
-    def __getitem__(self, key: Any) -> Any:
+    def __getitem__(self, key: object) -> Any:
         return self.output()[key]
 
-    def __iter__(self) -> Any:
+    def __iter__(self) -> Iterator[Any]:
         return iter(self.output())
 
     def __len__(self) -> int:
         return len(self.output())
 
-    def __contains__(self, key: Any) -> bool:
+    def __contains__(self, key: object) -> bool:
         return key in self.output()
 
     def keys(self) -> Any:

@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import replace
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -40,7 +40,16 @@ from torch.distributed.tensor import DTensor
 from dpkit.checks import check_int
 from dpkit.compilation import CompileFn, compile_forward
 from dpkit.parallel import hooks
-from dpkit.strategies.base import FOR_THE_STEP, ON_ROOT, PER_DEVICE, PER_UNIT, PERSISTENT, SHARDED, Traits
+from dpkit.strategies.base import (
+    FOR_THE_STEP,
+    ON_ROOT,
+    PER_DEVICE,
+    PER_UNIT,
+    PERSISTENT,
+    SHARDED,
+    StrategyOptimizer,
+    Traits,
+)
 from dpkit.strategies.mesh import shard_mesh
 from dpkit.strategies.named_state import named_optimizer_state, numbered_optimizer_state
 from dpkit.strategies.per_device import PerDeviceStrategy
@@ -49,6 +58,12 @@ from dpkit.strategies.units import DEFAULT_UNIT_PARAMETERS, shard_units
 
 FULL_ON_RANK_0 = StateDictOptions(full_state_dict=True, cpu_offload=True)
 FULL_EVERYWHERE = StateDictOptions(full_state_dict=True)
+
+
+def _torch_optimizer(optimizer: StrategyOptimizer) -> torch.optim.Optimizer:
+    """The optimizer the saving hooks are given: the user's, as FSDP.wrap_optimizer returned it."""
+    return cast(torch.optim.Optimizer, optimizer)
+
 
 # FSDP2's own collectives, announced: the buffer is allocated, and the collective runs, inside the phase of its
 # name, so the observer books the buffer by that phase's category and times it (inside forward and backward)
@@ -218,7 +233,7 @@ class FSDP(PerDeviceStrategy):
                 storages[storage.data_ptr()] = storage.nbytes()
         return sum(storages.values())
 
-    def _tell_gathered_bytes(self, *_: Any) -> None:
+    def _tell_gathered_bytes(self, *_: object) -> None:  # (a hook's arguments, not used)
         if not hooks.listening():
             return
         for parameter in self._wrapped_model().parameters():
@@ -277,24 +292,29 @@ class FSDP(PerDeviceStrategy):
         names = {id(p): name for name, p in self._wrapped_model().named_parameters()}
         return [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
 
-    def optimizer_state(self, optimizer: Any) -> dict[str, Any] | None:
+    def optimizer_state(self, optimizer: StrategyOptimizer) -> dict[str, Any] | None:
         """The whole optimizer state, numbered as optimizer.state_dict() numbers it, so that any strategy
         can resume it."""
-        by_name = get_optimizer_state_dict(self._wrapped_model(), optimizer, options=FULL_ON_RANK_0)
+        by_name = get_optimizer_state_dict(self._wrapped_model(), _torch_optimizer(optimizer), options=FULL_ON_RANK_0)
         return numbered_optimizer_state(by_name) if self.rank == 0 else None
 
-    def load_optimizer_state(self, optimizer: Any, state: dict[str, Any]) -> None:
-        by_name = named_optimizer_state(state, self._parameter_names(optimizer))
-        set_optimizer_state_dict(self._wrapped_model(), optimizer, by_name, options=FULL_EVERYWHERE)
+    def load_optimizer_state(self, optimizer: StrategyOptimizer, state: dict[str, Any]) -> None:
+        torch_optimizer = _torch_optimizer(optimizer)
+        by_name = named_optimizer_state(state, self._parameter_names(torch_optimizer))
+        set_optimizer_state_dict(self._wrapped_model(), torch_optimizer, by_name, options=FULL_EVERYWHERE)
 
     # --- saving and loading: each process its shards, through torch.distributed.checkpoint ------------
-    def sharded_state(self, model: nn.Module, optimizers: Mapping[str, Any]) -> dict[str, Any]:
+    def sharded_state(self, model: nn.Module, optimizers: Mapping[str, StrategyOptimizer]) -> dict[str, Any]:
         return {
             "model": get_model_state_dict(model),
-            "optimizers": {name: get_optimizer_state_dict(model, opt) for name, opt in optimizers.items()},
+            "optimizers": {
+                name: get_optimizer_state_dict(model, _torch_optimizer(opt)) for name, opt in optimizers.items()
+            },
         }
 
-    def load_sharded_state(self, model: nn.Module, optimizers: Mapping[str, Any], state: dict[str, Any]) -> None:
+    def load_sharded_state(
+        self, model: nn.Module, optimizers: Mapping[str, StrategyOptimizer], state: dict[str, Any]
+    ) -> None:
         set_model_state_dict(model, state["model"])
         for name, optimizer in optimizers.items():
-            set_optimizer_state_dict(model, optimizer, state["optimizers"][name])
+            set_optimizer_state_dict(model, _torch_optimizer(optimizer), state["optimizers"][name])

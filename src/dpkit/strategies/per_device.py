@@ -25,9 +25,9 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 from datetime import timedelta
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -49,6 +49,7 @@ from dpkit.observe.collectives import (
     CLOSING,
     GRADIENTS,
     RECORD,
+    Collective,
     CollectiveMismatch,
     mismatch_message,
     read_marks,
@@ -60,6 +61,8 @@ from dpkit.parallel.scatter import split_sizes
 from dpkit.strategies.base import Strategy
 
 log = logging.getLogger("dpkit")
+T = TypeVar("T")
+R = TypeVar("R")  # what a torch collective returns (its work handle, or None)
 
 
 class _BelowWarning(logging.Filter):
@@ -75,7 +78,7 @@ class ProcessShares:
     def __init__(self, rank: int, world_size: int, seed: int):
         self.rank, self.world_size, self.seed = rank, world_size, seed
 
-    def global_batches(self, loader: DataLoader) -> Any:
+    def global_batches(self, loader: DataLoader) -> Iterable[list[int]] | None:
         if isinstance(loader.sampler, DistributedSampler):
             raise ValueError(
                 "loader: do not pass a DistributedSampler; engine.setup_dataloader gives each process its share of "
@@ -239,7 +242,7 @@ class PerDeviceStrategy(Strategy):
             self._process_shares = ProcessShares(self.rank, self.world_size, int(seed.item()))
         return self._process_shares
 
-    def global_batches(self, loader: DataLoader) -> Any:
+    def global_batches(self, loader: DataLoader) -> Iterable[list[int]] | None:
         return self._shares().global_batches(loader)
 
     def batch_share(self, indices: list[int]) -> list[int]:
@@ -256,8 +259,8 @@ class PerDeviceStrategy(Strategy):
 
     # the user's collectives (engine.reduce, gather, barrier, close) are told to the launcher before they start:
     # one a peer does not join may end in the backend aborting the process, and the report still names it
-    def all_gather_object(self, obj: Any) -> list[Any]:
-        gathered: list[Any] = [None] * self.world_size
+    def all_gather_object(self, obj: T) -> list[T]:
+        gathered: list[Any] = [None] * self.world_size  # what torch unpickles: each process's `obj`
         with RECORD.issuing("all_gather_object"):
             publish_now()
             dist.all_gather_object(gathered, obj)
@@ -316,13 +319,19 @@ class PerDeviceStrategy(Strategy):
                 summed = gathered.view(self.world_size, -1)[:, numel:].sum(0)
         self.check_marks(read_marks(summed, self.world_size), entry)
 
-    def _gradients_reduced(self, reduce_scatter: Any, entry: Any, *args: Any, **kwargs: Any) -> Any:
+    def _gradients_reduced(self, reduce_scatter: Callable[..., R], entry: Collective, *args: Any, **kwargs: Any) -> R:
         self._marks_due = True  # the next all-gather starts a step
         return reduce_scatter(*args, **kwargs)
 
     def _all_gather_with_marks(
-        self, gather: Any, entry: Any, output_tensor: torch.Tensor, input_tensor: torch.Tensor, *args: Any, **kw: Any
-    ) -> Any:
+        self,
+        gather: Callable[..., R],
+        entry: Collective,
+        output_tensor: torch.Tensor,
+        input_tensor: torch.Tensor,
+        *args: Any,
+        **kw: Any,
+    ) -> R:
         """FSDP's all_gather_single, the first of a step: preceded by a gather of every rank's step marks (a few
         elements), checked before the unit is gathered. The marks go in their own small gather, not appended to the
         unit's: appending would copy the unit's shard and its gathered buffer, a transient second copy of the
@@ -347,14 +356,14 @@ class PerDeviceStrategy(Strategy):
         del marks, gathered  # freed before the unit's gather, so the step's memory peak is the unit's alone
         return gather(output_tensor, input_tensor, *args, **kw)
 
-    def check_marks(self, marks: list[tuple[int, ...]], entry: Any) -> None:
+    def check_marks(self, marks: list[tuple[int, ...]], entry: Collective | None) -> None:
         """Raise CollectiveMismatch unless every rank carried the same marks: one line naming the ranks that
         differ, with each rank's last collective (exchanged through the rendezvous store)."""
         if all(mark == marks[0] for mark in marks):
             return
         raise CollectiveMismatch(mismatch_message(marks, self._exchange_entries(entry)))
 
-    def _exchange_entries(self, entry: Any) -> dict[int, dict[str, Any]]:
+    def _exchange_entries(self, entry: Collective | None) -> dict[int, dict[str, Any]]:
         """Every rank's record entry at the mismatch, through the store (no collective can be trusted now)."""
         import json
 

@@ -84,7 +84,7 @@ class _UsersOptimizer:
         return self.user.param_groups
 
     @property
-    def state(self) -> Any:
+    def state(self) -> collections.defaultdict[torch.Tensor, Any]:  # (torch's: anything the optimizer keeps)
         return self.user.state
 
     @property

@@ -32,15 +32,16 @@ find_unused_parameters=True (passed to DDP); stage 2 is FSDP2's, which needs not
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
 from torch.distributed.checkpoint.state_dict import _init_optim_state
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
-from dpkit.strategies.base import FOR_THE_STEP, ON_ROOT, PER_DEVICE, PERSISTENT, SHARDED, Traits
+from dpkit.strategies.base import FOR_THE_STEP, ON_ROOT, PER_DEVICE, PERSISTENT, SHARDED, StrategyOptimizer, Traits
 from dpkit.strategies.ddp import DDP
 from dpkit.strategies.fsdp import FSDP
 from dpkit.strategies.named_state import named_optimizer_state, numbered_optimizer_state
@@ -63,10 +64,10 @@ STAGE_TRAITS = {
 }
 
 
-def check_stage(stage: Any) -> int:
+def check_stage(stage: object) -> int:
     if isinstance(stage, bool) or stage not in STAGE_TRAITS:
         raise ValueError(f"stage: expected 1 (optimizer state sharded) or 2 (gradients sharded too), got {stage!r}")
-    return int(stage)
+    return 1 if stage == 1 else 2  # (as an int, whichever number type it was given in)
 
 
 class Zero(PerDeviceStrategy):
@@ -124,12 +125,12 @@ class ShardedOptimizer(ZeroRedundancyOptimizer):
         self.user = user  # what the Engine checks a saved optimizer's class against
 
     @property
-    def state(self) -> Any:
+    def state(self) -> collections.defaultdict[torch.Tensor, Any]:  # (torch's: anything the optimizer keeps)
         local = self.__dict__.get("optim")
         return local.state if local is not None else self.__dict__.setdefault("_unused_state", {})
 
-    @state.setter
-    def state(self, value: Any) -> None:  # Optimizer.__init__ sets it before the local optimizer exists
+    @state.setter  # Optimizer.__init__ sets it before the local optimizer exists
+    def state(self, value: collections.defaultdict[torch.Tensor, Any]) -> None:
         self.__dict__["_unused_state"] = value
 
     def state_dict(self) -> dict[str, Any]:
@@ -157,6 +158,11 @@ class ShardedOptimizer(ZeroRedundancyOptimizer):
         self.param_groups = self.user.param_groups
 
 
+def _sharded(optimizer: StrategyOptimizer) -> ShardedOptimizer:
+    """The optimizer the saving hooks are given, as ZeroStage1.wrap_optimizer made it."""
+    return cast(ShardedOptimizer, optimizer)
+
+
 class ZeroStage1(Zero, DDP):
     """Stage 1: ddp's model, the optimizer's state sharded by ZeroRedundancyOptimizer."""
 
@@ -173,25 +179,28 @@ class ZeroStage1(Zero, DDP):
             )
         return ShardedOptimizer(optimizer)
 
-    def optimizer_state(self, optimizer: Any) -> dict[str, Any] | None:
-        return optimizer.whole_state_dict()  # every process takes part; rank 0 gets it
+    def optimizer_state(self, optimizer: StrategyOptimizer) -> dict[str, Any] | None:
+        return _sharded(optimizer).whole_state_dict()  # every process takes part; rank 0 gets it
 
-    def load_optimizer_state(self, optimizer: Any, state: dict[str, Any]) -> None:
+    def load_optimizer_state(self, optimizer: StrategyOptimizer, state: dict[str, Any]) -> None:
         optimizer.load_state_dict(state)  # each process keeps the state of the parameters it owns
 
     # --- the training state: each process writes the optimizer state it owns (torch.distributed.checkpoint),
     # keyed by parameter names as fsdp's is, so that either resumes the other's, on any process count ---
-    def sharded_state(self, model: nn.Module, optimizers: Mapping[str, Any]) -> dict[str, Any]:
+    def sharded_state(self, model: nn.Module, optimizers: Mapping[str, StrategyOptimizer]) -> dict[str, Any]:
         names = {id(p): name for name, p in model.named_parameters()}
         by_name = {}
-        for key, optimizer in optimizers.items():
+        for key, given in optimizers.items():
+            optimizer = _sharded(given)
             # a fresh optimizer's state is made (a step at lr 0 with zero gradients) for a load to fill
             _init_optim_state(optimizer.optim)
             order = [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
             by_name[key] = named_optimizer_state(optimizer.state_dict(), order)
         return {"model": model.state_dict(), "optimizers": by_name}
 
-    def load_sharded_state(self, model: nn.Module, optimizers: Mapping[str, Any], state: dict[str, Any]) -> None:
+    def load_sharded_state(
+        self, model: nn.Module, optimizers: Mapping[str, StrategyOptimizer], state: dict[str, Any]
+    ) -> None:
         model.load_state_dict(state["model"])  # whole, the same in every process
         for key, optimizer in optimizers.items():
             optimizer.load_state_dict(numbered_optimizer_state(state["optimizers"][key]))

@@ -328,7 +328,7 @@ class Contender:
         if self.threads and self.engine.device.type == "cpu" and torch.get_num_threads() != self.threads:
             torch.set_num_threads(self.threads)  # the calling thread runs backward and the optimizer
 
-        def timed(name: str) -> contextlib.AbstractContextManager[Any]:
+        def timed(name: str) -> contextlib.AbstractContextManager[None]:
             return observer.phase(name) if observer is not None and name in self.wrapped else contextlib.nullcontext()
 
         start = time.perf_counter()
