@@ -308,9 +308,11 @@ def devices_for(strategy: str) -> int:
     return 1 if strategy_class(strategy).traits.max_devices == 1 else 2
 
 
-@pytest.mark.parametrize("how", ["compile=", "before"])
+@pytest.mark.parametrize("how", ["compile=", "before", "after"])
 @pytest.mark.parametrize("strategy", IN_PROCESS)
-def test_every_strategy_runs_the_compiled_forward_and_trains_as_eager_single(strategy, how):
+def test_every_strategy_runs_the_compiled_forward_and_trains_as_eager_single(strategy, how, caplog):
+    """Compiled by Engine(compile=), before engine.setup, or after it (torch.compile of the wrapper setup returns:
+    dynamo compiles dpkit's glue around the forward; replicas run in worker threads run eager, and it says so)."""
     reference = eager_single()
     backend = GraphCalls("eager")  # dynamo's graphs run as they are: AOTAutograd is tested with bf16 below
     found = train(strategy, how, backend, devices_for(strategy))
@@ -318,6 +320,11 @@ def test_every_strategy_runs_the_compiled_forward_and_trains_as_eager_single(str
     assert not [key for key in found["keys"] if "_orig_mod" in key]  # checkpoints keep the model's own keys
     # after the warm-up (an uneven batch included) nothing compiles again, with uneven batches after it too
     assert found["after_warm_up"].frames == 0, found["after_warm_up"]
+    said = [r.getMessage() for r in caplog.records if "replicas run in worker threads" in r.getMessage()]
+    if how == "after" and strategy in REPLICATING:
+        assert len(said) == 1 and f"strategy '{strategy}'" in said[0] and "Engine(compile=True)" in said[0], said
+        return
+    assert not said
     assert sum(backend.by_thread.values()) >= len(BATCHES)  # compiled graphs ran, not an eager fallback
     if strategy in REPLICATING:
         assert backend.in_workers() > 0, dict(backend.by_thread)  # and the replicas ran them in their threads
@@ -331,15 +338,6 @@ def test_with_accumulation_and_bf16_mixed_the_compiled_replicas_train_as_eager_s
     # bf16 activations on half the rows each: the same products, the replicas' gradient sum reordered in float32
     assert max_difference(found["state"], reference) <= BF16_TOLERANCE
     assert max_difference(found["state"], eager["state"]) <= TOLERANCE  # compiling itself changes nothing
-
-
-def test_the_wrapper_compiled_after_setup_trains_as_eager_single():
-    """torch.compile(engine.setup's wrapper) runs too (dynamo compiles dpkit's glue around the forward); measured
-    per strategy in docs/compile.md, tested here on the replicated wrapper (the dp one costs ~20 s of tracing)."""
-    reference = eager_single()
-    found = train("replicated", "after", "eager", 2)
-    assert max_difference(found["state"], reference) <= TOLERANCE
-    assert found["after_warm_up"].frames == 0, found["after_warm_up"]
 
 
 def test_a_replica_runs_its_own_weights_through_the_shared_compiled_forward():
@@ -434,10 +432,16 @@ LAUNCHED_CASES = [
     for strategy, how in (
         ("ddp", "compile="),
         ("ddp", "before"),
+        ("ddp", "after"),
         ("fsdp", "compile="),
         ("fsdp", "before"),
+        ("fsdp", "after"),
         ("zero", "compile="),
+        ("zero", "before"),
+        ("zero", "after"),
         ("hsdp", "compile="),
+        ("hsdp", "before"),
+        ("hsdp", "after"),
     )
     if strategy in available_strategies()
 ]

@@ -9,6 +9,7 @@ and restores it.
 
 from __future__ import annotations
 
+import logging
 from collections import OrderedDict, defaultdict
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sized
 from dataclasses import dataclass, field
@@ -18,11 +19,14 @@ import torch
 from torch import nn
 
 from dpkit.checks import check_number
+from dpkit.compilation import has_compiled_forward
 from dpkit.parallel import hooks
 from dpkit.parallel.nested import map_leaves
 from dpkit.precision import Precision
 from dpkit.strategies import SHARDED, DeferredOutput, Strategy
 from dpkit.training.resumable_loader import ResumableLoader
+
+log = logging.getLogger("dpkit")
 
 
 class EngineModule(nn.Module):
@@ -55,6 +59,8 @@ class EngineModule(nn.Module):
         self.module = strategy.wrap_model(self.user_module)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if torch.compiler.is_compiling() and self.strategy.traits.threads_per_step:
+            _say_replicas_run_eager(self)  # torch.compile(the wrapper setup returned): decided while dynamo traces
         decide = self.__dict__.get("decide")
         if decide is not None:  # strategy="auto" on several devices: chosen from the first batch
             decide(args, kwargs)
@@ -92,6 +98,20 @@ class EngineModule(nn.Module):
         finally:
             # torch copies the keys that match before it raises for the others: the other copies follow either way
             self.strategy.weights_loaded()
+
+
+@torch.compiler.disable  # run as it is, after the graph dynamo traced up to this call
+def _say_replicas_run_eager(model: EngineModule) -> None:
+    """Said once per model: torch.compile of the Engine's wrapper compiles the glue around the strategy's forward,
+    while the replicas the strategy runs in its worker threads (threads dynamo does not enter) run eager."""
+    if model.__dict__.get("said_eager") or has_compiled_forward(model.user_module):
+        return
+    model.__dict__["said_eager"] = True
+    log.warning(
+        "torch.compile(model) after engine.setup: under strategy '%s' the replicas run in worker threads, which "
+        "this compiles nothing of (they run eager); compile before engine.setup, or pass Engine(compile=True)",
+        model.strategy.name,
+    )
 
 
 def whole_tensors_as_shards(model: nn.Module, state: Mapping[str, Any]) -> Mapping[str, Any]:
