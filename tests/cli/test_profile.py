@@ -177,15 +177,36 @@ def test_ddp_writes_one_report_with_every_rank_and_its_all_reduce(tmp_path, ddp_
         tracks["cpu:1"],
     }
     assert (folder / "ddp.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # each rank's gradient buckets' all-reduces on its own track, in the order it issued them, each inside one of
+    # that rank's backwards (the record's clock is the phases'), with what identifies it; issued asynchronously
+    for device, tid in tracks.items():
+        issued = collectives_on(trace, tid)
+        assert [e["args"]["sequence"] for e in issued] == sorted(e["args"]["sequence"] for e in issued)
+        buckets = [e for e in issued if e["args"]["op"].startswith("all_reduce of gradient bucket")]
+        assert buckets and all(e["name"] == "all_reduce" and e["ph"] == "i" and e["args"]["async"] for e in buckets)
+        assert {e["args"]["step"] for e in buckets} == {2, 3}  # the observed steps, after one warm-up
+        assert all(e["args"]["site"].startswith("profile.py:") and e["args"]["bytes"] > 0 for e in buckets)
+        backwards = [e for e in trace if e.get("cat") == "phase" and e["name"] == "backward" and e["tid"] == tid]
+        for bucket in buckets:
+            assert any(b["ts"] - 1e-3 <= bucket["ts"] <= b["ts"] + b["dur"] + 1e-3 for b in backwards), device
+        # engine.reduce's all-reduces, timed until they returned, after the optimizer's step
+        reduces = [e for e in issued if e["args"]["op"] == "all_reduce"]
+        assert reduces and all(e["ph"] == "X" and e["dur"] >= 0 for e in reduces)
+        assert report["collectives_per_step"][device]["all_reduce of gradient bucket"] == len(buckets) / 2
     # the global batch's loss after three Adam steps equals one device's, as ddp promises
     single = run_profile(tmp_path, "single", *small, "--devices", "1")
     assert report["last_loss"] == pytest.approx(single["last_loss"], rel=1e-9)
 
 
+def collectives_on(trace, tid):
+    """The collectives on one track of a trace, in time order."""
+    return sorted((e for e in trace if e.get("cat") == "collective" and e["tid"] == tid), key=lambda e: e["ts"])
+
+
 def test_fsdp_books_its_shards_and_says_what_ddp_would_keep(tmp_path, capfd, ddp_profile):
     ddp = ddp_profile[0]
     capfd.readouterr()
-    fsdp = run_profile(tmp_path, "fsdp", *PER_DEVICE_SMALL)
+    fsdp = run_profile(tmp_path, "fsdp", *PER_DEVICE_SMALL, "--trace", str(tmp_path / "fsdp_trace.json"))
     printed = capfd.readouterr().out  # printed by rank 0, a process of its own
     for entry, whole in zip(fsdp["devices"], ddp["devices"]):
         mine, theirs = entry["peak_bytes_by_category"], whole["peak_bytes_by_category"]
@@ -202,3 +223,17 @@ def test_fsdp_books_its_shards_and_says_what_ddp_would_keep(tmp_path, capfd, ddp
     assert "kept between steps (params + grads + optim): at most" in printed
     assert "unsharded" in next(line for line in printed.splitlines() if line.startswith("device"))
     assert fsdp["last_loss"] == pytest.approx(ddp["last_loss"], rel=1e-9)  # the same steps
+    # FSDP2's gathers and reduce-scatters on both ranks' tracks, each timed until it returned, inside its phase
+    trace = json.loads((tmp_path / "fsdp_trace.json").read_text())["traceEvents"]
+    tracks = {e["args"]["name"]: e["tid"] for e in trace if e.get("name") == "thread_name"}
+    assert set(tracks) == {"cpu:0", "cpu:1"}
+    for device, tid in tracks.items():
+        issued = collectives_on(trace, tid)
+        names = {e["name"] for e in issued}
+        for phase in ("all_gather", "reduce_scatter"):  # all_gather_single or _into_tensor, as torch calls them
+            assert any(name.startswith(phase) for name in names), (device, names)
+            spans = [e for e in trace if e.get("cat") == "phase" and e["name"] == phase and e["tid"] == tid]
+            for collective in (e for e in issued if e["name"].startswith(phase)):
+                assert collective["ph"] == "X" and collective["args"]["step"] in (2, 3)
+                assert any(s["ts"] - 1e-3 <= collective["ts"] <= s["ts"] + s["dur"] + 1e-3 for s in spans), device
+    assert "collectives issued per step, on each rank:" in printed and "all_gather" in printed

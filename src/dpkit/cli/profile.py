@@ -66,7 +66,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     add_optimizer(parser, "adam", OPTIMIZERS)
     add_seed(parser)
     add_outputs(parser, png="a stacked bar chart of memory by category per device")
-    parser.add_argument("--trace", help="write a Chrome trace (open in https://ui.perfetto.dev) here")
+    parser.add_argument(
+        "--trace",
+        help="write a Chrome trace (open in https://ui.perfetto.dev) here: each device's phases and, under ddp and "
+        "fsdp, the collectives its rank issued",
+    )
     add_progress(parser)
     return parser
 

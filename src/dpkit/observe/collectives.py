@@ -9,13 +9,20 @@ called inside another recorded one (all_gather_object's all_gathers) is part of 
 
 The call site is the first frame outside dpkit and torch (`train.py:31 in main`); where the stack has none
 (a collective issued from autograd's own thread on a GPU) the strategy pins the site of the call that led
-there (`RECORD.pinned`, around backward). Cost: a frame walk and a few attribute writes per collective.
+there (`RECORD.pinned`, around backward). Cost: a frame walk, two clock reads and a few attribute writes per
+collective.
+
+Each entry has the time it was issued (`issued`, time.perf_counter: the clock the observer's phase spans use, so
+`dpkit profile --trace` puts the collectives on each rank's track beside its phases) and, once the call returned,
+how long the call took to return on the issuing thread (`seconds`). An asynchronous collective (`async_op=True`,
+DDP's gradient buckets) returns when it is enqueued: it is marked `async_op` and its `seconds` say nothing of when
+it completed. On a GPU a collective returns once it is enqueued on the stream, so `seconds` is its launch there.
+A profile keeps every entry of its observed steps (`CollectiveRecord.keeping`), not only the last RING_SIZE.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import os
 import sys
@@ -23,6 +30,7 @@ import threading
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from time import perf_counter  # the clock of the observer's phase spans (observe/timing.py)
 from typing import Any
 
 import torch
@@ -30,6 +38,8 @@ import torch
 from dpkit.errors import DpkitError
 
 RING_SIZE = 64
+# while a profile observes its steps (tools/profile.py): every collective of a long profile of a large model
+PROFILE_RING_SIZE = 1 << 16
 
 # the collectives of torch.distributed that dpkit and FSDP2 call from Python (torch 2.13)
 RECORDED_FUNCTIONS = (
@@ -56,16 +66,21 @@ RECORDED_FUNCTIONS = (
 )
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Collective:
     """One collective as this rank issued it. `step`: the batch in hand when it was issued (batches the Engine's
-    loaders yielded), or without an Engine loader the synchronised steps begun; `site`: the user's line."""
+    loaders yielded), or without an Engine loader the synchronised steps begun; `site`: the user's line;
+    `issued`: time.perf_counter() when it was issued; `seconds`: how long the call took to return on the issuing
+    thread (None until it returned); `async_op`: issued asynchronously, so it returned when enqueued."""
 
     sequence: int
     op: str
     size_bytes: int
     step: int
     site: str
+    issued: float = 0.0
+    seconds: float | None = None
+    async_op: bool = False
 
     def describe(self) -> str:
         """`all_reduce of 4.0 MB (collective 12, step 3, train.py:31 in main)`"""
@@ -73,6 +88,7 @@ class Collective:
         return f"{self.op}{size} (collective {self.sequence}, step {self.step}, {self.site})"
 
     def as_dict(self) -> dict[str, Any]:
+        """What identifies it (the heartbeat and the mismatch message carry this; not its times)."""
         return {"sequence": self.sequence, "op": self.op, "size_bytes": self.size_bytes, "step": self.step,
                 "site": self.site}  # fmt: skip
 
@@ -107,18 +123,18 @@ class CollectiveRecord:
 
     def add(self, op: str, size_bytes: int = 0, site: str | None = None) -> Collective:
         self.sequence += 1
-        entry = Collective(self.sequence, op, size_bytes, self.step, site or self._pinned or call_site())
+        entry = Collective(
+            self.sequence, op, size_bytes, self.step, site or self._pinned or call_site(), perf_counter()
+        )
         self.entries.append(entry)
         return entry
 
     def step_begins(self, entry: Collective) -> Collective:
-        """A synchronised step begins with this collective (already recorded): count it, and the entry, if it is
-        still the last, carries the new step."""
+        """A synchronised step begins with this collective (already recorded): count it, and the entry carries
+        the new step."""
         self.steps += 1
-        updated = dataclasses.replace(entry, step=self.step)
-        if self.entries and self.entries[-1] is entry:
-            self.entries[-1] = updated
-        return updated
+        entry.step = self.step
+        return entry
 
     def last(self) -> Collective | None:
         try:
@@ -143,46 +159,96 @@ class CollectiveRecord:
 
     @contextlib.contextmanager
     def issuing(self, op: str, size_bytes: int = 0) -> Iterator[Collective | None]:
-        """Record one collective around its call; collectives called inside it are part of it."""
+        """Record one collective around its call (when it returns, how long it took); collectives called inside
+        it are part of it."""
         if not self.enabled:
             yield None
             return
-        depth = getattr(self._inside, "depth", 0)
-        self._inside.depth = depth + 1
+        inside = self._inside
+        depth = getattr(inside, "depth", 0)
+        inside.depth = depth + 1
+        entry = None
         try:
-            yield self.add(op, size_bytes) if depth == 0 else None
+            if depth == 0:
+                entry = inside.entry = self.add(op, size_bytes)
+            yield entry
         finally:
-            self._inside.depth = depth
+            inside.depth = depth
+            if entry is not None:
+                entry.seconds = perf_counter() - entry.issued
+                inside.entry = None
+
+    def issued_async(self) -> None:
+        """The collective this thread is issuing (the outermost recorded) was issued asynchronously: it returns
+        when enqueued (DDP's gradient buckets, issued inside ddp.py's comm hook)."""
+        entry = getattr(self._inside, "entry", None)
+        if entry is not None:
+            entry.async_op = True
+
+    @contextlib.contextmanager
+    def keeping(self, capacity: int) -> Iterator[int]:
+        """Inside, the ring keeps the last `capacity` entries (at least its own capacity): a profile's observed
+        steps, every one of their collectives. Yields the sequence so far: the window's entries are those after
+        it (`since`). After, the ring is back to its capacity, with the last entries."""
+        before = self.entries
+        if before.maxlen is not None and before.maxlen < capacity:
+            self.entries = deque(before, maxlen=capacity)
+        try:
+            yield self.sequence
+        finally:
+            if self.entries is not before:
+                self.entries = deque(self.entries, maxlen=before.maxlen)
+
+    def since(self, sequence: int) -> list[Collective]:
+        """The entries kept that came after collective `sequence`, in order."""
+        return [entry for entry in list(self.entries) if entry.sequence > sequence]
 
 
 RECORD = CollectiveRecord()
 
 _THIS_FILE = os.path.abspath(__file__)
 _DPKIT_DIR = os.path.dirname(os.path.dirname(_THIS_FILE)) + os.sep
-_LIBRARY_FILES = ("contextlib.py", "threading.py", "functools.py")
+_LIBRARY_FILES = ("contextlib.py", "threading.py", "functools.py", "runpy.py")
+_FROZEN = "<frozen "  # Python's own frozen modules (`<frozen runpy>` under `python -m`): never the user's line
+# a launched worker's first code: the frames outside it are the launcher's `python -c` bootstrap, not the user's
+_WORKER_FILE = os.path.join(_DPKIT_DIR, "launch", "worker.py")
+# dpkit's commands, which drive the Engine as a user's script does: where dpkit itself called, their line
+_DPKIT_DRIVERS = tuple(
+    _DPKIT_DIR + part for part in ("tools" + os.sep, "plan" + os.sep, "cli" + os.sep, os.path.join("training", "run"))
+)
 
 
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
 
 
 def call_site(frame: Any = None) -> str:
-    """`file.py:LINE in function` of the first frame outside dpkit and torch (and contextlib); the first
-    outside torch when dpkit itself called (`dpkit train`); `?` with no Python frame at all."""
+    """`file.py:LINE in function` of the first frame outside dpkit and torch (and contextlib, runpy); where
+    dpkit itself called (`dpkit train`, `dpkit profile`), the first in one of its commands (`profile.py:176 in
+    step`), else the first outside torch; `?` with no Python frame at all."""
     frame = frame or sys._getframe(1)
-    first_outside_torch = None
+    first_outside_torch = first_driver = None
     while frame is not None:
         filename = frame.f_code.co_filename
+        if filename == _WORKER_FILE:
+            break
         in_torch = filename.startswith(_TORCH_DIR)
-        if not in_torch and filename != _THIS_FILE and not filename.endswith(_LIBRARY_FILES):
+        if (
+            not in_torch
+            and filename != _THIS_FILE
+            and not filename.endswith(_LIBRARY_FILES)
+            and not filename.startswith(_FROZEN)
+        ):
             if not filename.startswith(_DPKIT_DIR):
                 return f"{os.path.basename(filename)}:{frame.f_lineno} in {frame.f_code.co_name}"
             if first_outside_torch is None:
                 first_outside_torch = frame
+            if first_driver is None and filename.startswith(_DPKIT_DRIVERS):
+                first_driver = frame
         frame = frame.f_back
-    if first_outside_torch is None:
+    chosen = first_driver or first_outside_torch
+    if chosen is None:
         return "?"
-    code = first_outside_torch.f_code
-    return f"{os.path.basename(code.co_filename)}:{first_outside_torch.f_lineno} in {code.co_name}"
+    return f"{os.path.basename(chosen.f_code.co_filename)}:{chosen.f_lineno} in {chosen.f_code.co_name}"
 
 
 def _size_bytes(args: tuple, kwargs: dict) -> int:
@@ -199,6 +265,8 @@ def _recorded(name: str, function: Callable, record: CollectiveRecord) -> Callab
     @functools.wraps(function)
     def collective(*args: Any, **kwargs: Any) -> Any:
         with record.issuing(name, _size_bytes(args, kwargs)) as entry:
+            if kwargs.get("async_op"):  # the entry, or the one this call is part of (ddp's comm hook)
+                record.issued_async()
             carrier = record.carriers.get(name) if entry is not None else None
             if carrier is not None:
                 return carrier(function, entry, *args, **kwargs)

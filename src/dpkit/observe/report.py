@@ -1,16 +1,22 @@
-"""What an Observer measured, per device: a table, JSON, a stacked bar chart and a Chrome trace."""
+"""What an Observer measured, per device: a table, JSON, a stacked bar chart and a Chrome trace (the phases, and
+the collectives each rank issued, on each device's track)."""
 
 from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass, field
+from collections import Counter
+from collections.abc import Iterable
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dpkit.observe.memory import CATEGORIES
 from dpkit.observe.step_split import REPLICAS
 from dpkit.observe.timing import PHASES, Span
+
+if TYPE_CHECKING:
+    from dpkit.observe.collectives import Collective
 
 SCHEMA_VERSION = 1
 
@@ -94,6 +100,51 @@ class DeviceReport:
 
 
 @dataclass
+class CollectiveSpan:
+    """A collective a device's rank issued (observe/collectives.py's record), on the spans' time axis: issued at
+    `start_seconds`; `seconds` the time the call took to return on the issuing thread, None when it was issued
+    asynchronously (DDP's gradient buckets: it returned when enqueued; the `all_reduce` phase times them)."""
+
+    device: str
+    op: str  # as recorded: torch.distributed's function (all_gather_single) or dpkit's words for it
+    start_seconds: float
+    seconds: float | None
+    sequence: int
+    size_bytes: int
+    step: int
+    site: str
+
+    @property
+    def name(self) -> str:
+        """The collective's function: `all_reduce` for `all_reduce of gradient bucket 0`, `barrier` for
+        `barrier (engine.close)`."""
+        return self.op.split(" ", 1)[0]
+
+    @property
+    def kind(self) -> str:
+        """The op without a bucket's number: what the per-step count groups by."""
+        return self.op.rstrip("0123456789 ")
+
+
+def collective_spans(entries: Iterable[Collective], device: str, origin: float) -> list[CollectiveSpan]:
+    """Record entries as spans of `device` on a clock whose zero is `origin` (time.perf_counter(), as the phase
+    clock's: `Observer.clock.origin`)."""
+    return [
+        CollectiveSpan(
+            device,
+            e.op,
+            e.issued - origin,
+            None if e.async_op else e.seconds,
+            e.sequence,
+            e.size_bytes,
+            e.step,
+            e.site,
+        )
+        for e in entries
+    ]
+
+
+@dataclass
 class Report:
     devices: list[DeviceReport]
     steps: int = 0
@@ -102,6 +153,8 @@ class Report:
     clock_origin_unix_seconds: float = 0.0  # wall-clock time of the spans' zero, to line up processes
     # the step by thread, seconds per step (observe/step_split.py); None when time was not measured
     threads: dict[str, Any] | None = None
+    # the collectives each process issued in the observed steps (dpkit profile under ddp and fsdp), in its order
+    collectives: list[CollectiveSpan] = field(default_factory=list)
 
     @classmethod
     def merged(cls, reports: list[Report]) -> Report:
@@ -119,6 +172,11 @@ class Report:
             ),
             key=lambda s: s.start_seconds,
         )
+        collectives = [
+            replace(c, start_seconds=c.start_seconds + r.clock_origin_unix_seconds - origin)
+            for r in reports
+            for c in r.collectives
+        ]
         return cls(
             devices=devices,
             steps=reports[0].steps,
@@ -126,6 +184,7 @@ class Report:
             meta=dict(reports[0].meta),
             clock_origin_unix_seconds=origin,
             threads=reports[0].threads,  # each process has its own threads: the first's (rank 0)
+            collectives=collectives,
         )
 
     @property
@@ -160,7 +219,31 @@ class Report:
                 for d in self.devices
             ],
             **({"threads": self.threads} if self.threads is not None else {}),
+            **({"collectives_per_step": self.collectives_per_step()} if self.collectives else {}),
         }
+
+    def collectives_per_step(self) -> dict[str, dict[str, float]]:
+        """Per device, the collectives its rank issued per observed step, by kind (`all_reduce of gradient
+        bucket`, `all_gather_single`, ...), most first."""
+        steps = max(self.steps, 1)
+        counts: dict[str, Counter[str]] = {}
+        for collective in self.collectives:
+            counts.setdefault(collective.device, Counter())[collective.kind] += 1
+        return {device: {kind: n / steps for kind, n in kinds.most_common()} for device, kinds in counts.items()}
+
+    def collectives_line(self) -> str | None:
+        """How many collectives each rank issued per step, and of which kinds: one line, None without any."""
+        per_device = self.collectives_per_step()
+        if not per_device:
+            return None
+
+        def said(kinds: dict[str, float]) -> str:
+            parts = ", ".join(f"{n:.3g} {kind}" for kind, n in kinds.items())
+            return f"{sum(kinds.values()):.3g} ({parts})"
+
+        if len({said(kinds) for kinds in per_device.values()}) == 1:
+            return f"collectives issued per step, on each rank: {said(next(iter(per_device.values())))}"
+        return "collectives issued per step: " + "; ".join(f"{d} {said(k)}" for d, k in per_device.items())
 
     def save_json(self, path: str | Path) -> Path:
         return write_json(self.to_dict(), path)
@@ -198,6 +281,9 @@ class Report:
             out.append(f"time by phase, ms per step (the mean of the {self.steps} observed step(s)):")
             out += _aligned(time)
         out += thread_lines(self.threads)
+        line = self.collectives_line()
+        if line:
+            out.append(line)
         return "\n".join(out)
 
     def save_png(self, path: str | Path, title: str | None = None) -> Path:
@@ -226,10 +312,15 @@ class Report:
         return path
 
     def trace_events(self) -> list[dict[str, Any]]:
-        """Chrome trace events: one track (thread) per device, one complete event per phase span."""
+        """Chrome trace events: one track (thread) per device, one complete event per phase span, and on the same
+        track each collective its rank issued, named by its function (`all_reduce`, `all_gather_single`): a
+        complete event lasting until the call returned, or an instant one where it was issued asynchronously; its
+        args give the op as recorded, its sequence, bytes, step and the call site."""
         track = {name: i + 1 for i, name in enumerate(d.device for d in self.devices)}
         for span in self.spans:
             track.setdefault(span.device, len(track) + 1)
+        for collective in self.collectives:
+            track.setdefault(collective.device, len(track) + 1)
         events: list[dict[str, Any]] = [
             {"name": "process_name", "ph": "M", "pid": 1, "tid": 0, "args": {"name": "dpkit"}}
         ]
@@ -247,6 +338,27 @@ class Report:
                     "dur": round(span.seconds * 1e6, 3),
                 }
             )
+        for collective in self.collectives:
+            event: dict[str, Any] = {
+                "name": collective.name,
+                "cat": "collective",
+                "pid": 1,
+                "tid": track[collective.device],
+                "ts": round(collective.start_seconds * 1e6, 3),
+                "args": {
+                    "op": collective.op,
+                    "sequence": collective.sequence,
+                    "bytes": collective.size_bytes,
+                    "step": collective.step,
+                    "site": collective.site,
+                },
+            }
+            if collective.seconds is None:
+                event.update(ph="i", s="t")
+                event["args"]["async"] = True
+            else:
+                event.update(ph="X", dur=round(collective.seconds * 1e6, 3))
+            events.append(event)
         return events
 
     def save_trace(self, path: str | Path) -> Path:

@@ -5,7 +5,8 @@ category, time by phase, and the imbalance (max/mean of per-device peaks). `dpki
     print(report.format_table())
 
 `run(spec)` also prints the table and writes the JSON report (spec.json), a stacked bar chart of memory
-by category per device (spec.png) and a Chrome trace of the phases on each device's track (spec.trace).
+by category per device (spec.png) and a Chrome trace of the phases on each device's track (spec.trace), with
+the collectives each rank issued in the observed steps (ddp, fsdp) on its device's track.
 With a strategy that runs one process per device, every process measures itself and rank 0 writes one
 report holding every rank's devices; without a launcher, `run` starts the processes itself
 (spec.relaunch says how to run this same profile in each).
@@ -27,7 +28,9 @@ from dpkit.devices import resolve_devices
 from dpkit.launch import Command, launched, relaunch
 from dpkit.launch.environment import process_place
 from dpkit.observe import Observer, Report, active
+from dpkit.observe.collectives import PROFILE_RING_SIZE, RECORD
 from dpkit.observe.memory import is_dtensor
+from dpkit.observe.report import collective_spans
 from dpkit.parallel.balance import CALIBRATION_CALLS
 from dpkit.precision import PRECISIONS as ENGINE_PRECISIONS
 from dpkit.strategies import strategy_class
@@ -184,11 +187,16 @@ def profile(spec: ProfileSpec) -> tuple[Report | None, float]:
                 step()
                 bar.update()
             after_warm_up = compile_counts()
-            with Observer(engine.device, models=engine.model_copies(), optimizers=[optimizer]) as observer:
-                for _ in range(spec.steps):
-                    last_loss = step()
-                    bar.update()
+            # every collective of the observed steps is kept for the trace, not only the ring's last RING_SIZE
+            with RECORD.keeping(PROFILE_RING_SIZE) as before:
+                with Observer(engine.device, models=engine.model_copies(), optimizers=[optimizer]) as observer:
+                    for _ in range(spec.steps):
+                        last_loss = step()
+                        bar.update()
+                issued, dropped = RECORD.since(before), RECORD.sequence - before
             here = observer.report()
+            here.collectives = collective_spans(issued, observer.home or str(engine.device), observer.clock.origin)
+            dropped -= len(issued)  # beyond PROFILE_RING_SIZE: the first ones are not in the trace
             # the step's split between the calling thread and the replica threads, timed again without memory
             # accounting, which would distort it (observe/step_split.py); not while another observer still runs
             # (dp-balanced calibrating past a short warm-up), whose stop must find its own dispatch mode on top
@@ -205,6 +213,8 @@ def profile(spec: ProfileSpec) -> tuple[Report | None, float]:
                     "recompiles_after_warm_up": compile_counts().since(after_warm_up).frames,
                 }
         kept = engine.gather_object(kept_bytes(engine.model_copies()[0][0], optimizer)) if cls.traits.sharded else None
+        if dropped > 0:
+            here.meta["collectives_not_kept"] = dropped
         reports = engine.gather_object(here)
         writes = engine.is_global_zero
     finally:
@@ -229,6 +239,9 @@ def profile(spec: ProfileSpec) -> tuple[Report | None, float]:
         report.meta["compile"] = compiled
     if kept is not None:
         report.meta["kept_bytes"] = kept  # per rank
+    not_kept = [r.meta.get("collectives_not_kept", 0) for r in reports]
+    if any(not_kept):  # the first collectives of a very long profile (per rank), missing from the trace
+        report.meta["collectives_not_kept"] = not_kept
     return report, last_loss
 
 
