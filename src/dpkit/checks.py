@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 
-def check_int(value: Any, argument: str, *, minimum: int = 1, meaning: str = "") -> int:
+def check_int(value: object, argument: str, *, minimum: int = 1, meaning: str = "") -> int:
     """`value` as an int of at least `minimum` (bool is not an int here), else a ValueError/TypeError.
 
     check_int(0, "devices", meaning="number of devices") ->
@@ -45,7 +45,7 @@ def check_int_list(
     return [check_int(item, f"{argument}[{i}]", minimum=minimum) for i, item in enumerate(items)]
 
 
-def check_dim(dim: Any, ndim: int | None = None, argument: str = "dim") -> int:
+def check_dim(dim: object, ndim: int | None = None, argument: str = "dim") -> int:
     """A dimension index; negative counts from the end as in torch (normalised when `ndim` is known)."""
     if isinstance(dim, bool) or not isinstance(dim, int):
         raise TypeError(f"{argument}: expected an int dimension, got {dim!r} ({type(dim).__name__})")
@@ -56,7 +56,7 @@ def check_dim(dim: Any, ndim: int | None = None, argument: str = "dim") -> int:
     return dim % ndim
 
 
-def check_number(value: Any, argument: str, *, minimum: float = 0.0, positive: bool = False) -> float:
+def check_number(value: object, argument: str, *, minimum: float = 0.0, positive: bool = False) -> float:
     """A finite real number (not nan or inf) of at least `minimum` (above 0 with positive=True)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"{argument}: expected a number, got {value!r} ({type(value).__name__})")
@@ -72,7 +72,7 @@ def check_number(value: Any, argument: str, *, minimum: float = 0.0, positive: b
 MAX_SEED = 2**32 - 1
 
 
-def check_seed(value: Any, argument: str = "seed") -> int:
+def check_seed(value: object, argument: str = "seed") -> int:
     if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_SEED:
         raise ValueError(f"{argument}: expected a seed from 0 to {MAX_SEED} (2**32 - 1), got {value!r}")
     return value

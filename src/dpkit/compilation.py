@@ -37,7 +37,7 @@ def compile_option_names() -> tuple[str, ...]:
     return tuple(name for name in inspect.signature(torch.compile).parameters if name != "model")
 
 
-def check_compile(value: Any, argument: str = "compile") -> dict[str, Any] | None:
+def check_compile(value: object, argument: str = "compile") -> dict[str, Any] | None:
     """`value` as torch.compile's keyword options: None (run eagerly) for None or False, {} (torch's defaults) for
     True, a checked copy of a dict. Anything else fails with one line naming `argument`, the value and what is
     accepted, before any work (torch itself would only complain at the first forward, or not at all)."""
@@ -98,7 +98,7 @@ def describe_compile(options: Mapping[str, Any] | None) -> dict[str, Any] | None
     if options is None:
         return None
 
-    def plain(value: Any) -> Any:
+    def plain(value: object) -> Any:
         if isinstance(value, (str, int, float, bool, type(None))):
             return value
         if isinstance(value, Mapping):
@@ -304,7 +304,7 @@ def take_compiled(model: nn.Module, options: Mapping[str, Any] | None) -> tuple[
     return model, functools.partial(torch.compile, **options)
 
 
-def _is_dynamo_context(value: Any) -> bool:
+def _is_dynamo_context(value: object) -> bool:
     eval_frame = sys.modules.get("torch._dynamo.eval_frame")
     return eval_frame is not None and isinstance(value, eval_frame._TorchDynamoContext)
 
@@ -322,7 +322,7 @@ class CompiledForward:
     def __init__(self, compiled: Callable[..., Any]):
         self.compiled = compiled
         self._turn = threading.Lock()
-        self._seen: set[tuple[Any, ...]] = set()
+        self._seen: set[tuple[object, ...]] = set()
 
     def __call__(self, module: nn.Module, *args: Any, **kwargs: Any) -> Any:
         key = _signature(module, args, kwargs)
@@ -334,7 +334,7 @@ class CompiledForward:
         return out
 
 
-def _signature(module: nn.Module, args: tuple, kwargs: dict) -> tuple[Any, ...]:
+def _signature(module: nn.Module, args: tuple, kwargs: dict) -> tuple[object, ...]:
     # what dynamo's guards mostly look at: the inputs' shapes, dtypes and devices, grad mode, train or eval
     leaves = torch.utils._pytree.tree_leaves((args, kwargs))
     return (
@@ -356,7 +356,7 @@ def compile_forward(module: nn.Module, compile_fn: CompileFn) -> None:
     module.__dict__["forward"] = types.MethodType(CompiledForward(compiled), module)
 
 
-def rebind_forward(original: nn.Module, replica: nn.Module, state: dict[str, Any]) -> None:
+def rebind_forward(original: nn.Module, replica: nn.Module, state: dict[str, object]) -> None:
     """In a replica's attribute dict `state` (a copy of `original`'s): a forward compile_forward bound on the
     original, bound on the replica instead (else the replica would run the original's weights)."""
     forward = state.get("forward")

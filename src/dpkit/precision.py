@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 from contextlib import AbstractContextManager
-from typing import Any
 
 import torch
 
@@ -43,7 +42,7 @@ class Precision:
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         return self.scaler.scale(loss) if self.scaler is not None else loss
 
-    def unscale(self, optimizer: Any) -> float:
+    def unscale(self, optimizer: torch.optim.Optimizer) -> float:
         """Before clipping: divide the gradients `optimizer` steps by the loss scale (16-mixed; a no-op otherwise).
         Returns the factor applied, for gradients the scaler does not see (other replicas' copies)."""
         if self.scaler is None:
@@ -52,7 +51,7 @@ class Precision:
         self.scaler.unscale_(optimizer)
         return 1.0 / scale
 
-    def step(self, optimizer: Any) -> Any:
+    def step(self, optimizer: torch.optim.Optimizer) -> float | None:
         """optimizer.step(), through the scaler when there is one (it unscales, and skips on inf/nan)."""
         if self.scaler is None:
             return optimizer.step()

@@ -26,7 +26,7 @@ and most transformers models) whenever the batch has `labels`.
 from __future__ import annotations
 
 from collections.abc import Mapping, MutableMapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 from torch import nn
@@ -35,6 +35,12 @@ from dpkit.devices import DeviceLike
 from dpkit.parallel.data_parallel import DataParallel
 from dpkit.parallel.scatter import Broadcast, batch_size_of
 
+if TYPE_CHECKING:
+    from torch.utils.data import DataLoader
+    from transformers import Trainer
+
+TrainerT = TypeVar("TrainerT", bound="Trainer")
+
 COUNT_KEYWORD = "num_items_in_batch"
 # travel with the batch to the replicas and never reach the model: each row's counted items (split like
 # the batch) and the batch's total
@@ -42,7 +48,7 @@ _ITEMS_KEYWORD = "dpkit_items_per_row"
 _TOTAL_KEYWORD = "dpkit_items_in_batch"
 
 
-def _loss_of(output: Any) -> torch.Tensor | None:
+def _loss_of(output: object) -> torch.Tensor | None:
     if isinstance(output, Mapping):
         loss = output.get("loss")
     elif isinstance(output, (tuple, list)) and output:
@@ -71,7 +77,7 @@ def loss_shifts_labels(model: nn.Module) -> bool:
     return getattr(model, "loss_function", None) is ForCausalLMLoss
 
 
-def items_per_row(kwargs: Mapping[str, Any], rows: int, shifts_labels: bool) -> torch.Tensor:
+def items_per_row(kwargs: Mapping[str, object], rows: int, shifts_labels: bool) -> torch.Tensor:
     """How many loss terms each row holds: labels other than -100 (after the shift of a causal LM, or
     `shift_labels` as given); one per row without labels. With num_items_in_batch any positive counts
     would do (see _WeightedLoss); without it they must be the terms the model's own mean runs over."""
@@ -157,7 +163,7 @@ class TrainerDataParallel(nn.Module):
         return self.data_parallel.device_ids
 
 
-def data_parallel(trainer: Any, device_ids: Sequence[DeviceLike] | None = None) -> Any:
+def data_parallel(trainer: TrainerT, device_ids: Sequence[DeviceLike] | None = None) -> TrainerT:
     """Make `trainer` (a transformers.Trainer, or a subclass) train and evaluate through dpkit.DataParallel
     on `device_ids` (virtual CPU devices from dpkit.cpu_devices(n), or GPUs; default every visible GPU).
     Returns the trainer. See the module docstring for what changes and what is guaranteed."""
@@ -165,7 +171,7 @@ def data_parallel(trainer: Any, device_ids: Sequence[DeviceLike] | None = None) 
         raise TypeError(f"trainer: expected a transformers.Trainer, got {type(trainer).__name__}")
     wrappers: dict[int, TrainerDataParallel] = {}
 
-    def wrap_model(model: nn.Module, training: bool = True, dataloader: Any = None) -> nn.Module:
+    def wrap_model(model: nn.Module, training: bool = True, dataloader: DataLoader | None = None) -> nn.Module:
         if isinstance(model, TrainerDataParallel):
             return model
         wrapper = wrappers.get(id(model))
@@ -173,8 +179,9 @@ def data_parallel(trainer: Any, device_ids: Sequence[DeviceLike] | None = None) 
             wrapper = wrappers[id(model)] = TrainerDataParallel(model, device_ids)
         return wrapper
 
-    wrap_model(trainer.model)  # checks device_ids now, not at the first step
-    trainer._wrap_model = wrap_model
+    # (Trainer types its model as optional: it is set once Trainer() returns, from model= or model_init=)
+    wrap_model(trainer.model)  # type: ignore[arg-type]  # checks device_ids now, not at the first step
+    trainer._wrap_model = wrap_model  # type: ignore[method-assign]  # on this one Trainer object
     if trainer.args.n_gpu > 1:  # one device as far as Trainer knows: no nn.DataParallel, no per-GPU counts
         trainer.args._n_gpu = 1
     return trainer

@@ -28,7 +28,7 @@ import contextlib
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.utils._pytree
@@ -67,6 +67,8 @@ __all__ = [  # the workers' names too, for callers that knew them here
     "stop_workers",
     "worker_for",
 ]
+
+T = TypeVar("T")
 
 
 class PeerFailed(RuntimeError):
@@ -115,14 +117,14 @@ def _rethrow(index: int, device: torch.device, error: BaseException) -> None:
 
 
 def _run_job(
-    job: Callable[[int], Any],
+    job: Callable[[int], T],
     index: int,
     device: torch.device,
     context: CallerContext,
-    stream: Any,
+    stream: torch.cuda.Stream | None,
     mode: ReplicaGenerator | None,
     threads: int | None,
-) -> Any:
+) -> T:
     if threads is not None and torch.get_num_threads() != threads:
         torch.set_num_threads(threads)  # per thread under OpenMP: the worker's own (serially: restored after)
     with contextlib.ExitStack() as stack:
@@ -149,13 +151,13 @@ def resolve_concurrency(concurrency: str | Concurrency, argument: str = "concurr
 
 def run_replicas(
     devices: Sequence[torch.device],
-    job: Callable[[int], Any],
+    job: Callable[[int], T],
     *,
     generators: bool | RandomnessWatch = True,
     threads: int | None = None,
     on_interrupt: Callable[[], None] | None = None,
     concurrency: str | Concurrency = THREADS,
-) -> list[Any]:
+) -> list[T]:
     """[job(0), …, job(n-1)], job(i) run for devices[i]: in its worker thread, or serially on this thread.
 
     Args:
@@ -215,16 +217,16 @@ def run_replicas(
 
 def _run_in_threads(
     devices: list[torch.device],
-    job: Callable[[int], Any],
+    job: Callable[[int], T],
     context: CallerContext,
-    streams: Sequence[Any],
+    streams: Sequence[torch.cuda.Stream | None],
     modes: Sequence[ReplicaGenerator | None],
     threads: int | None,
     on_interrupt: Callable[[], None] | None,
-) -> list[Any]:
+) -> list[T]:
     """Every job in its device's worker thread, side by side; the caller waits, interruptibly."""
     call = Call(len(devices))
-    jobs = [
+    jobs: list[Job[T]] = [
         Job(_run_job, (job, i, device, context, stream, mode, threads), call)
         for i, (device, stream, mode) in enumerate(zip(devices, streams, modes))
     ]
@@ -244,31 +246,30 @@ def _run_in_threads(
     if failures:
         first = next(((i, e) for i, e in failures if not isinstance(e, PeerFailed)), failures[0])
         _rethrow(first[0], devices[first[0]], first[1])
-    return [queued.value for queued in jobs]
+    return [queued.result() for queued in jobs]  # (every job ran without error: its value)
 
 
 def _run_serially(
     devices: list[torch.device],
-    job: Callable[[int], Any],
+    job: Callable[[int], T],
     context: CallerContext,
-    streams: Sequence[Any],
+    streams: Sequence[torch.cuda.Stream | None],
     modes: Sequence[ReplicaGenerator | None],
     threads: int | None,
     on_interrupt: Callable[[], None] | None,
-) -> list[Any]:
+) -> list[T]:
     """Every job one after the other on the calling thread, each in its device's context, intra-op threads and
     generator as in its worker thread, so the results are the same, without handing each job to a thread and
     waking the caller afterwards. The first failure that is not a PeerFailed is reported; the others run on."""
     own_threads = torch.get_num_threads()
-    results: list[Any] = []
+    results: list[T] = []
     failure: tuple[int, torch.device, BaseException] | None = None
     try:
         with running_serially():
             for i, (device, stream, mode) in enumerate(zip(devices, streams, modes)):
                 try:
                     results.append(_run_job(job, i, device, context, stream, mode, threads))
-                except Exception as error:
-                    results.append(None)
+                except Exception as error:  # (the results are dropped: a failure is raised below)
                     if failure is None or isinstance(failure[2], PeerFailed):
                         failure = (i, device, error)
     except BaseException:

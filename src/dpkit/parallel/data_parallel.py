@@ -80,7 +80,7 @@ def combine_losses(
     return sum(loss * (n / batch_size) for loss, n in zip(moved, rows))  # type: ignore[return-value]
 
 
-def check_max_bytes(max_bytes_per_device: Any, devices: Sequence[torch.device]) -> list[float | None]:
+def check_max_bytes(max_bytes_per_device: object, devices: Sequence[torch.device]) -> list[float | None]:
     """One limit per device: given (an int for all, or a list), else 90% of a CUDA device's memory
     (headroom for the CUDA context and allocator fragmentation); no limit on CPU."""
     if max_bytes_per_device is None:
@@ -97,10 +97,12 @@ def check_max_bytes(max_bytes_per_device: Any, devices: Sequence[torch.device]) 
             f"max_bytes_per_device: has {len(values)} entries for {len(devices)} devices; "
             "give one limit per device or a single int"
         )
+    limits: list[float | None] = []
     for i, value in enumerate(values):
         if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0):
             raise ValueError(f"max_bytes_per_device[{i}]: expected a positive number of bytes or None, got {value!r}")
-    return values
+        limits.append(value)
+    return limits
 
 
 class DataParallel(nn.Module):
@@ -325,7 +327,7 @@ class DataParallel(nn.Module):
 
     def replicate_to(
         self, devices: list[torch.device], with_loss: bool, cache: ReplicaCache | None = None
-    ) -> list[Any]:
+    ) -> Sequence[Callable[..., Any]]:
         """A replica per device that has rows (with its loss when there is a target); from the cache when given."""
         primary = self.primary_device
         if cache is not None:

@@ -38,7 +38,7 @@ __all__ = ["data_parallel", "gather", "parallel_apply", "replicate", "scatter", 
 parallel_apply = apply.parallel_apply
 
 
-def _devices(target_gpus: Any, argument: str) -> list[torch.device]:
+def _devices(target_gpus: Sequence[DeviceLike] | None, argument: str) -> list[torch.device]:
     return parse_device_list(target_gpus, argument=argument)
 
 

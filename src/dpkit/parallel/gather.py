@@ -33,7 +33,7 @@ def _to(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     return tensor.to(device, non_blocking=True)
 
 
-def _kind(obj: Any) -> str:
+def _kind(obj: object) -> str:
     if obj is None:
         return "None"
     if isinstance(obj, torch.Tensor):

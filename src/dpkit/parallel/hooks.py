@@ -41,13 +41,22 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import torch
+from torch import nn
 
-_listeners: tuple[Any, ...] = ()
+if TYPE_CHECKING:
+    from torch.autograd.graph import Node
+
+    from dpkit.parallel.data_parallel import ChunkPlanner
+
+T = TypeVar("T")
+
+# listeners are duck-typed (any subset of Listener's methods): only looked up with getattr
+_listeners: tuple[object, ...] = ()
 _lock = threading.Lock()
 
 
@@ -58,9 +67,9 @@ class Listener(Protocol):  # documentation of the calls; a listener implements a
     def handing_off(self, devices: Sequence[torch.device]) -> AbstractContextManager: ...
     def peer_wait(self) -> AbstractContextManager: ...
     def split(
-        self, module: Any, devices: Sequence[torch.device], output_device: torch.device, rows: Sequence[int]
+        self, module: nn.Module, devices: Sequence[torch.device], output_device: torch.device, rows: Sequence[int]
     ) -> None: ...
-    def outputs(self, outputs: Sequence[Any], devices: Sequence[torch.device], stop: Sequence[Any]) -> None: ...
+    def outputs(self, outputs: Sequence[Any], devices: Sequence[torch.device], stop: Sequence[Node]) -> None: ...
     def span(
         self, name: str, device: torch.device, start_seconds: float, seconds: float, hidden_seconds: float
     ) -> None: ...
@@ -70,7 +79,7 @@ class Listener(Protocol):  # documentation of the calls; a listener implements a
 class Handle:
     """Returned by register(); remove() unregisters (idempotent)."""
 
-    def __init__(self, listener: Any):
+    def __init__(self, listener: object):
         self.listener = listener
 
     def remove(self) -> None:
@@ -79,7 +88,7 @@ class Handle:
             _listeners = tuple(x for x in _listeners if x is not self.listener)
 
 
-def register(listener: Any) -> Handle:
+def register(listener: object) -> Handle:
     global _listeners
     with _lock:
         if not any(x is listener for x in _listeners):
@@ -87,7 +96,7 @@ def register(listener: Any) -> Handle:
     return Handle(listener)
 
 
-def listeners() -> tuple[Any, ...]:
+def listeners() -> tuple[object, ...]:
     """The registered listeners, in registration order."""
     return _listeners
 
@@ -97,7 +106,7 @@ def listening() -> bool:
     return bool(_listeners)
 
 
-def _enter_all(method: str, *args: Any) -> AbstractContextManager:
+def _enter_all(method: str, *args: object) -> AbstractContextManager:
     listeners = _listeners
     if not listeners:
         return contextlib.nullcontext()
@@ -129,18 +138,18 @@ def peer_wait() -> AbstractContextManager:
     return _enter_all("peer_wait")
 
 
-def _notify(method: str, *args: Any) -> None:
+def _notify(method: str, *args: object) -> None:
     for listener in _listeners:
         notify = getattr(listener, method, None)
         if notify is not None:
             notify(*args)
 
 
-def split(module: Any, devices: Sequence[torch.device], output_device: torch.device, rows: Sequence[int]) -> None:
+def split(module: nn.Module, devices: Sequence[torch.device], output_device: torch.device, rows: Sequence[int]) -> None:
     _notify("split", module, devices, output_device, rows)
 
 
-def outputs(outputs: Sequence[Any], devices: Sequence[torch.device], stop: Sequence[Any]) -> None:
+def outputs(outputs: Sequence[Any], devices: Sequence[torch.device], stop: Sequence[Node]) -> None:
     _notify("outputs", outputs, devices, stop)
 
 
@@ -153,7 +162,7 @@ def memory_level(device: torch.device, category: str, nbytes: int) -> None:
 
 
 @contextlib.contextmanager
-def listening_to(listener: Any) -> Iterator[Any]:
+def listening_to(listener: T) -> Iterator[T]:
     """register(listener) for the duration of a with-block."""
     handle = register(listener)
     try:
@@ -164,16 +173,20 @@ def listening_to(listener: Any) -> Iterator[Any]:
 
 # --- what measures the steps of DataParallel(balance=...) ---------------------------------------------
 
-_balance_planner: Any = None
+_balance_planner: Callable[[str, Sequence[torch.device], Sequence[float | None]], ChunkPlanner] | None = None
 
 
-def set_balance_planner(factory: Any) -> None:
+def set_balance_planner(
+    factory: Callable[[str, Sequence[torch.device], Sequence[float | None]], ChunkPlanner] | None,
+) -> None:
     """Plug in what DataParallel(balance=mode) measures its steps with: `factory(mode, devices,
     max_bytes_per_device)` returns a ChunkPlanner. dpkit.observe plugs in its own when dpkit is imported."""
     global _balance_planner
     _balance_planner = factory
 
 
-def balance_planner(mode: str, devices: Sequence[torch.device], max_bytes_per_device: Sequence[float | None]) -> Any:
+def balance_planner(
+    mode: str, devices: Sequence[torch.device], max_bytes_per_device: Sequence[float | None]
+) -> ChunkPlanner | None:
     """A ChunkPlanner for balance=mode from the plugged-in factory; None when nothing is plugged in."""
     return None if _balance_planner is None else _balance_planner(mode, devices, max_bytes_per_device)

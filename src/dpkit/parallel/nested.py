@@ -22,11 +22,11 @@ import torch
 from torch.utils import _pytree as pytree
 
 
-def is_namedtuple(obj: Any) -> bool:
+def is_namedtuple(obj: object) -> bool:
     return isinstance(obj, tuple) and hasattr(type(obj), "_fields")
 
 
-def is_dataclass_instance(obj: Any) -> bool:
+def is_dataclass_instance(obj: object) -> bool:
     return dataclasses.is_dataclass(obj) and not isinstance(obj, type)
 
 
@@ -65,14 +65,14 @@ def rebuild(template: Any, values: list[Any]) -> Any:
     raise TypeError(f"not a container: {type(template).__name__}")
 
 
-def _opened_here(obj: Any) -> bool:
+def _opened_here(obj: object) -> bool:
     """A container pytree does not know, which dpkit still walks into."""
     if is_dataclass_instance(obj):
         return True
     return isinstance(obj, (tuple, list, dict)) and pytree._get_node_type(obj) not in pytree.SUPPORTED_NODES
 
 
-def _never(_: Any) -> bool:
+def _never(_: object) -> bool:
     return False
 
 
@@ -101,7 +101,7 @@ def _open(obj: Any) -> tuple[list[str], list[Any], Callable[[list[Any]], Any]] |
     return suffixes, list(kids), lambda values: handler.unflatten_fn(values, context)
 
 
-def leaves(obj: Any, path: str, is_leaf: Callable[[Any], bool] = _never) -> Iterator[tuple[str, Any]]:
+def leaves(obj: Any, path: str, is_leaf: Callable[[object], bool] = _never) -> Iterator[tuple[str, Any]]:
     """Every leaf with its path; `is_leaf` stops the descent early (for marker objects)."""
     opened = None if is_leaf(obj) else _open(obj)
     if opened is None:
@@ -112,7 +112,7 @@ def leaves(obj: Any, path: str, is_leaf: Callable[[Any], bool] = _never) -> Iter
         yield from leaves(child, path + suffix, is_leaf)
 
 
-def map_leaves(fn: Callable[[str, Any], Any], obj: Any, path: str, is_leaf: Callable[[Any], bool] = _never) -> Any:
+def map_leaves(fn: Callable[[str, Any], Any], obj: Any, path: str, is_leaf: Callable[[object], bool] = _never) -> Any:
     """The same structure with every leaf replaced by fn(path, leaf)."""
     opened = None if is_leaf(obj) else _open(obj)
     if opened is None:

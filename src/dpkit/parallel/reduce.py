@@ -43,9 +43,9 @@ import collections
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
 
 import torch
+from torch.utils.hooks import RemovableHandle
 
 from dpkit.checks import check_int
 from dpkit.parallel import hooks
@@ -313,7 +313,7 @@ class GradientSum:
         self.shares = [plan_shares(self.params[0], bucket, len(self.devices)) for bucket in self.buckets]
         self._thread = threading.local()  # .round: the round the backward in this thread belongs to
         self._holding_copies = False  # replicas other than 0 hold the last sum (after an all-reduce)
-        self._handles: list[Any] = []
+        self._handles: list[RemovableHandle] = []
         # the replicas' backwards one after the other, or side by side with the sum overlapped
         if not isinstance(concurrency, Concurrency):
             concurrency = Concurrency(concurrency)

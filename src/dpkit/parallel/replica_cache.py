@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import operator
 import threading
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from itertools import chain, compress
 from typing import Any
 
@@ -65,7 +65,7 @@ _is_sparse = operator.attrgetter("is_sparse")
 _REFILLED = RNN_CONTAINERS | {"_parameters", "_buffers", "_former_parameters", "_modules"}
 
 
-def _containers(module_dicts: Sequence[dict], skip: frozenset[str]) -> list[Any]:
+def _containers(module_dicts: Sequence[dict], skip: frozenset[str]) -> list[Collection[object]]:
     """Every dict, list or set held directly in the modules' attribute dicts (hook dicts, ...), but `skip`."""
     return [
         value
@@ -75,7 +75,7 @@ def _containers(module_dicts: Sequence[dict], skip: frozenset[str]) -> list[Any]
     ]
 
 
-def _content(container: Any) -> tuple:
+def _content(container: Collection[object]) -> tuple:
     if isinstance(container, dict):
         return id(container), tuple(container), tuple(map(id, container.values()))
     if isinstance(container, list):
@@ -83,7 +83,7 @@ def _content(container: Any) -> tuple:
     return id(container), frozenset(container)  # a set of names (non-persistent buffers)
 
 
-def _fill(containers: Sequence[Any]) -> tuple[tuple[int, ...], tuple]:
+def _fill(containers: Sequence[Collection[object]]) -> tuple[tuple[int, ...], tuple]:
     """The containers' lengths, and what the non-empty ones hold (keys, and values by identity). Almost all
     are empty, so only the lengths are taken for every one, at C speed."""
     lengths = tuple(map(len, containers))
@@ -142,11 +142,11 @@ class _Skeleton:
         self.children = [state["_modules"] for state in self.dicts]
         position = {id(tensor): k for k, tensor in enumerate(tree.tensors)}
         none = len(tree.tensors)  # made[none] is None
-        # a replica's slots (its dicts of parameters, former parameters and buffers: Any, as torch's types say
-        # Parameters where a replica holds non-leaf tensors) and the position of what goes in each in `made`
-        self.parameter_slots: list[tuple[dict[str, Any], dict[str, Any], str, int]] = []
-        self.buffer_slots: list[tuple[dict[str, Any], str, int]] = []
-        self.tensor_dicts: list[dict[str, Any]] = []
+        # a replica's slots (its dicts of parameters, former parameters and buffers: tensors, where torch's types
+        # say Parameters, as a replica holds non-leaf tensors) and the position of what goes in each in `made`
+        self.parameter_slots: list[tuple[dict[str, torch.Tensor | None], dict[str, torch.Tensor | None], str, int]] = []
+        self.buffer_slots: list[tuple[dict[str, torch.Tensor | None], str, int]] = []
+        self.tensor_dicts: list[dict[str, torch.Tensor | None]] = []
         for original, state in zip(tree.originals, self.dicts):
             params, buffers = original._parameters, original._buffers
             replica_params, former, replica_buffers = (

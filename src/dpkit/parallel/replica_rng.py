@@ -21,10 +21,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 log = logging.getLogger("dpkit")
 
-_TAKES_GENERATOR: dict[Any, bool] = {}
+_TAKES_GENERATOR: dict[OpOverload, bool] = {}
 
 
-def _takes_generator(func: Any) -> bool:
+def _takes_generator(func: OpOverload) -> bool:
     known = _TAKES_GENERATOR.get(func)
     if known is None:
         known = any(arg.name == "generator" for arg in func._schema.arguments)

@@ -37,7 +37,7 @@ class Broadcast:
         return f"Broadcast(shape={tuple(self.tensor.shape)}, device={self.tensor.device})"
 
 
-def _is_broadcast(obj: Any) -> bool:
+def _is_broadcast(obj: object) -> bool:
     return isinstance(obj, Broadcast)
 
 

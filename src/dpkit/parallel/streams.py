@@ -4,19 +4,18 @@ from __future__ import annotations
 
 import contextlib
 from contextlib import AbstractContextManager
-from typing import Any
 
 import torch
 
 
-def current_stream(device: torch.device) -> Any:
+def current_stream(device: torch.device) -> torch.cuda.Stream | None:
     """The caller's current stream on `device` (captured on the calling thread), or None on CPU."""
     if device.type == "cuda":
         return torch.cuda.current_stream(device)
     return None
 
 
-def device_context(device: torch.device, stream: Any = None) -> AbstractContextManager:
+def device_context(device: torch.device, stream: torch.cuda.Stream | None = None) -> AbstractContextManager:
     """Make `device` (and the caller's stream on it) current in a replica's thread."""
     if device.type != "cuda":
         return contextlib.nullcontext()

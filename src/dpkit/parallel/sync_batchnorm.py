@@ -31,7 +31,7 @@ from __future__ import annotations
 import threading
 import types
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, ParamSpec, TypeVar
 
 import torch
 from torch import nn
@@ -40,10 +40,13 @@ from dpkit.parallel import hooks
 from dpkit.parallel.apply import PeerFailed
 from dpkit.parallel.concurrency import check_may_wait_for_peers
 
+P = ParamSpec("P")
+R = TypeVar("R")
+
 _current = threading.local()  # .member: (StepGroup, index) of the replica job running in this thread
 
 
-def has_sync_batchnorm(module: Any) -> bool:
+def has_sync_batchnorm(module: object) -> bool:
     return isinstance(module, nn.Module) and any(isinstance(m, nn.SyncBatchNorm) for m in module.modules())
 
 
@@ -68,8 +71,8 @@ class StepGroup:
         self.joined = False  # some layer combined statistics of two or more replicas
 
     # --- membership ---------------------------------------------------------------------------------
-    def wrap(self, job: Callable[..., Any], index: int) -> Callable[..., Any]:
-        def as_member(*args: Any, **kwargs: Any) -> Any:
+    def wrap(self, job: Callable[P, R], index: int) -> Callable[P, R]:
+        def as_member(*args: P.args, **kwargs: P.kwargs) -> R:
             previous = getattr(_current, "member", None)
             _current.member = (self, index)
             try:
@@ -127,8 +130,8 @@ class StepGroup:
 
 
 def synced_job(
-    module: Any, job: Callable[..., Any], size: int, *, has_sync: bool | None = None
-) -> tuple[Callable[..., Any], StepGroup | None]:
+    module: nn.Module, job: Callable[..., R], size: int, *, has_sync: bool | None = None
+) -> tuple[Callable[..., R], StepGroup | None]:
     """`job` (called with the replica index first) as a member of a new step's rendezvous, or unchanged
     when `module` has no SyncBatchNorm in training mode. Returns the job and the group. `has_sync`: what
     has_sync_batchnorm(module) returns, when the caller knows (it walks every submodule)."""
@@ -138,15 +141,15 @@ def synced_job(
         return job, None
     group = StepGroup(size)
 
-    def member_job(index: int, *args: Any, **kwargs: Any) -> Any:
+    def member_job(index: int, *args: Any, **kwargs: Any) -> R:
         return group.wrap(job, index)(index, *args, **kwargs)
 
     return member_job, group
 
 
 def synced_replicas(
-    module: nn.Module, replicas: list[Callable[..., Any]], *, has_sync: bool | None = None
-) -> list[Callable[..., Any]]:
+    module: nn.Module, replicas: Sequence[Callable[..., Any]], *, has_sync: bool | None = None
+) -> Sequence[Callable[..., Any]]:
     """One callable per replica that joins this step's rendezvous (for parallel_apply); `replicas` itself (the
     same list) when `module` has no SyncBatchNorm in training mode. `has_sync`: what has_sync_batchnorm(module)
     returns, when the caller knows (it walks every submodule)."""

@@ -57,17 +57,17 @@ _LIKE = {
 # out-of-place operators whose tensor argument gives only the shape (its values are not read)
 _SHAPE_ONLY = {aten.bernoulli.p}
 
-_TAKES_GENERATOR: dict[Any, bool] = {}
+_TAKES_GENERATOR: dict[OpOverload, bool] = {}
 
 
-def _takes_generator(func: Any) -> bool:
+def _takes_generator(func: OpOverload) -> bool:
     known = _TAKES_GENERATOR.get(func)
     if known is None:
         known = _TAKES_GENERATOR[func] = any(arg.name == "generator" for arg in func._schema.arguments)
     return known
 
 
-def _tensors(values: Sequence[Any]) -> list[torch.Tensor]:
+def _tensors(values: Sequence[object]) -> list[torch.Tensor]:
     return [v for v in values if isinstance(v, torch.Tensor)]
 
 
@@ -157,7 +157,7 @@ class WholeBatchDraws(TorchDispatchMode):
             self.inexact.append(str(func))
         return func(*args, **kwargs)
 
-    def _sized(self, func: Any, size_at: int, args: tuple, kwargs: dict) -> torch.Tensor:
+    def _sized(self, func: OpOverload, size_at: int, args: tuple, kwargs: dict) -> torch.Tensor:
         """A factory with a size argument: drawn at the whole batch's size when its dim 0 is the rows."""
         values = list(args)
         size = values[size_at] if size_at < len(values) else kwargs.get("size")
@@ -169,7 +169,7 @@ class WholeBatchDraws(TorchDispatchMode):
             kwargs["size"] = self._whole(list(size))
         return self._mine(func(*values, **kwargs))
 
-    def _factory(self, with_generator: Any, args: tuple, kwargs: dict) -> torch.Tensor:
+    def _factory(self, with_generator: OpOverload, args: tuple, kwargs: dict) -> torch.Tensor:
         kwargs["generator"] = self._generator()
         if with_generator is aten.randperm.generator:
             if self._batched([args[0]]):  # a permutation of the batch's rows mixes replicas
@@ -178,7 +178,7 @@ class WholeBatchDraws(TorchDispatchMode):
         size_at = next(k for k, a in enumerate(with_generator._schema.arguments) if a.name == "size")
         return self._sized(with_generator, size_at, args, kwargs)
 
-    def _like(self, func: Any, args: tuple, kwargs: dict) -> torch.Tensor:
+    def _like(self, func: OpOverload, args: tuple, kwargs: dict) -> torch.Tensor:
         source, rest = args[0], args[1:]
         dtype = kwargs.get("dtype") or source.dtype
         device = kwargs.get("device") or source.device

@@ -19,9 +19,11 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Generic, TypeVar, cast
 
 import torch
+
+T = TypeVar("T")
 
 # how long the caller sleeps between checks for Ctrl-C while it waits for replicas
 WAIT_SLICE_SECONDS = 0.05
@@ -60,18 +62,18 @@ class Call:
             pass
 
 
-class Job:
+class Job(Generic[T]):
     """A function queued on a device's worker thread: what concurrent.futures.Future offers that dpkit uses
     (result, done, cancel), without a condition variable per job."""
 
     __slots__ = ("fn", "args", "call", "state", "value", "error", "_done")
 
-    def __init__(self, fn: Callable, args: tuple, call: Call | None = None):
-        self.fn: Callable | None = fn  # None once it ran: the job keeps no reference to its work
-        self.args: tuple | None = args
+    def __init__(self, fn: Callable[..., T], args: tuple[object, ...], call: Call | None = None):
+        self.fn: Callable[..., T] | None = fn  # None once it ran: the job keeps no reference to its work
+        self.args: tuple[object, ...] | None = args
         self.call = call
         self.state = "queued"  # -> "running" -> "done", or "cancelled" before it runs
-        self.value: Any = None
+        self.value: T | None = None  # what fn returned, once it ran without error
         self.error: BaseException | None = None
         self._done = threading.Event() if call is None else None  # a lone job's result() waits on it
 
@@ -104,12 +106,13 @@ class Job:
     def done(self) -> bool:
         return self.state in ("done", "cancelled")
 
-    def result(self, timeout: float | None = None) -> Any:
+    def result(self, timeout: float | None = None) -> T:
+        """What fn returned (a lone job: once it ran; a run_replicas job: read after its call finished)."""
         if self._done is not None and not self._done.wait(timeout):
             raise TimeoutError(f"the job did not finish within {timeout} s")
         if self.error is not None:
             raise self.error
-        return self.value
+        return cast(T, self.value)  # (None only before it ran)
 
 
 class Worker:
@@ -129,7 +132,7 @@ class Worker:
             job.run()
             del job  # hold nothing of a finished job while waiting for the next
 
-    def submit(self, fn: Callable, *args: Any) -> Job:
+    def submit(self, fn: Callable[..., T], *args: object) -> Job[T]:
         """fn(*args) on this thread, after the jobs queued before it (a job of its own, outside run_replicas)."""
         job = Job(fn, args)
         with _workers_lock:  # as stop_workers: a job is queued before a stop, or refused

@@ -22,15 +22,18 @@ distributed sampler (every batch is the global batch). `fabric.setup` wraps the 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from lightning.fabric.strategies import DataParallelStrategy
+from lightning.fabric.strategies.registry import _StrategyRegistry
 from lightning.fabric.strategies.strategy import _BackwardSyncControl
+from lightning.fabric.utilities.types import _PATH, Optimizable
 from torch import nn
 
+from dpkit.devices import DeviceLike
 from dpkit.integrations.lightning.replicas import (
     DeferredForward,
     StepReplicas,
@@ -40,6 +43,8 @@ from dpkit.integrations.lightning.replicas import (
     resolve_devices,
 )
 from dpkit.integrations.lightning.trainer import check_precision, register_names
+
+T = TypeVar("T")
 
 
 class _ReplicaGradientSync(_BackwardSyncControl):
@@ -62,7 +67,7 @@ class FabricDataParallelStrategy(DataParallelStrategy):
         **options: the dpkit strategy's options (replicated: threads_per_device, overlap_reduce, share_weights).
     """
 
-    def __init__(self, mode: str = "dp", devices: Any = None, **options: Any):
+    def __init__(self, mode: str = "dp", devices: Sequence[DeviceLike] | int | None = None, **options: Any):
         self.mode = check_mode(mode)
         self.options = check_options(self.mode, options)
         self._asked = check_devices(devices)
@@ -77,7 +82,7 @@ class FabricDataParallelStrategy(DataParallelStrategy):
         return list(self._devices)
 
     @parallel_devices.setter
-    def parallel_devices(self, devices: list[Any] | None) -> None:
+    def parallel_devices(self, devices: Sequence[torch.device | str | int] | None) -> None:
         self._devices = resolve_devices(self._asked, devices)
 
     def _configure_launcher(self) -> None:
@@ -93,8 +98,8 @@ class FabricDataParallelStrategy(DataParallelStrategy):
         return replicas
 
     def setup_module_and_optimizers(
-        self, module: nn.Module, optimizers: list[torch.optim.Optimizer], scheduler: Any = None
-    ) -> tuple[StepReplicas, list[torch.optim.Optimizer], Any]:
+        self, module: nn.Module, optimizers: list[torch.optim.Optimizer], scheduler: T | None = None
+    ) -> tuple[StepReplicas, list[torch.optim.Optimizer], T | None]:
         replicas = self.setup_module(module)
         for optimizer in optimizers:
             replicas.stepper(optimizer)  # built now, so a bad optimizer is refused at setup
@@ -134,7 +139,7 @@ class FabricDataParallelStrategy(DataParallelStrategy):
         for replicas in wrappers:
             replicas.after_backward()
 
-    def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
+    def optimizer_step(self, optimizer: Optimizable, **kwargs: Any) -> Any:
         stepper = next((r.steppers[id(optimizer)] for r in self._wrappers if id(optimizer) in r.steppers), None)
         if stepper is None:
             return super().optimizer_step(optimizer, **kwargs)
@@ -155,7 +160,7 @@ class FabricDataParallelStrategy(DataParallelStrategy):
         return result
 
     # --- one process: collectives are identities ---------------------------------------------------
-    def all_reduce(self, collection: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
+    def all_reduce(self, collection: T, group: object = None, reduce_op: object = "mean") -> T:
         return collection
 
     # --- checkpoints -------------------------------------------------------------------------------
@@ -169,7 +174,13 @@ class FabricDataParallelStrategy(DataParallelStrategy):
             if replicas is module or replicas.module is bare:
                 replicas.weights_loaded()
 
-    def load_checkpoint(self, path: Any, state: Any = None, strict: bool = True, weights_only: Any = None) -> Any:
+    def load_checkpoint(
+        self,
+        path: _PATH,
+        state: nn.Module | torch.optim.Optimizer | dict[str, Any] | None = None,
+        strict: bool = True,
+        weights_only: bool | None = None,
+    ) -> dict[str, Any]:
         remainder = super().load_checkpoint(path, state=state, strict=strict, weights_only=weights_only)
         for replicas in self._wrappers:
             replicas.optimizers_loaded()
@@ -182,5 +193,5 @@ class FabricDataParallelStrategy(DataParallelStrategy):
         super().teardown()
 
     @classmethod
-    def register_strategies(cls, strategy_registry: Any) -> None:
+    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
         register_names(cls, strategy_registry)

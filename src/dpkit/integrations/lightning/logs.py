@@ -21,7 +21,8 @@ from typing import Any
 import torch
 from torch import nn
 
-Record = tuple[str, Any, dict]  # (name, value, the other arguments of the call as given)
+# (name, value: a tensor or a number, the other arguments of the call as given)
+Record = tuple[str, torch.Tensor | float, dict]
 
 _MEANS = ("mean", "avg", torch.mean)
 _SUMS = ("sum", torch.sum)
@@ -29,7 +30,7 @@ _MAXIMA = ("max", torch.max)
 _MINIMA = ("min", torch.min)
 
 
-def _is_metric(value: Any) -> bool:
+def _is_metric(value: object) -> bool:
     """A torchmetrics Metric (without importing torchmetrics): a module that computes a value."""
     return isinstance(value, nn.Module) and callable(getattr(value, "compute", None))
 
@@ -67,7 +68,7 @@ class LogRecorder:
         for name, value in dictionary.items():
             self._record(name, value, dict(arguments))
 
-    def _record(self, name: str, value: Any, arguments: dict) -> None:
+    def _record(self, name: str, value: torch.Tensor | float, arguments: dict) -> None:
         if _is_metric(value):
             raise TypeError(
                 f"self.log({name!r}, ...): a torchmetrics Metric logged inside a step that runs in dpkit's replicas "
@@ -94,7 +95,7 @@ def recorded_logs(module: nn.Module, enabled: bool) -> Iterator[list[Record]]:
         module.__dict__.pop("log_dict", None)
 
 
-def _as_tensor(value: Any, device: torch.device, keep_graph: bool) -> torch.Tensor:
+def _as_tensor(value: torch.Tensor | float, device: torch.device, keep_graph: bool) -> torch.Tensor:
     if isinstance(value, torch.Tensor):
         tensor = value if keep_graph else value.detach()
     else:
@@ -102,11 +103,14 @@ def _as_tensor(value: Any, device: torch.device, keep_graph: bool) -> torch.Tens
     return tensor.to(device) if tensor.device != device and device.type != "cpu" else tensor
 
 
-def combine_logged(name: str, values: Sequence[torch.Tensor], weights: Sequence[float], reduce_fx: Any) -> Any:
+def combine_logged(
+    name: str, values: Sequence[torch.Tensor], weights: Sequence[float], reduce_fx: object
+) -> torch.Tensor:
     """One value from the replicas' values of one logged name (see the module doc)."""
     if any(reduce_fx is fx or (isinstance(fx, str) and reduce_fx == fx) for fx in _MEANS):
         total = float(sum(weights))
-        return sum(value * (weight / total) for value, weight in zip(values, weights))
+        # (typeshed's sum() is int | Tensor, its start 0 when empty: there is a value per replica)
+        return sum(value * (weight / total) for value, weight in zip(values, weights))  # type: ignore[return-value]
     if any(reduce_fx is fx or (isinstance(fx, str) and reduce_fx == fx) for fx in _SUMS):
         return sum(values[1:], values[0])
     if any(reduce_fx is fx or (isinstance(fx, str) and reduce_fx == fx) for fx in _MAXIMA):
@@ -122,7 +126,7 @@ def combine_logged(name: str, values: Sequence[torch.Tensor], weights: Sequence[
 def replay(module: Any, per_replica: Sequence[tuple[int, Sequence[Record]]], device: torch.device) -> None:
     """Log on `module` (on the calling thread) what the replicas recorded; per_replica: (rows, records) in
     replica order. The k-th call of a name in each replica is combined with the k-th call in the others."""
-    calls: dict[tuple[str, int], list[tuple[Any, float, dict]]] = {}
+    calls: dict[tuple[str, int], list[tuple[torch.Tensor | float, float, dict]]] = {}
     for rows, records in per_replica:
         seen: dict[str, int] = {}
         for name, value, arguments in records:
@@ -139,6 +143,6 @@ def replay(module: Any, per_replica: Sequence[tuple[int, Sequence[Record]]], dev
         module.log(name, combined, **arguments)
 
 
-def logs_values(value: Any) -> bool:
+def logs_values(value: object) -> bool:
     """Whether a module has Lightning's log methods (a LightningModule)."""
     return callable(getattr(type(value), "log", None)) and callable(getattr(type(value), "log_dict", None))

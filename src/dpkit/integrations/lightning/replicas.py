@@ -28,7 +28,7 @@ import contextlib
 import logging
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, NoReturn, Protocol, runtime_checkable
 
 import torch
 from torch import nn
@@ -60,7 +60,7 @@ def modes() -> list[str]:
     return matching(lambda traits: traits.threads_per_step)
 
 
-def check_mode(mode: Any) -> str:
+def check_mode(mode: object) -> str:
     accepted = modes()
     if not isinstance(mode, str) or mode not in accepted:
         listed = ", ".join(repr(m) for m in accepted)
@@ -79,7 +79,7 @@ def check_options(mode: str, options: Mapping[str, Any]) -> dict[str, Any]:
     return dict(options)
 
 
-def check_devices(devices: Any) -> list[torch.device] | int | None:
+def check_devices(devices: object) -> list[torch.device] | int | None:
     """devices as given to a strategy: a list of device specs, a count (devices of the accelerator Lightning
     chose), or None (Lightning's own devices= decides)."""
     if devices is None:
@@ -98,26 +98,28 @@ def check_devices(devices: Any) -> list[torch.device] | int | None:
     return parse_device_list(devices, argument="devices")
 
 
-def resolve_devices(asked: list[torch.device] | int | None, offered: Sequence[Any] | None) -> list[torch.device]:
+def resolve_devices(
+    asked: list[torch.device] | int | None, offered: Sequence[torch.device | str | int] | None
+) -> list[torch.device]:
     """The devices to run on: `asked` (check_devices) completed with what Lightning's connector `offered` (its
     accelerator's devices for Trainer(devices=...)): a count takes the offered kind, None the offered count.
     Several CPU devices offered are virtual CPU devices cpu:0, cpu:1, ... Empty while nothing is known."""
     if isinstance(asked, list):
         return asked
-    offered = [torch.device(d) if not isinstance(d, torch.device) else d for d in (offered or [])]
-    if not offered:
+    given = [torch.device(d) if not isinstance(d, torch.device) else d for d in (offered or [])]
+    if not given:
         return []
-    kind = offered[0].type
-    count = len(offered) if asked is None else asked
-    if asked is not None and len(offered) > 1 and len(offered) != asked:
+    kind = given[0].type
+    count = len(given) if asked is None else asked
+    if asked is not None and len(given) > 1 and len(given) != asked:
         raise ValueError(
-            f"devices: the strategy was given devices={asked} but Lightning's devices= gives {len(offered)}; "
+            f"devices: the strategy was given devices={asked} but Lightning's devices= gives {len(given)}; "
             "give the devices in one place"
         )
     if kind == "cpu":
         return cpu_devices(count)
     if asked is None:
-        return parse_device_list(offered, argument="devices")
+        return parse_device_list(given, argument="devices")
     return parse_device_list([torch.device(kind, i) for i in range(count)], argument="devices")
 
 
@@ -136,11 +138,11 @@ class StepCall:
 class ReplicaResult:
     __slots__ = ("rows", "output", "logs", "draws")
 
-    def __init__(self, rows: int, output: Any, logs: list, draws: WholeBatchDraws | None):
+    def __init__(self, rows: int, output: object, logs: list, draws: WholeBatchDraws | None):
         self.rows, self.output, self.logs, self.draws = rows, output, logs, draws
 
 
-def _loss_of(method: str, output: Any, device: torch.device) -> tuple[torch.Tensor, Any]:
+def _loss_of(method: str, output: object, device: torch.device) -> tuple[torch.Tensor, object]:
     """(the loss a replica hands back, what it leaves besides) for training_step's output."""
     if output is None:  # the step skips this batch: a stand-in loss, never backpropagated
         return torch.zeros((), device=device), None
@@ -226,7 +228,7 @@ def combine_outputs(values: Sequence[Any], rows: Sequence[int], device: torch.de
     return list(values)
 
 
-def _same(a: Any, b: Any) -> bool:
+def _same(a: object, b: object) -> bool:
     try:
         return bool(a == b)
     except Exception:
@@ -261,6 +263,16 @@ def redirected_method(module: nn.Module) -> str | None:
     return method
 
 
+class PersistentOptimizer(Protocol):
+    """What StepReplicas uses of the optimizer a persistent strategy's wrap_optimizer returns (replicated's
+    ReplicaOptimizers or SharedOptimizer): it steps every replica, over the user's optimizer."""
+
+    user: torch.optim.Optimizer
+
+    def step(self) -> None: ...
+    def load_state_dict(self, state_dict: dict[str, Any], /) -> None: ...
+
+
 @runtime_checkable
 class PersistentReplicas(Protocol):
     """What StepReplicas uses of a one-process strategy whose replicas persist (the registry's `replicated`)."""
@@ -276,7 +288,7 @@ class PersistentReplicas(Protocol):
     ) -> torch.Tensor: ...
     def reduce_gradients(self) -> None: ...
     def gradient_sync(self, sync: bool) -> AbstractContextManager[None]: ...
-    def wrap_optimizer(self, optimizer: torch.optim.Optimizer) -> Any: ...
+    def wrap_optimizer(self, optimizer: torch.optim.Optimizer) -> PersistentOptimizer: ...
     def weights_loaded(self) -> None: ...
 
 
@@ -290,7 +302,7 @@ class StepReplicas(nn.Module):
     step: _Step
     persistent: PersistentReplicas | None
     data_parallel: DataParallel | None
-    steppers: dict[int, Any]  # id(user's optimizer) -> the persistent strategy's optimizer
+    steppers: dict[int, PersistentOptimizer]  # id(user's optimizer) -> the persistent strategy's optimizer
 
     def __init__(self, module: nn.Module, mode: str, devices: Sequence[DeviceLike], **options: Any):
         super().__init__()
@@ -499,7 +511,7 @@ class StepReplicas(nn.Module):
         finally:
             self.summing = previous
 
-    def stepper(self, optimizer: Any) -> Any:
+    def stepper(self, optimizer: torch.optim.Optimizer) -> PersistentOptimizer | None:
         """The persistent replicas' optimizer for the user's `optimizer` (made on first use); None when the
         replicas are per-step (the user's optimizer steps the module, which every replica copies)."""
         if self.persistent is None:
@@ -547,7 +559,7 @@ class DeferredForward:
     def __init__(self, replicas: StepReplicas, args: tuple, kwargs: dict):
         self.replicas, self.args, self.kwargs = replicas, args, kwargs
 
-    def __getattr__(self, name: str) -> Any:
+    def __getattr__(self, name: str) -> NoReturn:
         raise AttributeError(
             f"model(x) returns a deferred output (no .{name}) while training with a criterion from "
             "strategy.setup_criterion(criterion): the forward runs inside the replicas together with the loss. "

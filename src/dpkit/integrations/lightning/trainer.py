@@ -19,15 +19,18 @@ Manual optimization is refused when training starts: the optimizer would step on
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from lightning.fabric.strategies.registry import _StrategyRegistry
 from lightning.pytorch.strategies import SingleDeviceStrategy
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.types import STEP_OUTPUT
 from torch import nn
 
+from dpkit.devices import DeviceLike
 from dpkit.integrations.lightning.replicas import (
     StepReplicas,
     check_devices,
@@ -41,7 +44,7 @@ from dpkit.strategies import strategy_class
 REGISTERED_NAMES = {"dpkit_dp": "dp", "dpkit_dp_balanced": "dp-balanced", "dpkit_replicated": "replicated"}
 
 
-def register_names(cls: type, strategy_registry: Any) -> None:
+def register_names(cls: type, strategy_registry: _StrategyRegistry) -> None:
     """REGISTERED_NAMES in a Lightning strategy registry (the Trainer's or Fabric's), each for `cls` in its mode."""
     for name, mode in REGISTERED_NAMES.items():
         if name not in strategy_registry:
@@ -50,7 +53,7 @@ def register_names(cls: type, strategy_registry: Any) -> None:
             )
 
 
-def check_precision(precision_plugin: Any, mode: str) -> None:
+def check_precision(precision_plugin: object, mode: str) -> None:
     """A GradScaler (precision '16-mixed') only with the modes whose dpkit strategy supports one."""
     if getattr(precision_plugin, "scaler", None) is not None and not strategy_class(mode).traits.grad_scaler:
         raise ValueError(
@@ -74,7 +77,7 @@ class DataParallelStrategy(SingleDeviceStrategy):
 
     strategy_name = "dpkit"
 
-    def __init__(self, mode: str = "dp", devices: Any = None, **options: Any):
+    def __init__(self, mode: str = "dp", devices: Sequence[DeviceLike] | int | None = None, **options: Any):
         self.mode = check_mode(mode)
         self.options = check_options(self.mode, options)
         self._asked = check_devices(devices)
@@ -89,7 +92,7 @@ class DataParallelStrategy(SingleDeviceStrategy):
         return list(self._devices)
 
     @parallel_devices.setter
-    def parallel_devices(self, devices: list[Any]) -> None:
+    def parallel_devices(self, devices: Sequence[torch.device | str | int]) -> None:
         # the connector offers the devices of Trainer(accelerator=..., devices=...) when ours are not known yet
         self._devices = resolve_devices(self._asked, devices)
 
@@ -130,15 +133,15 @@ class DataParallelStrategy(SingleDeviceStrategy):
         return self.replicas
 
     # --- the steps ---------------------------------------------------------------------------------
-    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+    def training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
         with self.precision_plugin.train_step_context():
             return self._step_replicas().run("training_step", args, kwargs)
 
-    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+    def validation_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
         with self.precision_plugin.val_step_context():
             return self._step_replicas().run("validation_step", args, kwargs)
 
-    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+    def test_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
         with self.precision_plugin.test_step_context():
             return self._step_replicas().run("test_step", args, kwargs)
 
@@ -198,5 +201,5 @@ class DataParallelStrategy(SingleDeviceStrategy):
         super().teardown()
 
     @classmethod
-    def register_strategies(cls, strategy_registry: Any) -> None:
+    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
         register_names(cls, strategy_registry)
