@@ -60,7 +60,8 @@ class EngineModule(nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if torch.compiler.is_compiling() and self.strategy.traits.threads_per_step:
-            _say_replicas_run_eager(self)  # torch.compile(the wrapper setup returned): decided while dynamo traces
+            # torch.compile(the wrapper setup returned), decided while dynamo traces; said from outside the graph
+            torch.compiler.disable(_say_replicas_run_eager)(self)
         decide = self.__dict__.get("decide")
         if decide is not None:  # strategy="auto" on several devices: chosen from the first batch
             decide(args, kwargs)
@@ -100,7 +101,6 @@ class EngineModule(nn.Module):
             self.strategy.weights_loaded()
 
 
-@torch.compiler.disable  # run as it is, after the graph dynamo traced up to this call
 def _say_replicas_run_eager(model: EngineModule) -> None:
     """Said once per model: torch.compile of the Engine's wrapper compiles the glue around the strategy's forward,
     while the replicas the strategy runs in its worker threads (threads dynamo does not enter) run eager."""
