@@ -90,6 +90,9 @@ def test_each_rank_s_collectives_are_on_its_track_on_the_merged_time_axis(tmp_pa
     spans = collective_spans(entries, "cpu:1", origin)
     assert [s.start_seconds for s in spans] == [e.issued - origin for e in entries]
     assert spans[0].seconds is None and spans[1].seconds == entries[1].seconds  # asynchronous: issued only
+    assert spans[0].async_op and not spans[1].async_op
+    bucket.completed = bucket.issued + 0.25  # as ddp's hook sets it when the bucket's all-reduce completed
+    assert collective_spans([bucket], "cpu:1", origin)[0].seconds == approx(0.25)
     assert bucket is not None and spans[0].name == "all_reduce" and spans[0].kind == "all_reduce of gradient bucket"
 
     first = _rank(
@@ -120,9 +123,11 @@ def test_each_rank_s_collectives_are_on_its_track_on_the_merged_time_axis(tmp_pa
     phases = [e for e in events if e.get("cat") == "phase"]
     assert [(e["name"], e["tid"]) for e in phases] == [("backward", tracks["cpu:0"]), ("backward", tracks["cpu:1"])]
 
-    # an asynchronous one is an instant event at its issue
-    merged.collectives.append(CollectiveSpan("cpu:0", "all_reduce of gradient bucket 1", 1.3, None, 7, 8, 2, "?"))
-    instant = [e for e in merged.trace_events() if e.get("cat") == "collective"][-1]
+    # an asynchronous one lasts until it completed, or is an instant event at its issue when that is not known
+    merged.collectives.append(CollectiveSpan("cpu:0", "all_reduce of gradient bucket 1", 1.3, 0.5, 7, 8, 2, "?", True))
+    merged.collectives.append(CollectiveSpan("cpu:0", "all_reduce of gradient bucket 2", 1.4, None, 8, 8, 2, "?", True))
+    timed, instant = [e for e in merged.trace_events() if e.get("cat") == "collective"][-2:]
+    assert timed["ph"] == "X" and timed["dur"] == approx(5e5) and timed["args"]["async"]
     assert instant["ph"] == "i" and instant["s"] == "t" and "dur" not in instant and instant["args"]["async"]
 
 

@@ -71,7 +71,8 @@ class Collective:
     """One collective as this rank issued it. `step`: the batch in hand when it was issued (batches the Engine's
     loaders yielded), or without an Engine loader the synchronised steps begun; `site`: the user's line;
     `issued`: time.perf_counter() when it was issued; `seconds`: how long the call took to return on the issuing
-    thread (None until it returned); `async_op`: issued asynchronously, so it returned when enqueued."""
+    thread (None until it returned); `async_op`: issued asynchronously, so it returned when enqueued; `completed`:
+    time.perf_counter() when asynchronous work completed, where its issuer learns it (ddp's gradient buckets)."""
 
     sequence: int
     op: str
@@ -81,6 +82,7 @@ class Collective:
     issued: float = 0.0
     seconds: float | None = None
     async_op: bool = False
+    completed: float | None = None
 
     def describe(self) -> str:
         """`all_reduce of 4.0 MB (collective 12, step 3, train.py:31 in main)`"""

@@ -102,8 +102,9 @@ class DeviceReport:
 @dataclass
 class CollectiveSpan:
     """A collective a device's rank issued (observe/collectives.py's record), on the spans' time axis: issued at
-    `start_seconds`; `seconds` the time the call took to return on the issuing thread, None when it was issued
-    asynchronously (DDP's gradient buckets: it returned when enqueued; the `all_reduce` phase times them)."""
+    `start_seconds`; `seconds` the time the call took to return on the issuing thread, or for one issued
+    asynchronously (`async_op`, DDP's gradient buckets, which return when enqueued) the time until its work
+    completed, where the issuer learned it; None when that is not known."""
 
     device: str
     op: str  # as recorded: torch.distributed's function (all_gather_single) or dpkit's words for it
@@ -113,6 +114,7 @@ class CollectiveSpan:
     size_bytes: int
     step: int
     site: str
+    async_op: bool = False
 
     @property
     def name(self) -> str:
@@ -134,11 +136,12 @@ def collective_spans(entries: Iterable[Collective], device: str, origin: float) 
             device,
             e.op,
             e.issued - origin,
-            None if e.async_op else e.seconds,
+            (None if e.completed is None else e.completed - e.issued) if e.async_op else e.seconds,
             e.sequence,
             e.size_bytes,
             e.step,
             e.site,
+            e.async_op,
         )
         for e in entries
     ]
@@ -353,9 +356,10 @@ class Report:
                     "site": collective.site,
                 },
             }
+            if collective.async_op:
+                event["args"]["async"] = True
             if collective.seconds is None:
                 event.update(ph="i", s="t")
-                event["args"]["async"] = True
             else:
                 event.update(ph="X", dur=round(collective.seconds * 1e6, 3))
             events.append(event)

@@ -136,7 +136,10 @@ class DDP(PerDeviceStrategy):
         def finished(future: torch.futures.Future) -> torch.Tensor:
             # runs in the backend's thread when the bucket's all-reduce completed (host time: on CUDA an
             # approximation of when the collective finished on the stream)
-            self.bucket_seconds.append((started, time.perf_counter()))
+            done = time.perf_counter()
+            self.bucket_seconds.append((started, done))
+            if entry is not None:
+                entry.completed = done  # the record's entry gets its duration (dpkit profile --trace)
             return future.value()
 
         return reduced.then(finished)
