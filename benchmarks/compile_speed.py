@@ -11,13 +11,19 @@ same BLAS). For each, on 2 virtual CPU devices, the contenders are:
                      compiled once, in its own thread
     dp, dp-balanced  eager, and Engine(compile=True) as above
 
+and, launched as 2 processes (`--per-device`, or named in --strategies), for ddp, fsdp, zero and hsdp: one
+Engine(compile=True) per strategy, whose model is timed compiled and eager in turn (the compiled forwards dpkit
+bound on the model or on each unit are taken off for the eager windows and put back after: the same weights,
+process group and batch; per process half of the batch), rank 0 printing.
+
 Every contender times windows of steps in turn (A B C … A B C …), so changing machine load hits them alike; the
 medians over the rounds are compared. Compile time (dynamo's trace and inductor, forward and backward, read from
 torch._dynamo's counters) is reported separately, with the frames compiled during the timed windows (0: no
 recompiles). The machine's other load is not controlled: run it on an idle machine for the published table.
 
-    python benchmarks/compile_speed.py                       # both models
+    python benchmarks/compile_speed.py                       # both models, the one-process strategies
     python benchmarks/compile_speed.py --models launch-bound --rounds 7 --steps 30 --threads 1
+    python benchmarks/compile_speed.py --per-device --rounds 7   # ddp, fsdp, zero, hsdp on 2 processes
 """
 
 from __future__ import annotations
@@ -149,6 +155,78 @@ def report(workload: Workload, contenders: list[Contender]) -> None:
         )
 
 
+PER_DEVICE = ["ddp", "fsdp", "zero", "hsdp"]
+
+
+def per_device_worker(args: argparse.Namespace) -> None:
+    """In each of the 2 launched processes: per model and strategy, compiled and eager windows in turn."""
+    torch.set_num_threads(1)  # two processes share the two cores
+    warnings.filterwarnings("ignore")
+    torch._dynamo.config.recompile_limit = 64
+    for name in args.models:
+        for strategy in args.strategies:
+            torch._dynamo.reset()
+            time_compiled_and_eager(WORKLOADS[name], strategy, args)
+
+
+def time_compiled_and_eager(workload: Workload, strategy: str, args: argparse.Namespace) -> None:
+    from dpkit.compilation import has_compiled_forward
+
+    steps = args.steps or workload.steps
+    engine = Engine(strategy=strategy, accelerator="cpu", devices=2, progress=False, compile=True)
+    torch.manual_seed(0)
+    model = workload.build()
+    wrapped, optimizer = engine.setup(model, torch.optim.SGD(model.parameters(), lr=0.01))
+    generator = torch.Generator().manual_seed(1 + engine.rank)
+    rows = workload.batch_size // 2
+    x = torch.randn(rows, workload.features, generator=generator)
+    y = torch.randint(0, 10, (rows,), generator=generator)
+
+    def step() -> None:
+        optimizer.zero_grad()
+        engine.backward(nn.functional.cross_entropy(wrapped(x), y))
+        optimizer.step()
+
+    before = compile_counts()
+    for _ in range(args.warm_up):
+        step()
+    compiled = compile_counts().since(before)
+    # the forwards dpkit compiled (the model's, or each unit's under fsdp and hsdp), bound on their modules
+    forwards = {module: module.__dict__["forward"] for module in model.modules() if has_compiled_forward(module)}
+
+    def run_eager(eager: bool) -> None:
+        for module, forward in forwards.items():
+            if eager:
+                module.__dict__.pop("forward", None)
+            else:
+                module.__dict__["forward"] = forward
+
+    run_eager(True)
+    step()  # the eager path's first step, untimed
+    windows: dict[str, list[float]] = {"eager": [], "compiled": []}
+    frames = 0
+    for round_ in range(args.rounds):
+        for way in ("eager", "compiled") if round_ % 2 == 0 else ("compiled", "eager"):
+            run_eager(way == "eager")
+            gc.collect()
+            counted = compile_counts()
+            began = time.perf_counter()
+            for _ in range(steps):
+                step()
+            windows[way].append((time.perf_counter() - began) / steps)
+            frames += compile_counts().since(counted).frames
+    run_eager(False)
+    if engine.rank == 0:
+        slow, fast = statistics.median(windows["eager"]), statistics.median(windows["compiled"])
+        print(
+            f"{workload.name:14} {strategy:6} eager {slow * 1e3:8.2f} ms  compiled {fast * 1e3:8.2f} ms  "
+            f"{slow / fast:5.2f}x  compile {compiled.compile_seconds:5.1f} s, {compiled.graphs} graph(s) in "
+            f"{len(forwards)} forward(s); frames while timed {frames}",
+            flush=True,
+        )
+    engine.close()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", nargs="+", choices=sorted(WORKLOADS), default=sorted(WORKLOADS, reverse=True))
@@ -162,7 +240,26 @@ def main() -> None:
         default=None,
         help="intra-op threads of this process (single's)",
     )
+    parser.add_argument("--per-device", action="store_true", help="ddp, fsdp, zero and hsdp, 2 launched processes")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.worker:
+        per_device_worker(args)
+        return
+    launched = [name for name in args.strategies if name in PER_DEVICE] or (PER_DEVICE if args.per_device else [])
+    if launched:
+        import os
+
+        from dpkit.launch import launch
+
+        check_cpp_compiler({}, "cpu")
+        forwarded = ["--worker", "--models", *args.models, "--strategies", *launched, "--rounds", str(args.rounds)]
+        forwarded += ["--warm-up", str(args.warm_up)] + (["--steps", str(args.steps)] if args.steps else [])
+        print(f"torch {torch.__version__}, 2 processes of 1 intra-op thread each (gloo)", flush=True)
+        launch(os.path.abspath(__file__), forwarded, nproc_per_node=2)
+        args.strategies = [name for name in args.strategies if name not in PER_DEVICE]
+        if args.per_device or not args.strategies:
+            return
     if args.threads:
         # on a loaded machine, OpenMP's waits between 2 threads cost single more than its second core gives
         torch.set_num_threads(args.threads)
