@@ -6,8 +6,8 @@ four blocks of 960-wide layers, batch 64: a step is mostly matrix multiplication
 same BLAS). For each, on 2 virtual CPU devices, the contenders are:
 
     single           eager, and Engine(compile=True)
-    replicated       eager; the wrapper engine.setup returns compiled after (dynamo compiles dpkit's glue around
-                     the replicas); and Engine(compile=True): every replica runs the model's class forward,
+    replicated       eager; the wrapper engine.setup returns compiled after (the replicas stay eager: a noise
+                     floor); and Engine(compile=True): every replica runs the model's class forward,
                      compiled once, in its own thread
     dp, dp-balanced  eager, and Engine(compile=True) as above
 

@@ -47,8 +47,7 @@ BF16_TOLERANCE = 1e-3
 BATCHES = (16, 16, 10, 16, 16, 10, 16, 16, 10)
 # steps before the counts must stay still: under dp and dp-balanced a replica's input is a view of the batch (scatter's
 # chunk), and dynamo, dynamic=True or not, recompiles the forward once at the first uneven batch (its size was
-# specialized) and once for a new storage offset; the wrapper dp makes, compiled whole, recompiles at the first and
-# the second uneven batch
+# specialized) and once for a new storage offset
 WARM_UP = 6
 
 

@@ -60,8 +60,14 @@ class EngineModule(nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if torch.compiler.is_compiling() and self.strategy.traits.threads_per_step:
-            # torch.compile(the wrapper setup returned), decided while dynamo traces; said from outside the graph
+            # torch.compile(the wrapper setup returned), seen while dynamo traces: the replicas run in worker
+            # threads, which dynamo does not enter, so they run eager; the per-step code around them is left
+            # untraced too (compiling it bought nothing and cost seconds); said once, from outside the graph
             torch.compiler.disable(_say_replicas_run_eager)(self)
+            return torch.compiler.disable(self._run)(*args, **kwargs)
+        return self._run(*args, **kwargs)
+
+    def _run(self, *args: Any, **kwargs: Any) -> Any:
         decide = self.__dict__.get("decide")
         if decide is not None:  # strategy="auto" on several devices: chosen from the first batch
             decide(args, kwargs)
@@ -102,8 +108,8 @@ class EngineModule(nn.Module):
 
 
 def _say_replicas_run_eager(model: EngineModule) -> None:
-    """Said once per model: torch.compile of the Engine's wrapper compiles the glue around the strategy's forward,
-    while the replicas the strategy runs in its worker threads (threads dynamo does not enter) run eager."""
+    """Said once per model: torch.compile of the Engine's wrapper compiles nothing the replicas run (the strategy
+    runs them in its worker threads, which dynamo does not enter)."""
     if model.__dict__.get("said_eager") or has_compiled_forward(model.user_module):
         return
     model.__dict__["said_eager"] = True
