@@ -180,8 +180,8 @@ def data_parallel(trainer: TrainerT, device_ids: Sequence[DeviceLike] | None = N
         return wrapper
 
     # (Trainer types its model as optional: it is set once Trainer() returns, from model= or model_init=)
-    wrap_model(trainer.model)  # type: ignore[arg-type]  # checks device_ids now, not at the first step
-    trainer._wrap_model = wrap_model  # type: ignore[method-assign]  # on this one Trainer object
+    wrap_model(trainer.model)  # checks device_ids now, not at the first step
+    trainer._wrap_model = wrap_model  # on this one Trainer object
     if trainer.args.n_gpu > 1:  # one device as far as Trainer knows: no nn.DataParallel, no per-GPU counts
         trainer.args._n_gpu = 1
     return trainer
