@@ -25,11 +25,14 @@ $(TEST_STAMP): $(STAMP)
 demo: $(STAMP)
 	$(VENV)/bin/dpkit demo
 
+# the type check runs beside the tests (one process for ~15 s, its report printed after theirs); both must pass
 test: $(TEST_STAMP)
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/ruff check .
-	$(VENV)/bin/mypy
-	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=20
+	$(VENV)/bin/mypy > $(VENV)/mypy.log 2>&1 & typing=$$!; \
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=20; tests=$$?; \
+	wait $$typing; typed=$$?; echo "mypy:"; cat $(VENV)/mypy.log; \
+	test $$tests -eq 0 && test $$typed -eq 0
 
 bench: $(STAMP)
 	$(PY) benchmarks/strategies_throughput.py
