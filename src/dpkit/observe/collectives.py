@@ -15,9 +15,10 @@ collective.
 Each entry has the time it was issued (`issued`, time.perf_counter: the clock the observer's phase spans use, so
 `dpkit profile --trace` puts the collectives on each rank's track beside its phases) and, once the call returned,
 how long the call took to return on the issuing thread (`seconds`). An asynchronous collective (`async_op=True`,
-DDP's gradient buckets) returns when it is enqueued: it is marked `async_op` and its `seconds` say nothing of when
-it completed. On a GPU a collective returns once it is enqueued on the stream, so `seconds` is its launch there.
-A profile keeps every entry of its observed steps (`CollectiveRecord.keeping`), not only the last RING_SIZE.
+DDP's gradient buckets) returns when it is enqueued: it is marked `async_op`, and its issuer records when it
+completed (`completed`, set by ddp.py's bucket hook while a profile listens). On a GPU a collective returns
+once it is enqueued on the stream, so `seconds` is its launch there. A profile keeps every entry of its observed
+steps (`CollectiveRecord.keeping`), not only the last RING_SIZE.
 """
 
 from __future__ import annotations
