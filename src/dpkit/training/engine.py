@@ -43,11 +43,12 @@ from dpkit.strategies import PER_DEVICE, Strategy, create_strategy, matching
 from dpkit.training.among_processes import AmongProcesses
 from dpkit.training.auto_choice import choose_from_batch, choose_from_state
 from dpkit.training.checkpoint import unwrap_model
+from dpkit.training.forward_batches import ForwardBatches
 from dpkit.training.item_weighting import ItemCount, check_items
 from dpkit.training.loop_checks import LossCheck, check_loss, check_setup
 from dpkit.training.model_files import load_whole_model, save_whole_model
 from dpkit.training.placement import Placement, is_choice, resolve_placement
-from dpkit.training.state import BatchRecord, ResumableLoader, read_state_directory, resumable
+from dpkit.training.state import ResumableLoader, read_state_directory, resumable
 from dpkit.training.state_load import LoaderPosition, load_training_state
 from dpkit.training.state_save import save_training_state
 from dpkit.training.wrappers import (
@@ -123,7 +124,7 @@ class Engine(AmongProcesses):
         self._items = ItemCount()  # engine.backward(loss_sum, items=n): the window's count
         self._optimizers: list[EngineOptimizer] = []
         self._loaders: list[ResumableLoader] = []  # in setup order; their positions are part of the state
-        self._batch_in_hand: BatchRecord | None = None  # the latest batch any of them yielded
+        self._batches = ForwardBatches()  # the batch in hand, and which batch each loss came from
         self._pending_loaders: list[LoaderPosition] = []  # positions loaded before their loader was set up
         self._model: EngineModule | None = None
         self._bare_model: nn.Module | None = None  # the user's model object (replica 0 / the DDP module)
@@ -169,6 +170,7 @@ class Engine(AmongProcesses):
             self.strategy.compile_model(model, compile_fn)
         self._bare_model = model
         self._model = EngineModule(self.strategy.wrap_model(model), self.precision, self.strategy, model)
+        self._model.__dict__["forward_ran"] = self._batches.forward_ran
         if self.placement.undecided:
             self._model.__dict__["decide"] = self._decide_from_batch
         if optimizer is None:
@@ -229,7 +231,7 @@ class Engine(AmongProcesses):
         batch) is part of engine.save_state; other iterables come back unchanged and are not tracked.
         """
         if resumable(loader):
-            loader = ResumableLoader(loader, self.strategy, on_batch=self._batch_yielded)
+            loader = ResumableLoader(loader, self.strategy, on_batch=self._batches.batch_yielded)
         elif self.strategy.traits.processes == PER_DEVICE:
             raise TypeError(
                 f"loader: strategy '{self.strategy.name}' gives each process its share of every global batch, which "
@@ -260,24 +262,18 @@ class Engine(AmongProcesses):
         window = self._accumulation.micro_batches % self.accumulate + 1  # this backward's place in its window
         self._loss_check(loss, self.strategy, step=self.step + 1, micro_batch=window, accumulate=self.accumulate)
         counted = None if items is None else check_items(items)
+        # the weight of the batch the loss came from, whatever the loop fetched since (checked before counting)
+        weight = self._batches.loss_weight(loss) if counted is None else 1.0
         self._items.add(counted)
         sync = self._accumulation.add_micro_batch()
         if counted is None:
-            scale = self._loss_weight() / self.accumulate
+            scale = weight / self.accumulate
         else:  # a sum: the step divides by the whole count; a strategy that runs the loss in replicas adds theirs
             scale = self.strategy.sum_weight()
             self.strategy.loss_is_sum()
         self.strategy.backward(self.precision.scale_loss(loss), scale=scale, sync=sync)
         if sync and self._model is not None:
             self._items.finish(self.strategy, self._model, self.accumulate)
-
-    def _batch_yielded(self, record: BatchRecord) -> None:
-        self._batch_in_hand = record
-
-    def _loss_weight(self) -> float:
-        """The loss weight of the batch in hand (the strategy's loss_weight for its rows, recorded by the loader
-        that yielded it; 1 without an Engine loader)."""
-        return self._batch_in_hand.loss_weight if self._batch_in_hand is not None else 1.0
 
     @property
     def step(self) -> int:

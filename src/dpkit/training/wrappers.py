@@ -65,7 +65,13 @@ class EngineModule(nn.Module):
             # untraced too (compiling it bought nothing and cost seconds); said once, from outside the graph
             torch.compiler.disable(_say_replicas_run_eager)(self)
             return torch.compiler.disable(self._run)(*args, **kwargs)
-        return self._run(*args, **kwargs)
+        output = self._run(*args, **kwargs)
+        forward_ran = self.__dict__.get("forward_ran")
+        if forward_ran is not None:  # the Engine ties the output to the batch in hand (training/forward_batches.py)
+            if torch.compiler.is_compiling():  # (the wrapper compiled after setup: marks are set outside the graph)
+                forward_ran = torch.compiler.disable(forward_ran)
+            forward_ran(output)
+        return output
 
     def _run(self, *args: Any, **kwargs: Any) -> Any:
         decide = self.__dict__.get("decide")
