@@ -10,7 +10,7 @@ step() { echo "== $*" | tee -a "$LOG"; timeout 150 "$@" >>"$LOG" 2>&1; echo "   
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv >>"$LOG" 2>&1
 python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.cuda.is_available(), torch.cuda.device_count())" >>"$LOG" 2>&1
 step python3 -m pytest -q -x -m cuda -p no:cacheprovider tests
-step python3 -m pytest -q -p no:cacheprovider tests/parallel tests/training/test_checkpoint.py
+step python3 -m pytest -q -p no:cacheprovider tests/parallel tests/checkpoint/test_checkpoint.py
 step python3 -m dpkit.cli.main demo
 step python3 -m dpkit.cli.main profile --example wide-output --strategy dp --accelerator cuda --devices 1 --json "$OUT/profile-dp.json" --png "$OUT/profile-dp.png"
 step python3 -m dpkit.cli.main train --example digits --strategy single --accelerator cuda --devices 1 --steps 50 --precision 16-mixed --out "$OUT/train-16"

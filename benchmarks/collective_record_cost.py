@@ -44,7 +44,7 @@ def worker(args: argparse.Namespace) -> None:
     import torch.nn.functional as F
     from torch import nn
 
-    from dpkit.training.engine import Engine
+    from dpkit.engine.engine import Engine
 
     engine = Engine(strategy=args.strategy, accelerator="cpu", devices=2)
     torch.manual_seed(0)

@@ -43,7 +43,7 @@ from torch import nn
 from dpkit.compilation import check_cpp_compiler, compile_counts
 from dpkit.examples.launch_bound import LaunchBoundMLP
 from dpkit.examples.wide_blocks import WideBlocksNet
-from dpkit.training.engine import Engine
+from dpkit.engine.engine import Engine
 
 DEVICES = 2
 

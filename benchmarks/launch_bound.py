@@ -44,7 +44,7 @@ import dpkit
 from dpkit.examples import EXAMPLES, get_example
 from dpkit.observe import Observer
 from dpkit.observe.report import thread_lines
-from dpkit.training.engine import Engine
+from dpkit.engine.engine import Engine
 
 DEVICES = 2
 SINGLE, DP, DP_BEFORE, REPLICATED, REPLICATED_BEFORE = (

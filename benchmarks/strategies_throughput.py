@@ -42,7 +42,7 @@ from torch import nn
 
 import dpkit
 from dpkit.launch import launch
-from dpkit.training.engine import Engine
+from dpkit.engine.engine import Engine
 
 DEVICES = 2
 THREADS_PER_DEVICE = 1

@@ -37,7 +37,7 @@ def worker(args: argparse.Namespace) -> None:
     import torch.nn.functional as F
 
     from dpkit.examples.wide_blocks import CLASSES, FEATURES, WideBlocksNet
-    from dpkit.training.engine import Engine
+    from dpkit.engine.engine import Engine
 
     steps = {}
     for name in (DEFAULT, FIND_UNUSED, DEFAULT_AGAIN):

@@ -34,8 +34,8 @@ from dpkit.compilation import (
     uncompiled,
     without_compiled_prefixes,
 )
+from dpkit.engine.engine import Engine
 from dpkit.strategies import PER_DEVICE, available_strategies, strategy_class
-from dpkit.training.engine import Engine
 
 # eager and aot_eager run the same aten operations as eager PyTorch; the replicas' gradient sum is the only
 # reordering (measured: at most 2.98e-08 after 4 steps under every strategy)
@@ -279,7 +279,7 @@ def train(
         engine.backward(criterion(forward(x), y))
         optimizer.step()
         counts.append(compile_counts())
-    from dpkit.training.checkpoint import unwrap_model
+    from dpkit.checkpoint.model_files import unwrap_model
 
     state = engine.strategy.model_state(unwrap_model(wrapped))
     found = {

@@ -9,8 +9,8 @@ import torch
 
 from dpkit.cli.main import main
 from dpkit.examples import EXAMPLES, get_example
+from dpkit.recipe.sources import model_source
 from dpkit.strategies.fsdp import shard_units
-from dpkit.training.sources import model_source
 
 
 def test_digits_are_scikit_learns_split_by_class_and_seed():

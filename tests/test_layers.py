@@ -1,8 +1,9 @@
 """dpkit's layers: data flows down, no module imports a layer above its own, and every module has a layer.
 
 From the top: the command, the tools that run models to measure them, the integrations with other
-trainers, the training core (Engine, recipe, state, checkpoints, model and data sources), the planner (which
-predicts from the strategies' traits and never runs a model), the strategies, the launcher, measuring,
+trainers, `dpkit train`'s recipe (its run, folder, metrics, model and data sources), the Engine (the loop API
+and the resume transaction), the planner (which predicts from the strategies' traits and never runs a model),
+the strategies, checkpoint and state files (which import no strategy), the launcher, measuring,
 the one-process engine, devices. The leaves (argument checks, errors, precision, the built-in examples) may be
 used by every layer and use no layer themselves. The package root only re-exports the public API.
 """
@@ -18,9 +19,11 @@ LAYERS = [
     ("cli", ["dpkit.cli"]),
     ("tools", ["dpkit.tools"]),
     ("integrations", ["dpkit.integrations", "dpkit.lightning"]),
-    ("training", ["dpkit.training"]),
+    ("recipe", ["dpkit.recipe"]),
+    ("engine", ["dpkit.engine"]),
     ("plan", ["dpkit.plan"]),
     ("strategies", ["dpkit.strategies"]),
+    ("checkpoint", ["dpkit.checkpoint"]),
     ("launch", ["dpkit.launch"]),
     ("observe", ["dpkit.observe"]),
     ("parallel", ["dpkit.parallel"]),
@@ -122,12 +125,12 @@ def test_parallel_knows_nothing_of_observe_strategies_engine_or_cli():
 def test_the_check_sees_relative_and_function_level_imports(tmp_path):
     offending = tmp_path / "offending.py"
     offending.write_text(
-        "from ..observe import observer\nfrom . import hooks\n\ndef f():\n    import dpkit.training.engine\n"
+        "from ..observe import observer\nfrom . import hooks\n\ndef f():\n    import dpkit.engine.engine\n"
     )
     imported = imports_of(offending, "dpkit.parallel")
-    assert {"dpkit.observe", "dpkit.observe.observer", "dpkit.parallel.hooks", "dpkit.training.engine"} <= imported
+    assert {"dpkit.observe", "dpkit.observe.observer", "dpkit.parallel.hooks", "dpkit.engine.engine"} <= imported
     assert {layer_of(name) for name in imported} == {
         layer_of("dpkit.observe"),
         layer_of("dpkit.parallel"),
-        layer_of("dpkit.training"),
+        layer_of("dpkit.engine"),
     }

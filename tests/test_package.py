@@ -1,4 +1,4 @@
-"""The package root: the public API, and the old names of modules that moved, which still import."""
+"""The package root: the public API, loaded on first use."""
 
 import importlib
 import subprocess
@@ -13,16 +13,6 @@ def test_the_public_api_is_re_exported():
     for name in dpkit.__all__:
         assert getattr(dpkit, name) is not None, name
     assert dpkit.DataParallel is dpkit.parallel.DataParallel
-
-
-@pytest.mark.parametrize("old,new", sorted(dpkit.MOVED_MODULES.items()))
-def test_a_moved_module_still_imports_under_its_old_name_with_a_warning(old, new, monkeypatch):
-    # the import system caches a module under each name it was imported by: forget the old name first
-    monkeypatch.delitem(sys.modules, old, raising=False)
-    with pytest.warns(DeprecationWarning, match=new.replace(".", r"\.")):
-        moved = importlib.import_module(old)
-    assert moved is importlib.import_module(new)
-    assert sys.modules[old] is moved
 
 
 def test_a_launched_worker_loads_no_torch_before_the_script_does(tmp_path):

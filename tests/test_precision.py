@@ -10,8 +10,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from dpkit.cli.main import main
+from dpkit.engine.engine import Engine
 from dpkit.precision import Precision
-from dpkit.training.engine import Engine
 
 
 def test_bf16_mixed_autocasts_matmuls_on_cpu():

@@ -268,7 +268,7 @@ def test_resume_of_a_finished_run_names_steps(tmp_path, capsys):
     before = snapshot(out)
     capsys.readouterr()
     # fewer steps than the run took is bad input (a finished run resumed with its own --steps exits 0:
-    # tests/training/test_recipe_faults.py)
+    # tests/recipe/test_recipe_faults.py)
     code, lines = train(tmp_path, capsys, "--checkpoint-every", "1", "--resume", "--steps", "1")
     assert code == 2 and lines == [
         f"dpkit train: error: --steps: the run in {str(out)!r} has already taken 2 steps; "

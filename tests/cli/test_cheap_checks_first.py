@@ -31,15 +31,15 @@ def refused(argv: list[str], capsys) -> str:
 @pytest.fixture
 def no_building(monkeypatch):
     """Model builds, auto's probe and process starts of train and profile fail the test."""
+    import dpkit.recipe.checks
+    import dpkit.recipe.recipe
     import dpkit.tools.profile
-    import dpkit.training.recipe
-    import dpkit.training.run_checks
 
-    for module in (dpkit.training.recipe, dpkit.tools.profile):
+    for module in (dpkit.recipe.recipe, dpkit.tools.profile):
         monkeypatch.setattr(module, "model_source", expensive("a model build"))
         monkeypatch.setattr(module, "relaunch", expensive("a process start"))
-    monkeypatch.setattr(dpkit.training.run_checks, "model_source", expensive("a model build"))
-    monkeypatch.setattr(dpkit.training.recipe, "choose_strategy", expensive("auto's probe"))
+    monkeypatch.setattr(dpkit.recipe.checks, "model_source", expensive("a model build"))
+    monkeypatch.setattr(dpkit.recipe.recipe, "choose_strategy", expensive("auto's probe"))
 
 
 def test_train_refuses_tensorboard_without_the_package_before_auto_probes(tmp_path, monkeypatch, capsys, no_building):
@@ -56,7 +56,7 @@ def test_train_refuses_a_folder_holding_a_run_before_auto_probes(tmp_path, capsy
 
 
 def test_train_refuses_a_folder_another_run_holds_before_auto_probes(tmp_path, capsys, no_building):
-    from dpkit.training.recipe import FolderLock
+    from dpkit.recipe.folder import FolderLock
 
     lock = FolderLock(tmp_path).take()
     try:

@@ -97,9 +97,9 @@ def test_a_model_that_does_not_fit_the_rows_is_still_said_as_a_shape(tmp_path, c
 
 @pytest.mark.parametrize("strategy", ["dp", "ddp"])
 def test_a_batch_smaller_than_the_devices_is_one_plain_sentence_for_dp_and_ddp(tmp_path, monkeypatch, capsys, strategy):
-    import dpkit.training.recipe
+    import dpkit.recipe.recipe
 
-    monkeypatch.setattr(dpkit.training.recipe, "relaunch", lambda *a, **k: pytest.fail("a process started"))
+    monkeypatch.setattr(dpkit.recipe.recipe, "relaunch", lambda *a, **k: pytest.fail("a process started"))
     argv = ["train", "--strategy", strategy, *CPU2, "--out", str(tmp_path / "run")]
     assert main([*argv, "--batch-size", "1"]) == 2
     assert capsys.readouterr().err.strip() == (
@@ -138,8 +138,8 @@ def test_profile_takes_input_shape_and_plan_takes_one_strategy(tmp_path, capsys,
 def test_profiles_table_is_per_step_and_its_batch_is_trains():
     from dpkit.cli.main import build_parser
     from dpkit.observe.report import DeviceReport, Report
+    from dpkit.recipe.config import TrainConfig
     from dpkit.tools.profile import ProfileSpec
-    from dpkit.training.recipe import TrainConfig
 
     assert ProfileSpec.batch_size == TrainConfig.batch_size == 64
     from dpkit.cli.vocabulary import verb_parsers
@@ -180,7 +180,7 @@ def test_an_operator_of_the_users_line_is_a_shape_and_their_own_raise_is_theirs(
     import torch
     from torch import nn
 
-    from dpkit.training.sources import UserCodeError, check_model_fits
+    from dpkit.recipe.sources import UserCodeError, check_model_fits
 
     class Matmul(nn.Module):
         def __init__(self, message=None):

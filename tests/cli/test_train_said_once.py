@@ -54,7 +54,7 @@ def test_a_resume_with_another_global_batch_names_the_per_device_batch_given(tmp
 def test_auto_takes_a_per_device_batch(tmp_path, monkeypatch, capsys):
     """Without --strategy, several devices choose with auto; a per-device batch is resolved before it chooses."""
     from dpkit.plan.auto import Choice
-    from dpkit.training import recipe
+    from dpkit.recipe import recipe
 
     batches = []
 

@@ -18,7 +18,7 @@ from dpkit.launch import LaunchError, launch
 HANG_TIMEOUT = 5  # as test_restarts_and_progress: a loaded machine must not look hung
 SCRIPT = textwrap.dedent("""\
     import os, sys, threading, torch
-    from dpkit.training.engine import Engine
+    from dpkit.engine.engine import Engine
 
     strategy, case, out = sys.argv[1], sys.argv[2], sys.argv[3]
     engine = Engine(strategy=strategy, accelerator="cpu", devices=2, timeout_seconds=120)

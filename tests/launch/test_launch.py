@@ -180,7 +180,7 @@ def test_too_many_processes_for_the_cores_need_force():
 NO_PEERS = textwrap.dedent("""
     import sys, time
     import dpkit.strategies.per_device as per_device
-    from dpkit.training.engine import Engine
+    from dpkit.engine.engine import Engine
 
     def announced_rendezvous(*args, **kwargs):
         print("in the rendezvous", flush=True)  # the test's Ctrl-C comes once this line is out

@@ -154,7 +154,7 @@ HANG_TIMEOUT = 5
 SAVES = textwrap.dedent("""
     import contextlib, os, sys, time, torch
     from dpkit.launch import busy
-    from dpkit.training.engine import Engine
+    from dpkit.engine.engine import Engine
 
     out, mode, save_seconds = sys.argv[1], sys.argv[2], float(sys.argv[3])
     engine = Engine(strategy="ddp", accelerator="cpu", devices=2, timeout_seconds=300)

@@ -10,7 +10,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, RandomSampler, TensorDataset
 
-from dpkit.training.engine import Engine
+from dpkit.engine.engine import Engine
 
 
 class Blocks(nn.Module):
@@ -188,7 +188,7 @@ def plain_save_and_load_refused(path: str) -> list[str]:
 
 def mismatched_resume(state: str) -> dict:
     """fsdp asked to resume a state into a wider model: refused before any shard is read, nothing changed."""
-    from dpkit.training.checkpoint import CheckpointMismatchError
+    from dpkit.checkpoint.model_files import CheckpointMismatchError
 
     engine = Engine(strategy="fsdp", accelerator="cpu", devices=2, progress=False)
     torch.manual_seed(3)

@@ -13,7 +13,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 from torch.utils.data import DataLoader, TensorDataset
 
-from dpkit.training.engine import Engine
+from dpkit.engine.engine import Engine
 
 ROWS, BATCH, STEPS = 40, 10, 4  # 4 steps of 10 rows (5 + 5 on 2 processes; accumulate=2: 2 steps of 2 x 10)
 SPARE_STEPS = [False]

@@ -8,7 +8,7 @@ from fsdp_runs import Blocks, data
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from dpkit.training.engine import Engine
+from dpkit.engine.engine import Engine
 
 WIDTH = 64
 STATE = ("parameters", "gradients", "optimizer_state")

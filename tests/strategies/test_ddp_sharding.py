@@ -7,9 +7,9 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, DistributedSampler, RandomSampler, TensorDataset
 
+from dpkit.engine.resumable_loader import ResumableLoader
 from dpkit.parallel import split_sizes
 from dpkit.strategies.per_device import ProcessShares
-from dpkit.training.state import ResumableLoader
 
 
 def sharded(loader, rank, world_size, seed):

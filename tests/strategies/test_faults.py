@@ -14,7 +14,7 @@ import torch
 WORKER = textwrap.dedent("""
     import os
     import torch
-    from dpkit.training.engine import Engine
+    from dpkit.engine.engine import Engine
 
     engine = Engine(strategy="ddp", accelerator="cpu", devices=2, timeout_seconds=30)
     model = torch.nn.Linear(16, 1)

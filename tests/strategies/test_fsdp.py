@@ -168,7 +168,7 @@ def test_a_damaged_shard_is_named_by_every_process(tmp_path, groups):
     data = bytearray(shard.read_bytes())
     data[len(data) // 2] ^= 0xFF
     shard.write_bytes(bytes(data))
-    from dpkit.training.checkpoint import CheckpointCorruptError
+    from dpkit.checkpoint.model_files import CheckpointCorruptError
 
     with pytest.raises(CheckpointCorruptError, match=f"{shard.name}: checksum mismatch"):
         train(RunSpec(steps=3, resume=True, state=state))

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dpkit.training.engine import Engine
+from dpkit.engine.engine import Engine
 
 
 def again_and_again() -> list[float]:

@@ -10,9 +10,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dpkit.checkpoint.model_files import clean_state_dict
+from dpkit.engine.engine import Engine
 from dpkit.strategies.base import DeferredOutput
-from dpkit.training.checkpoint import clean_state_dict
-from dpkit.training.engine import Engine
 
 
 def mlp() -> nn.Module:

@@ -13,10 +13,10 @@ import torch.nn.functional as F
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
+from dpkit.engine.engine import Engine
 from dpkit.observe import Observer
 from dpkit.strategies import replica_optimizers
 from dpkit.strategies.replica_optimizers import SharedOptimizer, balanced_shards, even_runs
-from dpkit.training.engine import Engine
 
 
 @pytest.fixture(autouse=True)

@@ -13,8 +13,8 @@ from torch import nn
 
 from dpkit.cli.main import build_parser, main
 from dpkit.cli.train import config_from_args
+from dpkit.recipe.config import TrainConfig
 from dpkit.strategies import create_strategy, strategy_class, strategy_traits
-from dpkit.training.run_config import TrainConfig
 
 PER_DEVICE = ["ddp", "fsdp", "zero", "hsdp"]
 

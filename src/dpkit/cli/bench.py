@@ -26,8 +26,8 @@ from dpkit.cli.vocabulary import (
     add_verb,
     add_warmup,
 )
+from dpkit.recipe.optimization import OPTIMIZERS
 from dpkit.tools.bench import BenchSpec, run_bench
-from dpkit.training.optimization import OPTIMIZERS
 
 DESCRIPTION = """\
 Measure one model under several strategies and device counts in one run: every configuration's steps are

@@ -16,9 +16,7 @@ from typing import Any
 
 import torch
 
-from dpkit.checks import check_output_file
-from dpkit.cli.vocabulary import add_verb
-from dpkit.training.checkpoint import (
+from dpkit.checkpoint.model_files import (
     CheckpointCorruptError,
     CheckpointMismatchError,
     atomic_save,
@@ -29,16 +27,12 @@ from dpkit.training.checkpoint import (
     verify_file,
     write_safetensors,
 )
-from dpkit.training.safetensors_files import is_safetensors
-from dpkit.training.shards import read_whole, saved_model_tensors, verify_shards
-from dpkit.training.state import (
-    STATE_FILE,
-    STATE_FORMAT,
-    check_state_files,
-    find_state,
-    read_state_directory,
-    short_kind,
-)
+from dpkit.checkpoint.safetensors_files import is_safetensors
+from dpkit.checkpoint.shards import read_whole, saved_model_tensors, verify_shards
+from dpkit.checkpoint.state import check_state_files, read_state_directory, short_kind
+from dpkit.checkpoint.steps import STATE_FILE, STATE_FORMAT, find_state
+from dpkit.checks import check_output_file
+from dpkit.cli.vocabulary import add_verb
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:

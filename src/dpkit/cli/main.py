@@ -17,7 +17,7 @@ from dpkit.cli.vocabulary import VOCABULARY, Parser, UsageError, verb_parsers
 from dpkit.errors import DpkitError
 from dpkit.launch import StoppedBySignal, launched
 from dpkit.launch.worker import exit_worker
-from dpkit.training.sources import UserCodeError, first_line, raised_in_your_code, your_frames
+from dpkit.recipe.sources import UserCodeError, first_line, raised_in_your_code, your_frames
 
 # subcommand name -> module under dpkit.cli; each module defines add_parser(subparsers) and run(args) -> int, and
 # may name the library arguments it spells differently from its flags' dests (SPELLED)

@@ -1,6 +1,6 @@
 """`dpkit train`: train an example (or your model factory) with any strategy; write model.pt and metrics.json.
 
-The recipe is dpkit.training.recipe; this module turns the command line into its TrainConfig. With a
+The recipe is dpkit.recipe.recipe; this module turns the command line into its TrainConfig. With a
 strategy that runs one process per device and no launcher around it, the recipe starts this very command
 line once per device and waits for the processes.
 """
@@ -32,9 +32,9 @@ from dpkit.cli.vocabulary import (
 )
 from dpkit.devices import resolve_devices
 from dpkit.launch import Command
-from dpkit.training.optimization import SCHEDULES
-from dpkit.training.recipe import BEST_BY, CHANGEABLE, TrainConfig
-from dpkit.training.recipe import run as run_recipe
+from dpkit.recipe.config import BEST_BY, CHANGEABLE, TrainConfig
+from dpkit.recipe.optimization import SCHEDULES
+from dpkit.recipe.recipe import run as run_recipe
 
 # library arguments this command spells differently
 SPELLED = {"hang_timeout_seconds": "--hang-timeout"}

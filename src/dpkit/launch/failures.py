@@ -28,7 +28,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("dpkit")
 
 # exit codes of a failure that a restart would only repeat, and what they mean: dpkit's one-line refusals of
-# bad input (also argparse's), and a run whose loss became nan/inf (dpkit.training.recipe.TrainingDiverged)
+# bad input (also argparse's), and a run whose loss became nan/inf (dpkit.recipe.recipe.TrainingDiverged)
 DETERMINISTIC_EXIT_CODES = {2: "bad input", 3: "training diverged"}
 # how a worker ends when torchrun's agent stops it (SIGTERM) because another failed: the signal, or 128 + it
 # from dpkit's own handler (a step boundary, as Ctrl-C)

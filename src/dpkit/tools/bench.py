@@ -43,9 +43,9 @@ from dpkit.observe.timing import PHASES
 from dpkit.parallel.balance import CALIBRATION_CALLS
 from dpkit.plan.profiles import measure_model
 from dpkit.precision import PRECISIONS
+from dpkit.recipe.optimization import OPTIMIZERS, build_optimizer
+from dpkit.recipe.sources import criterion_for, model_source
 from dpkit.strategies import PER_DEVICE, available_strategies, reference, strategy_class
-from dpkit.training.optimization import OPTIMIZERS, build_optimizer
-from dpkit.training.sources import criterion_for, model_source
 
 log = logging.getLogger("dpkit")
 
@@ -281,7 +281,7 @@ class Contender:
         rank: int = 0,
         world_size: int = 1,
     ):
-        from dpkit.training.engine import Engine
+        from dpkit.engine.engine import Engine
 
         self.strategy, self.devices = strategy, devices
         options: dict[str, Any] = {}  # the strategy's own options

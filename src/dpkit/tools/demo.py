@@ -11,12 +11,12 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
+from dpkit.checkpoint.model_files import load_model, save_model
 from dpkit.checks import check_batch_split, check_int, check_output_folder
 from dpkit.devices import DeviceLike, resolve_devices
 from dpkit.examples.digits import DigitsMLP, load_digits
 from dpkit.observe import Observer
 from dpkit.parallel import DataParallel
-from dpkit.training.checkpoint import load_model, save_model
 
 LEARNED_ACCURACY = 0.95  # what the default settings reach on the held-out digits
 

@@ -25,6 +25,7 @@ from torch.utils.data import DataLoader, RandomSampler, TensorDataset
 from dpkit.checks import check_batch_split, check_int, check_output_file
 from dpkit.compilation import check_compile, compile_counts, describe_compile
 from dpkit.devices import resolve_devices
+from dpkit.engine.engine import Engine
 from dpkit.launch import Command, launched, relaunch
 from dpkit.launch.environment import process_place
 from dpkit.observe import Observer, Report, active
@@ -33,10 +34,9 @@ from dpkit.observe.memory import is_dtensor
 from dpkit.observe.report import collective_spans
 from dpkit.parallel.balance import CALIBRATION_CALLS
 from dpkit.precision import PRECISIONS as ENGINE_PRECISIONS
+from dpkit.recipe.optimization import build_optimizer
+from dpkit.recipe.sources import criterion_for, model_source
 from dpkit.strategies import strategy_class
-from dpkit.training.engine import Engine
-from dpkit.training.optimization import build_optimizer
-from dpkit.training.sources import criterion_for, model_source
 
 # the Engine's precisions, and "64": the model and data in float64 (for comparisons exact to rounding)
 PRECISIONS = (*ENGINE_PRECISIONS, "64")
