@@ -1,4 +1,9 @@
-"""The launcher's side: `launch()` runs a script once per device through torchrun's elastic agent.
+"""The launcher's side: `launch()` runs a script once per device through torch's launcher API.
+
+The launch is torch's own: a `LaunchConfig` (a static rendezvous at node 0's address, spawned workers, the
+output through dpkit.launch.logs) run by `elastic_launch`, torchrun's agent underneath. dpkit adds what
+torchrun lacks: the checks before anything starts, the restart policy below, the hang watch, the summary of a
+failure (which worker failed first, memory kills, the last collectives, stacks) and the workers' output.
 
 Restarts never retry what cannot succeed. torchrun's agent (SimpleElasticAgent._invoke_run) restarts the
 group whenever `_monitor_workers` reports it FAILED and `_remaining_restarts > 0`, whatever the failure. A
@@ -22,6 +27,7 @@ import sys
 import tempfile
 import threading
 from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from dpkit.checks import check_int, check_number, check_output_folder
@@ -44,6 +50,7 @@ from dpkit.launch.worker import check_script
 
 if TYPE_CHECKING:
     from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+    from torch.distributed.launcher.api import LaunchConfig
 
 log = logging.getLogger("dpkit")
 
@@ -83,6 +90,8 @@ def _launcher_state(
 
 # torchrun's run id (TORCHELASTIC_RUN_ID): the agents' keys in the rendezvous store, and the log folder's name
 RUN_ID = "dpkit"
+# how long node 0's agent waits for every node to join the static rendezvous (torchrun's default)
+RENDEZVOUS_TIMEOUT_SECONDS = 900
 
 
 def processes_per_node(nproc_per_node: int | str) -> int:
@@ -95,6 +104,16 @@ def processes_per_node(nproc_per_node: int | str) -> int:
         )
     check_int(nproc_per_node, "nproc_per_node")
     return nproc_per_node
+
+
+@dataclass(frozen=True)
+class Meeting:
+    """Where this node's workers meet the others: torch's static rendezvous at node 0's address."""
+
+    nnodes: int
+    node_rank: int
+    master_addr: str
+    master_port: int
 
 
 def launch(
@@ -139,18 +158,79 @@ def launch(
     check_process_count(nproc_per_node, argument="nproc_per_node", force=force)
     if hang_timeout_seconds is not None:
         check_number(hang_timeout_seconds, "hang_timeout_seconds", positive=True)
+    check_int(max_restarts, "max_restarts", minimum=0)
+    meeting = _meeting(requested, nproc_per_node, nnodes, node_rank, master_addr, master_port, slurm)
+    output = WorkerOutput(
+        world_size=meeting.nnodes * nproc_per_node, log_dir=log_dir, rank_prefix=rank_prefix, show_ranks=show_ranks
+    )
+    check_script(script, module)
+    if log_dir is not None:
+        check_output_folder(log_dir, "log_dir")
+    log.info(
+        "launch: %d process(es)%s on node %d of %d, rendezvous at %s:%d",
+        nproc_per_node,
+        " (auto: " + (f"{nproc_per_node} GPU(s))" if _cuda_visible() else "no GPU visible)")
+        if requested == "auto"
+        else "",
+        meeting.node_rank,
+        meeting.nnodes,
+        meeting.master_addr,
+        meeting.master_port,
+    )
+    # each worker writes its Python stacks there on a fatal signal or when the hang watch asks (worker.py)
+    stacks_dir = tempfile.mkdtemp(prefix="dpkit-stacks-")
+    worker_env = {
+        **(worker_environment or {}),
+        LAUNCHER_PID_VARIABLE: str(os.getpid()),
+        STACKS_DIR_VARIABLE: stacks_dir,
+    }
+    if hang_timeout_seconds is not None:
+        worker_env[HANG_TIMEOUT_VARIABLE] = repr(float(hang_timeout_seconds))
+    # every worker starts in run_worker (parent-death signal first), which then runs the script
+    entry_args = ["-u", "-c", "from dpkit.launch.worker import run_worker; run_worker()"]
+    entry_args += ["module" if module else "script", script, *script_args]
+    with (
+        _launcher_state(cpu_threads_per_device(nproc_per_node), meeting.master_addr, worker_env),
+        _quiet_torch_elastic(),
+        output,
+    ):
+        config = _launch_config(meeting, nproc_per_node, max_restarts, monitor_interval_seconds, output)
+        watch = None
+        if hang_timeout_seconds is not None:
+            watch = HangWatch(
+                meeting.master_addr,
+                meeting.master_port,
+                meeting.nnodes * nproc_per_node,
+                meeting.node_rank,
+                float(hang_timeout_seconds),
+                stacks_dir=stacks_dir,
+            )
+            watch.start()
+        try:
+            _run_agent(config, entry_args, nproc_per_node, watch, output, stacks_dir)
+        finally:
+            if watch is not None:
+                watch.stop()
+            shutil.rmtree(stacks_dir, ignore_errors=True)
+
+
+def _meeting(
+    requested: int | str,
+    nproc_per_node: int,
+    nnodes: int | None,
+    node_rank: int | None,
+    master_addr: str | None,
+    master_port: int | None,
+    slurm: bool,
+) -> Meeting:
+    """The nodes, this node's rank and the rendezvous address, from the arguments (and SLURM's job), checked."""
     if nnodes is not None:
         check_int(nnodes, "nnodes")
-    check_int(max_restarts, "max_restarts", minimum=0)
     if slurm:
         found = from_slurm(nnodes=nnodes, node_rank=node_rank, master_addr=master_addr, master_port=master_port)
         if found is not None:
-            nnodes, node_rank, master_addr, master_port = (
-                found.nnodes,
-                found.node_rank,
-                found.master_addr,
-                found.master_port,
-            )
+            nnodes, node_rank = found.nnodes, found.node_rank
+            master_addr, master_port = found.master_addr, found.master_port
             if found.taken:
                 log.info("launch: from SLURM job %s: %s", found.job_id, "; ".join(found.taken))
             gpus = slurm_gpus_on_node()
@@ -170,9 +250,6 @@ def launch(
             "master_addr/master_port: required when nnodes > 1, so every node meets node 0 at the same address, "
             "e.g. master_addr=10.0.0.1 master_port=29500"
         )
-    output = WorkerOutput(
-        world_size=nnodes * nproc_per_node, log_dir=log_dir, rank_prefix=rank_prefix, show_ranks=show_ranks
-    )
     master_addr = master_addr or "127.0.0.1"
     if master_port is None:
         master_port = free_port(master_addr)
@@ -185,123 +262,80 @@ def launch(
                 f"master_port: port {master_port} on {master_addr} is already in use; pick another port, "
                 "or leave the port out on a single node and dpkit picks a free one"
             )
-    check_script(script, module)
-    if log_dir is not None:
-        check_output_folder(log_dir, "log_dir")
+    return Meeting(nnodes, node_rank, master_addr, master_port)
 
+
+def _launch_config(
+    meeting: Meeting, nproc_per_node: int, max_restarts: int, monitor_interval_seconds: float, output: WorkerOutput
+) -> LaunchConfig:
+    """torch's LaunchConfig for torchrun's agent: a static rendezvous of `meeting.nnodes` nodes at node 0's
+    address (its TCP store), the workers' output through `output`, spawned processes."""
+    from torch.distributed.launcher.api import LaunchConfig
+
+    return LaunchConfig(
+        min_nodes=meeting.nnodes,
+        max_nodes=meeting.nnodes,
+        nproc_per_node=nproc_per_node,
+        run_id=RUN_ID,
+        rdzv_endpoint=f"{meeting.master_addr}:{meeting.master_port}",
+        rdzv_backend="static",
+        rdzv_configs={"rank": meeting.node_rank, "timeout": RENDEZVOUS_TIMEOUT_SECONDS},
+        max_restarts=max_restarts,
+        monitor_interval=monitor_interval_seconds,
+        start_method="spawn",
+        logs_specs=output.logs_specs(),
+    )
+
+
+def _run_agent(
+    config: LaunchConfig,
+    entry_args: list[str],
+    nproc_per_node: int,
+    watch: HangWatch | None,
+    output: WorkerOutput,
+    stacks_dir: str,
+) -> None:
+    """Run the workers through torch's launcher API with dpkit's agent; a failure becomes LaunchError (its
+    summary: the first worker that failed, a hang, memory kills, the last collectives), a signal StoppedBySignal."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import elastic_launch
-    from torch.distributed.run import config_from_args, parse_args
 
-    argv = [
-        f"--nnodes={nnodes}",
-        f"--node-rank={node_rank}",
-        f"--nproc-per-node={nproc_per_node}",
-        f"--master-addr={master_addr}",
-        f"--master-port={master_port}",
-        f"--max-restarts={max_restarts}",
-        "--rdzv-backend=static",
-        f"--rdzv-id={RUN_ID}",
-        f"--monitor-interval={monitor_interval_seconds}",
-        f"--log-dir={os.devnull}",  # the workers' output is `output`'s; this keeps torchrun from making a folder
-    ]
-    if module:
-        argv.append("--module")
-    argv += [script, *script_args]
-    log.info(
-        "launch: %d process(es)%s on node %d of %d, rendezvous at %s:%d",
-        nproc_per_node,
-        " (auto: " + (f"{nproc_per_node} GPU(s))" if _cuda_visible() else "no GPU visible)")
-        if requested == "auto"
-        else "",
-        node_rank,
-        nnodes,
-        master_addr,
-        master_port,
-    )
-    # each worker writes its Python stacks there on a fatal signal or when the hang watch asks (worker.py)
-    stacks_dir = tempfile.mkdtemp(prefix="dpkit-stacks-")
-    worker_env = {
-        **(worker_environment or {}),
-        LAUNCHER_PID_VARIABLE: str(os.getpid()),
-        STACKS_DIR_VARIABLE: stacks_dir,
-    }
-    if hang_timeout_seconds is not None:
-        worker_env[HANG_TIMEOUT_VARIABLE] = repr(float(hang_timeout_seconds))
-    watch = None
-    with (
-        _launcher_state(cpu_threads_per_device(nproc_per_node), master_addr, worker_env),
-        _quiet_torch_elastic(),
-        output,
-    ):
-        config, _, _ = config_from_args(parse_args(argv))
-        config.logs_specs = output.logs_specs()
-        # every worker starts in run_worker (parent-death signal first), which then runs the script
-        entry_args = [
-            "-u",
-            "-c",
-            "from dpkit.launch.worker import run_worker; run_worker()",
-            "module" if module else "script",
-            script,
-            *script_args,
-        ]
-        if hang_timeout_seconds is not None:
-            watch = HangWatch(
-                master_addr,
-                master_port,
-                nnodes * nproc_per_node,
-                node_rank,
-                float(hang_timeout_seconds),
-                stacks_dir=stacks_dir,
-            )
-            watch.start()
-        exits = ExitWatch(nproc_per_node)
-        exits.start()
-        oom_kills_before = oom_kills()
-        not_retried: list[int] = []  # the exit code of a failure the agent did not restart for
-        try:
-            with _dpkit_agent(not_retried):
-                elastic_launch(config=config, entrypoint=sys.executable)(*entry_args)
-        except ChildFailedError as error:
-            failures = getattr(error, "failures", {}) or {}
-            exit_codes = {rank: failure.exitcode for rank, failure in failures.items()}
-            exits.stop()
-            hung = watch.hung if watch else None
-            code = None if hung else deterministic_failure(failures, exits.exit_times)
-            oom_kills_after = oom_kills()
-            raise LaunchError(
-                failure_summary(
-                    error,
-                    hung,
-                    exits.exit_times,
-                    not_retried=bool(not_retried),
-                    output_note=output.where([*failures, *(hung or {})]),
-                    oom_kills_during=None
-                    if oom_kills_before is None or oom_kills_after is None
-                    else oom_kills_after - oom_kills_before,
-                    collectives={
-                        **(watch.collectives if watch else {}),
-                        **last_collectives(stacks_dir, list(failures)),
-                    },
-                    fatal_stacks={
-                        rank: stack for rank in failures if (stack := fatal_stack(stacks_dir, rank)) is not None
-                    },
-                ),
-                exit_codes,
-                exit_code=code or 2,
-            ) from None
-        except SignalException as error:
-            if error.sigval == signal.SIGINT:
-                raise KeyboardInterrupt from None
-            raise StoppedBySignal(
-                f"stopped by {signal.Signals(error.sigval).name}; the workers were stopped", int(error.sigval)
-            ) from None
-        finally:
-            exits.stop()
-            if watch is not None:
-                watch.stop()
-            shutil.rmtree(stacks_dir, ignore_errors=True)
+    exits = ExitWatch(nproc_per_node)
+    exits.start()
+    oom_kills_before = oom_kills()
+    not_retried: list[int] = []  # the exit code of a failure the agent did not restart for
+    try:
+        with _dpkit_agent(not_retried):
+            elastic_launch(config=config, entrypoint=sys.executable)(*entry_args)
+    except ChildFailedError as error:
+        failures = getattr(error, "failures", {}) or {}
+        exits.stop()
+        hung = watch.hung if watch else None
+        oom_kills_after = oom_kills()
+        summary = failure_summary(
+            error,
+            hung,
+            exits.exit_times,
+            not_retried=bool(not_retried),
+            output_note=output.where([*failures, *(hung or {})]),
+            oom_kills_during=None
+            if oom_kills_before is None or oom_kills_after is None
+            else oom_kills_after - oom_kills_before,
+            collectives={**(watch.collectives if watch else {}), **last_collectives(stacks_dir, list(failures))},
+            fatal_stacks={rank: stack for rank in failures if (stack := fatal_stack(stacks_dir, rank)) is not None},
+        )
+        code = None if hung else deterministic_failure(failures, exits.exit_times)
+        exit_codes = {rank: failure.exitcode for rank, failure in failures.items()}
+        raise LaunchError(summary, exit_codes, exit_code=code or 2) from None
+    except SignalException as error:
+        if error.sigval == signal.SIGINT:
+            raise KeyboardInterrupt from None
+        raise StoppedBySignal(
+            f"stopped by {signal.Signals(error.sigval).name}; the workers were stopped", int(error.sigval)
+        ) from None
+    finally:
+        exits.stop()
 
 
 def _cuda_visible() -> bool:
@@ -373,6 +407,10 @@ def _quiet_torch_elastic() -> Iterator[None]:
     if log.isEnabledFor(logging.DEBUG):
         yield
         return
+    # the agent's modules make their loggers when imported: import them first, so that every one is quieted
+    import torch.distributed.elastic.multiprocessing.errors
+    import torch.distributed.launcher.api  # noqa: F401
+
     loggers = [
         logging.getLogger(name)
         for name in list(logging.root.manager.loggerDict)
