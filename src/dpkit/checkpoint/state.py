@@ -20,7 +20,7 @@ import io
 import logging
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypedDict, cast
 
 import torch
 
@@ -40,10 +40,46 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("dpkit")
 
+
+class SharedState(TypedDict, total=False):
+    """state.pt: what every process shares, written by rank 0 (engine/resume/save.py; read by engine/resume/load.py,
+    recipe/checks.py and `dpkit ckpt`). Every key is present in a state this dpkit wrote; older states may lack the
+    ones marked so, which is why readers use .get()."""
+
+    format: str  # STATE_FORMAT
+    step: int  # optimizer steps taken
+    strategy: str  # the registry's name of the strategy that saved it
+    world_size: int  # processes that saved it: one rank-R.pt each
+    devices: list[str]
+    precision: str
+    accumulate: int  # micro-batches per optimizer step
+    model: dict[str, Any] | None  # the whole model, clean keys, on the CPU; None when `shards` holds it
+    optimizers: list[dict[str, Any] | None] | None  # each optimizer's state dict; None when `shards` holds them
+    optimizer_groups: list[list[int]]  # each optimizer's param group sizes, checked before any shard is read
+    optimizers_in_shards: list[str] | None  # the optimizers (by index) that had stepped, saved in `shards`
+    optimizer_classes: list[str]  # kind_of() of each optimizer (absent from early states)
+    scaler: dict[str, Any] | None  # the GradScaler's state
+    loaders: list[dict[str, int]]  # each loader's position (ResumableLoader.position)
+    strategy_state: dict[str, Any] | None  # what the strategy learned that decides its arithmetic
+    extra: dict[str, dict[str, Any]]  # the user's extras (pack_extras)
+    shards: str  # the shards folder's name, in a sharded state only (checkpoint/writes.py)
+    shard_digests: dict[str, str]  # SHA-256 of every shard file, by its path in the folder
+
+
+class ProcessState(TypedDict, total=False):
+    """rank-R.pt: what process R alone holds (engine/resume/save.py)."""
+
+    rank: int
+    rng: dict[str, Any]  # its generators (checkpoint/generators.py)
+    loaders: list[dict[str, Any] | None]  # each loader's generator states from its epoch's start
+    threads: int  # its intra-op thread count: a resume computes with the same
+    concurrency: dict[str, str]  # how the replica runner's auto call sites decided to run
+
+
 _pointer_text = pointer_text  # the name tests/recipe/test_recipe_history.py imports
 
 
-def check_state_files(folder: Path, shared: dict[str, Any]) -> None:
+def check_state_files(folder: Path, shared: SharedState) -> None:
     """Raise CheckpointCorruptError unless `folder` holds exactly the files its state.pt says it was saved with:
     state.pt, one rank-R.pt per process, and the shards folder of a sharded state."""
     world = shared.get("world_size")
@@ -75,7 +111,7 @@ def check_state_files(folder: Path, shared: dict[str, Any]) -> None:
 
 def read_state_directory(
     directory: str | os.PathLike, rank: int, *, map_location: MapLocation = "cpu"
-) -> tuple[Path, dict[str, Any], dict[str, Any]]:
+) -> tuple[Path, SharedState, ProcessState]:
     """(step directory, shared state, this rank's state); a rank the saved run did not have reads rank 0's.
 
     A state missing a file, or holding one its save did not write, is a CheckpointCorruptError naming it
@@ -101,7 +137,7 @@ def read_state_directory(
     mine = read_checked(own, map_location="cpu")
     if not isinstance(mine, dict):
         raise CheckpointCorruptError(f"{own}: not a dpkit per-process state")
-    return chosen, shared, mine
+    return chosen, cast(SharedState, shared), cast(ProcessState, mine)
 
 
 def check_state_format(shared: object, source: object) -> None:

@@ -13,7 +13,7 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dpkit.checkpoint.checked_files import atomic_write, fsync_directory, os_error_in, write_checked, write_error
 from dpkit.checkpoint.errors import CheckpointWriteError
@@ -29,6 +29,9 @@ from dpkit.checkpoint.steps import (
     step_directory_name,
     step_number,
 )
+
+if TYPE_CHECKING:
+    from dpkit.checkpoint.state import ProcessState, SharedState
 
 log = logging.getLogger("dpkit")
 
@@ -99,8 +102,8 @@ class _SaveProgress:
 def write_state_directory(
     root: str | os.PathLike,
     step: int,
-    shared: dict[str, Any] | None,
-    mine: dict[str, Any],
+    shared: SharedState | None,
+    mine: ProcessState,
     *,
     rank: int,
     keep: int | None,

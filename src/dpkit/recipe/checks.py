@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from dpkit.checkpoint.state import read_state_directory
+from dpkit.checkpoint.state import SharedState, read_state_directory
 from dpkit.checkpoint.steps import step_of
 from dpkit.launch import restart_count
 from dpkit.launch.environment import process_place
@@ -83,11 +83,11 @@ def check_settings(
     changing = config.changes()
     recorded: dict[str, Any] = {}
     chosen: Path | None = None
-    shared: dict[str, Any] = {}
+    shared: SharedState = {}
     if state is not None:
         chosen, shared, _ = read_state_directory(state, 0)
-        recorded = (shared.get("extra") or {}).get("settings", {}).get("value")
-        recorded = recorded if isinstance(recorded, dict) else {}
+        value = (shared.get("extra") or {}).get("settings", {}).get("value")
+        recorded = value if isinstance(value, dict) else {}
     # run.json, then the state's own record: what the run was trained with up to now
     sources = [(saved or {}, ""), (recorded, f" (its state {str(chosen)!r} says so)")]
     for key in RESUME_MUST_MATCH:

@@ -16,7 +16,7 @@ import torch
 
 from dpkit.checkpoint.generators import capture_rng
 from dpkit.checkpoint.model_files import detached_on_cpu, strip_prefixes
-from dpkit.checkpoint.state import check_keep, kind_of, pack_extras
+from dpkit.checkpoint.state import ProcessState, SharedState, check_keep, kind_of, pack_extras
 from dpkit.checkpoint.steps import STATE_FORMAT
 from dpkit.checkpoint.writes import write_state_directory
 from dpkit.engine.wrappers import SetUp
@@ -49,30 +49,30 @@ def save_training_state(
     if shards is None:
         model_state = set_up.strategy.model_state(bare)
         optimizer_states = [set_up.strategy.optimizer_state(optimizer) for optimizer in optimizers]
-    shared = None
+    shared: SharedState | None = None
     if set_up.is_global_zero:
-        shared = {
-            "format": STATE_FORMAT,
-            "step": set_up.step,
-            "strategy": set_up.strategy.name,
-            "world_size": set_up.strategy.world_size,
-            "devices": [str(d) for d in set_up.devices],
-            "precision": set_up.precision.precision,
-            "accumulate": set_up.accumulation.every,
-            "model": None if model_state is None else detached_on_cpu(strip_prefixes(model_state)),
-            "optimizers": optimizer_states,
+        shared = SharedState(
+            format=STATE_FORMAT,
+            step=set_up.step,
+            strategy=set_up.strategy.name,
+            world_size=set_up.strategy.world_size,
+            devices=[str(d) for d in set_up.devices],
+            precision=set_up.precision.precision,
+            accumulate=set_up.accumulation.every,
+            model=None if model_state is None else detached_on_cpu(strip_prefixes(model_state)),
+            optimizers=optimizer_states,
             # with shards: the optimizers' param group sizes, checked before a load reads any shard
-            "optimizer_groups": [[len(group["params"]) for group in opt.param_groups] for opt in optimizers],
-            "optimizers_in_shards": sorted(stepped) if shards is not None else None,
+            optimizer_groups=[[len(group["params"]) for group in opt.param_groups] for opt in optimizers],
+            optimizers_in_shards=sorted(stepped) if shards is not None else None,
             # each optimizer's class: a load refuses another class's state (Adam's moments into SGD)
-            "optimizer_classes": [kind_of(getattr(opt, "user", opt)) for opt in optimizers],
-            "scaler": set_up.precision.scaler.state_dict() if set_up.precision.scaler is not None else None,
-            "loaders": [loader.position() for loader in set_up.loaders],
+            optimizer_classes=[kind_of(getattr(opt, "user", opt)) for opt in optimizers],
+            scaler=set_up.precision.scaler.state_dict() if set_up.precision.scaler is not None else None,
+            loaders=[loader.position() for loader in set_up.loaders],
             # what a strategy learned that decides its arithmetic (dp-balanced: its chunk sizes)
-            "strategy_state": set_up.strategy.state_dict() or None,
-            "extra": pack_extras(extra),
-        }
-    mine = {
+            strategy_state=set_up.strategy.state_dict() or None,
+            extra=pack_extras(extra),
+        )
+    mine: ProcessState = {
         "rank": set_up.strategy.rank,
         "rng": capture_rng(),
         "loaders": [loader.order_state() for loader in set_up.loaders],
