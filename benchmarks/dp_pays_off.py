@@ -21,7 +21,8 @@ from pathlib import Path
 from dpkit.examples import get_example
 from dpkit.plan.calibration import calibrate
 from dpkit.plan.catalogue import Catalogue
-from dpkit.plan.cost_model import CostConstants, Hardware
+from dpkit.plan.configuration import Hardware
+from dpkit.plan.constants import CostConstants
 from dpkit.plan.payoff import break_even_batch, speedup_curve
 from dpkit.plan.profiles import builtin_profile, measure_model
 from dpkit.strategies import ON_ROOT, ONE_PROCESS, PER_STEP, PERSISTENT, matching

@@ -30,7 +30,8 @@ import tempfile
 from pathlib import Path
 
 from dpkit.plan.calibration import BenchRun, calibrate, prediction_errors
-from dpkit.tools.bench import BenchSpec, run_benches
+from dpkit.tools.bench.run import run_benches
+from dpkit.tools.bench.spec import BenchSpec
 
 STRATEGIES = ["single", "dp", "dp-balanced", "replicated"]
 EXAMPLES = {"launch-bound": (32, 128), "wide-output": (512, 256, 1024)}  # (calibration batch, unseen batches)

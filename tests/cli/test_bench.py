@@ -3,7 +3,7 @@
 import json
 
 from dpkit.cli.main import main
-from dpkit.tools.bench import ConfigResult, lost_by_phase
+from dpkit.tools.bench.results import ConfigResult, lost_by_phase
 
 # One strategy of each way bench runs one (one device, per-step replicas, balanced, persistent replicas, a process
 # per device, launched): fsdp, zero and hsdp run through bench exactly as ddp does (bench asks only whether a

@@ -7,17 +7,11 @@ import torch
 from dpkit.cli.doctor import format_report, parse_bytes
 from dpkit.cli.main import main
 from dpkit.plan.catalogue import Catalogue
-from dpkit.tools.doctor import (
-    Comparison,
-    DoctorOptions,
-    algorithm_bandwidth,
-    bus_bandwidth,
-    bus_bandwidth_factor,
-    collective_rows,
-    measure_cpu_copy,
-    message_sizes,
-    run_doctor,
-)
+from dpkit.tools.doctor.bandwidth import algorithm_bandwidth, bus_bandwidth, bus_bandwidth_factor, message_sizes
+from dpkit.tools.doctor.checkup import DoctorOptions, run_doctor
+from dpkit.tools.doctor.collectives import collective_rows
+from dpkit.tools.doctor.comparison import Comparison
+from dpkit.tools.doctor.copies import measure_cpu_copy
 
 
 @pytest.mark.parametrize("world_size, factor", [(1, 0.0), (2, 1.0), (4, 1.5), (8, 1.75)])
@@ -185,7 +179,7 @@ def test_doctor_on_gpus():
 def test_failed_worker_is_one_runtime_error_line():
     if torch.cuda.is_available():
         pytest.skip("needs a machine where NCCL workers fail: no GPU")
-    from dpkit.tools.doctor import measure_collectives
+    from dpkit.tools.doctor.collectives import measure_collectives
 
     with pytest.raises(RuntimeError) as info:
         measure_collectives(

@@ -173,7 +173,8 @@ def test_a_factory_is_measured_and_numbers_can_be_given(tmp_path):
 
 
 def test_calibration_plans_this_machine(tmp_path):
-    from dpkit.tools.bench import BenchSpec, run_bench
+    from dpkit.tools.bench.run import run_bench
+    from dpkit.tools.bench.spec import BenchSpec
 
     bench = tmp_path / "bench.json"
     spec = BenchSpec(

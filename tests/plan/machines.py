@@ -82,7 +82,8 @@ def memory(
     """memory_per_device for a strategy on `devices` per node of `nodes`, on GPUs (or, `shared_weights`, on virtual
     CPU devices, whose replicas may share one copy of the weights): memory does not depend on the GPU's figures."""
     from dpkit.plan.catalogue import Catalogue
-    from dpkit.plan.cost_model import Hardware, Setup, memory_per_device
+    from dpkit.plan.configuration import Hardware, Setup
+    from dpkit.plan.memory import memory_per_device
 
     catalogue = Catalogue.load()
     hardware = Hardware(

@@ -3,9 +3,12 @@
 import pytest
 from machines import memory
 
-from dpkit.plan.advisor import SHARDING_WORTH, recommend
+from dpkit.plan.advisor import recommend
 from dpkit.plan.catalogue import Catalogue
-from dpkit.plan.cost_model import CostConstants, Hardware, Prediction
+from dpkit.plan.configuration import Hardware
+from dpkit.plan.constants import CostConstants
+from dpkit.plan.cost_model import Prediction
+from dpkit.plan.lightest_sharding import SHARDING_WORTH
 from dpkit.plan.planner import make_plan
 from dpkit.plan.profiles import builtin_profile
 from dpkit.strategies import ALL_PROCESSES, PER_DEVICE, Strategy, available_strategies, matching, strategy_class

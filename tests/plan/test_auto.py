@@ -8,7 +8,7 @@ from machines import BUSY_2_CORES, cpu_calibration
 from dpkit.examples import get_example
 from dpkit.plan.auto import choose_strategy
 from dpkit.plan.catalogue import Catalogue
-from dpkit.plan.cost_model import Hardware
+from dpkit.plan.configuration import Hardware
 from dpkit.plan.probe import measure_probes, probe_strategies
 from dpkit.plan.profiles import builtin_profile, given_profile, measure_model
 from dpkit.strategies import (

@@ -11,7 +11,9 @@ from dpkit.cli.main import main
 from dpkit.examples import get_example
 from dpkit.plan.calibration import HOST_CONSTANTS, BenchRun, calibrate
 from dpkit.plan.catalogue import Catalogue
-from dpkit.plan.cost_model import CostConstants, Hardware, kernel_launch_seconds, predict
+from dpkit.plan.configuration import Hardware, kernel_launch_seconds
+from dpkit.plan.constants import CostConstants
+from dpkit.plan.cost_model import predict
 from dpkit.plan.profiles import measure_model
 
 CATALOGUE = Catalogue.load()

@@ -7,22 +7,13 @@ import pytest
 from machines import memory
 
 from dpkit.plan.catalogue import Catalogue, Link
-from dpkit.plan.cost_model import (
-    OPTIMIZER_STATE_BYTES_PER_PARAMETER,
-    BatchSize,
-    CostConstants,
-    Hardware,
-    Setup,
-    Sizing,
-    exposed_all_reduce_seconds,
-    predict,
-    predict_all,
-    ring_all_gather_seconds,
-    ring_all_reduce_seconds,
-    root_fan_seconds,
-    transfer_seconds,
-)
+from dpkit.plan.communication import exposed_all_reduce_seconds
+from dpkit.plan.configuration import BatchSize, Hardware, Setup
+from dpkit.plan.constants import OPTIMIZER_STATE_BYTES_PER_PARAMETER, CostConstants
+from dpkit.plan.cost_model import predict, predict_all
+from dpkit.plan.memory import Sizing
 from dpkit.plan.profiles import builtin_profile, given_profile
+from dpkit.plan.transfers import ring_all_gather_seconds, ring_all_reduce_seconds, root_fan_seconds, transfer_seconds
 from dpkit.strategies import (
     ALL_PROCESSES,
     ONE_PROCESS,

@@ -10,9 +10,12 @@ from machines import BUSY_2_CORES, cpu_calibration
 from torch import nn
 
 from dpkit.plan.catalogue import Catalogue
-from dpkit.plan.cost_model import CostConstants, Hardware, predict, threaded_launch_seconds
+from dpkit.plan.configuration import Hardware
+from dpkit.plan.constants import CostConstants
+from dpkit.plan.cost_model import predict
 from dpkit.plan.payoff import break_even_batch, speedup, speedup_curve
 from dpkit.plan.profiles import given_profile, measure_model
+from dpkit.plan.step_time import threaded_launch_seconds
 from dpkit.strategies import ON_ROOT, ONE_PROCESS, PER_STEP, PERSISTENT, matching, reference
 
 CATALOGUE = Catalogue.load()

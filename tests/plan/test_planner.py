@@ -5,7 +5,8 @@ import dataclasses
 import pytest
 
 from dpkit.plan.catalogue import Catalogue
-from dpkit.plan.cost_model import BatchSize, Hardware, Setup, memory_by_category
+from dpkit.plan.configuration import BatchSize, Hardware, Setup
+from dpkit.plan.memory import memory_by_category
 from dpkit.plan.planner import PHASE_HEADERS, equal_lines, make_plan
 from dpkit.plan.profiles import builtin_profile
 from dpkit.plan.tables import WIDTH, fitted_table, table, table_wrapping_last, wrap

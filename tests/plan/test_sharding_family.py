@@ -15,13 +15,10 @@ from dpkit import strategies
 from dpkit.plan.advisor import recommend
 from dpkit.plan.auto import choose_strategy
 from dpkit.plan.catalogue import Catalogue, Link
-from dpkit.plan.cost_model import (
-    OPTIMIZER_STATE_BYTES_PER_PARAMETER,
-    Hardware,
-    Setup,
-    memory_by_category,
-    predict,
-)
+from dpkit.plan.configuration import Hardware, Setup
+from dpkit.plan.constants import OPTIMIZER_STATE_BYTES_PER_PARAMETER
+from dpkit.plan.cost_model import predict
+from dpkit.plan.memory import memory_by_category
 from dpkit.plan.planner import make_plan
 from dpkit.plan.profiles import builtin_profile, given_profile
 from dpkit.strategies import (

@@ -50,7 +50,8 @@ def observed_many(runs: list[tuple[str, int, dict]]) -> list[dict]:
 def predicted(strategy: str, devices: int, options: dict) -> dict[str, int]:
     """The planner's per-device bytes by category for the model `observed` trains (no activations: batch 0)."""
     from dpkit.plan.catalogue import Catalogue
-    from dpkit.plan.cost_model import Hardware, Setup, memory_by_category
+    from dpkit.plan.configuration import Hardware, Setup
+    from dpkit.plan.memory import memory_by_category
     from dpkit.plan.profiles import measure_model
 
     catalogue = Catalogue.load()

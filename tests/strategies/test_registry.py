@@ -103,9 +103,10 @@ def registered(monkeypatch):
 def test_a_strategy_added_to_the_registry_reaches_train_bench_and_plan(registered, tmp_path):
     from dpkit.cli.main import main
     from dpkit.plan.catalogue import Catalogue
-    from dpkit.plan.cost_model import Hardware, predict
+    from dpkit.plan.configuration import Hardware
+    from dpkit.plan.cost_model import predict
     from dpkit.plan.profiles import builtin_profile
-    from dpkit.tools.bench import BenchSpec
+    from dpkit.tools.bench.spec import BenchSpec
 
     out = tmp_path / "run"
     assert (

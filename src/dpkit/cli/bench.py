@@ -27,7 +27,8 @@ from dpkit.cli.vocabulary import (
     add_warmup,
 )
 from dpkit.recipe.optimization import OPTIMIZERS
-from dpkit.tools.bench import BenchSpec, run_bench
+from dpkit.tools.bench.run import run_bench
+from dpkit.tools.bench.spec import BenchSpec
 
 DESCRIPTION = """\
 Measure one model under several strategies and device counts in one run: every configuration's steps are

@@ -13,7 +13,7 @@ import json
 from dpkit.checks import check_output_file
 from dpkit.cli import vocabulary
 from dpkit.plan.catalogue import SECTIONS, Catalogue, Link
-from dpkit.plan.cost_model import CostConstants
+from dpkit.plan.constants import CostConstants
 from dpkit.plan.tables import fitted_table, table_wrapping_last, wrap
 
 SPELLED = {"catalogue_file": "--catalogue"}

@@ -23,7 +23,8 @@ from dpkit.cli.vocabulary import (
     add_verb,
     add_warmup,
 )
-from dpkit.tools.doctor import COLLECTIVES, DoctorOptions, run_doctor
+from dpkit.tools.doctor.checkup import DoctorOptions, run_doctor
+from dpkit.tools.doctor.collectives import COLLECTIVES
 
 SIZE_UNITS = {
     "": 1,

@@ -15,7 +15,8 @@ from pathlib import Path
 from dpkit.checks import check_output_file
 from dpkit.cli import vocabulary
 from dpkit.plan.catalogue import PRECISIONS, Catalogue
-from dpkit.plan.cost_model import OPTIMIZER_STATE_BYTES_PER_PARAMETER, BatchSize, CostConstants, Hardware
+from dpkit.plan.configuration import BatchSize, Hardware
+from dpkit.plan.constants import OPTIMIZER_STATE_BYTES_PER_PARAMETER, CostConstants
 from dpkit.plan.planner import make_plan
 from dpkit.plan.profiles import BUILTIN_PROFILES, ModelProfile, builtin_profile, given_profile, measure_model
 from dpkit.plan.tables import wrap

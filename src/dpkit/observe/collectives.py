@@ -217,7 +217,7 @@ _FROZEN = "<frozen "  # Python's own frozen modules (`<frozen runpy>` under `pyt
 _WORKER_FILE = os.path.join(_DPKIT_DIR, "launch", "worker.py")
 # dpkit's commands, which drive the Engine as a user's script does: where dpkit itself called, their line
 _DPKIT_DRIVERS = tuple(
-    _DPKIT_DIR + part for part in ("tools" + os.sep, "plan" + os.sep, "cli" + os.sep, os.path.join("training", "run"))
+    _DPKIT_DIR + part for part in ("tools" + os.sep, "plan" + os.sep, "cli" + os.sep, "recipe" + os.sep)
 )
 
 

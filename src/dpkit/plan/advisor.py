@@ -6,41 +6,24 @@ sharded, then the smallest shard group), a more sharded one only where it is cle
 the strategies it speaks of by their traits (dpkit.strategies), never by name nor by the registry's order, and
 among strategies alike takes the fastest. It never recommends a configuration that does not
 fit in memory or cannot run at the precision asked: when none can, the recommendation names no strategy
-(`strategy` None, JSON null) and its reasons say what would fit.
+(`strategy` None, JSON null) and its reasons say what would fit (would_fit.py).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any
 
-from dpkit.plan.cost_model import Prediction, Sizing, lightest_sharding, runs_at
-from dpkit.strategies import ON_ROOT, ONE_PROCESS, PER_DEVICE, PER_STEP, Traits, matching, reference, strategy_class
+from dpkit.plan.advice_words import PHASE_WORDS, devices_words, gib, phase_words, shards_words
+from dpkit.plan.cost_model import Prediction
+from dpkit.plan.lightest_sharding import lightest_sharding, lightest_worthwhile
+from dpkit.plan.memory import Sizing
+from dpkit.plan.would_fit import nothing_fits
+from dpkit.strategies import ON_ROOT, ONE_PROCESS, PER_DEVICE, PER_STEP, Traits, reference, strategy_class
 
 COMMUNICATION = ("scatter", "replicate", "gather", "reduce", "all_reduce", "all_gather", "reduce_scatter")
-PHASE_WORDS = {
-    "scatter": "input scatter",
-    "replicate": "per-step parameter broadcast",
-    "gather": "output gather",
-    "loss": "loss on device 0",
-    "reduce": "gradient reduce to device 0",
-    "all_reduce": "exposed all-reduce",
-    "all_gather": "exposed parameter all-gathers",
-    "reduce_scatter": "exposed gradient reduce-scatter",
-    "launch": "GIL-serialised kernel launches",
-    "overhead": "per-step Python and threads",
-    "optimizer": "optimizer step",
-    "forward": "forward",
-    "backward": "backward",
-}
 DP_FINE_RATIO = 0.9  # DP is fine when it reaches this share of the best throughput
-# where a less sharded strategy fits, a more sharded one is recommended only when it is this much faster: sharding
-# gathers the parameters every step and saves and loads collectively, and its edge in the model (each device
-# steps only its shard of the optimizer) must outweigh what the model does not see of its per-unit hooks
-SHARDING_WORTH = 1.1
-PART_WORDS = {"weights": "parameters", "gradients": "gradients", "optimizer_state": "optimizer state"}
-Item = TypeVar("Item")
 HELPS_SPEEDUP = 1.1  # below this, more devices do not help
 LAUNCH_BOUND_SHARE = 0.5  # a step whose launches and per-step Python are this share of it is launch-bound
 
@@ -81,22 +64,6 @@ def data_parallel(predictions: Sequence[Prediction]) -> str | None:
     return max(candidates, key=lambda p: p.samples_per_second).strategy if candidates else None
 
 
-def lightest_worthwhile(
-    items: Sequence[Item], level: Callable[[Item], tuple[int, int]], seconds: Callable[[Item], float]
-) -> list[Item]:
-    """The items of the lightest sharding `level` among them, and every more sharded one that takes at most
-    1/SHARDING_WORTH of the time of each lighter one: sharding only where nothing lighter fits, or where it pays."""
-    if not items:
-        return []
-    lightest = min(level(item) for item in items)
-    return [
-        item
-        for item in items
-        if level(item) == lightest
-        or all(seconds(item) * SHARDING_WORTH <= seconds(other) for other in items if level(other) < level(item))
-    ]
-
-
 def prediction_sharding(prediction: Prediction) -> tuple[int, int]:
     """lightest_sharding of the prediction's strategy on its devices."""
     traits = strategy_class(prediction.strategy).traits_for(**prediction.options)
@@ -107,39 +74,9 @@ def shards(strategy: str) -> bool:
     return strategy_class(strategy).traits.sharded
 
 
-def shards_words(strategy: str) -> str:
-    """What the strategy shards, in words: "parameters, gradients and optimizer state"."""
-    words = [PART_WORDS[part] for part in strategy_class(strategy).traits.sharded_parts]
-    return ", ".join(words[:-1]) + (" and " if len(words) > 1 else "") + words[-1] if words else "nothing"
-
-
-def sharding_to_suggest(sizing: Sizing, devices: int) -> str | None:
-    """The sharded strategy to suggest when nothing fits: the lightest sharding that fits on the fewest devices,
-    else (none fits on any count) the one holding the least on `devices` devices per node."""
-    names = matching(lambda traits: traits.sharded)
-    if not names:
-        return None
-    fitting = [(count, name) for name in names if (count := sizing.smallest_fitting_devices(name)) is not None]
-    if fitting:
-        fewest = min(count for count, _ in fitting)
-        return min(
-            (name for count, name in fitting if count == fewest),
-            key=lambda name: lightest_sharding(strategy_class(name).traits, fewest * sizing.hardware.nodes, fewest),
-        )
-    return min(names, key=lambda name: sizing.peak_bytes(name, devices))
-
-
 def usable(prediction: Prediction) -> bool:
     """Fits in memory and runs at the precision asked: the only predictions the advisor may recommend."""
     return prediction.fits and prediction.runs
-
-
-def _gib(nbytes: float) -> str:
-    return f"{nbytes / 2**30:.1f} GiB"
-
-
-def _devices(count: int, nodes: int) -> str:
-    return f"{count} device{'s' if count != 1 else ''}" + (f" per node ({count * nodes} in all)" if nodes > 1 else "")
 
 
 def _losses(prediction: Prediction) -> str:
@@ -153,13 +90,6 @@ def _losses(prediction: Prediction) -> str:
     return ", ".join(
         f"{words.get(name, name)} {seconds / step:.0%}" for seconds, name in parts[:3] if seconds / step >= 0.01
     )
-
-
-def phase_words(strategy: str) -> dict[str, str]:
-    """PHASE_WORDS for a strategy: launches hold the GIL only where one process drives several replicas."""
-    if strategy_class(strategy).traits.threads_per_step:
-        return PHASE_WORDS
-    return {**PHASE_WORDS, "launch": "kernel launches"}
 
 
 def launch_share(prediction: Prediction) -> float:
@@ -189,34 +119,113 @@ def recommend(
     `sizing` answers what the predictions do not when little or nothing fits (on how many devices the
     sharded strategy fits, CPU offload, a smaller batch); `payoff(strategy, devices)` gives the batch from which
     a strategy on that many devices outruns one device, in words (plan/payoff.py), for when DP does not."""
-    one_device = reference()
-    dp_name = data_parallel([p for p in predictions if usable(p)])
     fits = [p for p in predictions if usable(p)]
-    multi = [p for p in fits if p.total_devices > 1]
     if not fits:
-        return _nothing_fits(predictions, sizing)
+        reasons, would_fit = nothing_fits(predictions, sizing)
+        return Recommendation(None, None, reasons, would_fit)
+    multi = [p for p in fits if p.total_devices > 1]
     if not multi:
-        alone = next((p for p in fits if p.strategy == one_device), fits[0])
+        alone = next((p for p in fits if p.strategy == reference()), fits[0])
         return Recommendation(alone.strategy, 1, ["only one device was asked for (or fits): nothing to compare"])
     largest = max(p.total_devices for p in multi)
     at_largest = [p for p in multi if p.total_devices == largest]
-    fastest = max(at_largest, key=lambda p: p.samples_per_second)
     if all(shards(p.strategy) for p in fits):
         return _only_sharded_fits(predictions, fits, at_largest, link_name, network_name, sizing)
+    dp_name = data_parallel(fits)
+    worthwhile = lightest_worthwhile(at_largest, prediction_sharding, lambda p: 1 / p.samples_per_second)
+    best = max(worthwhile, key=lambda p: p.samples_per_second)
+    choice = _choose(fits, at_largest, best, dp_name)
+    choice.reasons += _where_dp_stops_scaling(multi, dp_name, payoff)
+    sharding = _why_this_sharding(at_largest, best)
+    if sharding is not None and sharding[0] == choice.strategy:
+        choice.reasons.insert(1, sharding[1])
+    chosen = next((p for p in at_largest if p.strategy == choice.strategy), best)
+    choice.reasons += _limits(chosen, link_name, network_name)
+    choice.reasons += _what_would_change(what_if, largest, chosen.devices, dp_name)
+    return choice
+
+
+def _choose(
+    fits: list[Prediction], at_largest: list[Prediction], best: Prediction, dp_name: str | None
+) -> Recommendation:
+    """One device when no strategy reaches HELPS_SPEEDUP; DP when it is within DP_FINE_RATIO of the best (no
+    processes to launch); else the best, with what DP loses and what its successor would give. `best`: the fastest
+    of the lightest sharding worth it on the largest device count."""
+    one_device = reference()
+    largest = best.total_devices
+    alone = next((p for p in fits if p.strategy == one_device and p.total_devices == 1), None)
     dp = next((p for p in at_largest if p.strategy == dp_name), None)
-    # DataParallel's recommended successor: a process per device, nothing sharded (ddp), the fastest such
-    ddp = max(
+    if best.speedup < HELPS_SPEEDUP and alone is not None:
+        return Recommendation(one_device, 1, [_neither_helps(alone, best)])
+    if dp is not None and dp.samples_per_second >= DP_FINE_RATIO * best.samples_per_second:
+        return Recommendation(
+            dp.strategy,
+            largest,
+            [
+                f"DP is fine here: {dp.speedup:.2f}x ({dp.efficiency:.0%}) on {largest} devices, within "
+                f"{1 - dp.samples_per_second / best.samples_per_second:.0%} of the best ({best.strategy}), "
+                "with no processes to launch"
+            ],
+        )
+    reasons = [
+        f"{best.strategy} on {largest} devices: {best.speedup:.2f}x one device ({best.efficiency:.0%} efficiency)"
+        + ("" if alone is not None else f" (one device cannot hold the {one_device} step; its time is the yardstick)")
+    ]
+    if dp is not None:
+        reasons.append(f"DP reaches only {dp.speedup:.2f}x ({dp.efficiency:.0%}): it loses {_losses(dp)}")
+        ddp = _dp_successor(at_largest)
+        if ddp is not None and best is not ddp:
+            reasons.append(f"{ddp.strategy} would give {ddp.speedup:.2f}x")
+    return Recommendation(best.strategy, largest, reasons)
+
+
+def _dp_successor(at_largest: list[Prediction]) -> Prediction | None:
+    """DataParallel's recommended successor: a process per device, nothing sharded (ddp), the fastest such."""
+    return max(
         (p for p in at_largest if strategy_class(p.strategy).traits.processes == PER_DEVICE and not shards(p.strategy)),
         key=lambda p: p.samples_per_second,
         default=None,
     )
-    reasons: list[str] = []
-    sharding: tuple[str, str] | None = None  # (the strategy it speaks for, why sharding is or is not the answer)
-    alone_fits = any(p.strategy == one_device and p.total_devices == 1 for p in fits)
-    whole = [p for p in at_largest if not shards(p.strategy)]
-    best_whole = max(whole, key=lambda p: p.samples_per_second, default=None)
-    worthwhile = lightest_worthwhile(at_largest, prediction_sharding, lambda p: 1 / p.samples_per_second)
-    best = max(worthwhile, key=lambda p: p.samples_per_second)
+
+
+def _neither_helps(alone: Prediction, best: Prediction) -> str:
+    """Why one device: a step that is mostly launches and per-step Python, or what communication costs the best."""
+    share = launch_share(alone)
+    if share >= LAUNCH_BOUND_SHARE:
+        return (
+            f"neither helps: on this model a step is mostly operation launches and per-step Python ({share:.0%} "
+            f"of one device's step), which more devices do not divide; the best, {best.strategy} on "
+            f"{best.total_devices} devices, reaches {best.speedup:.2f}x one device ({_losses(best)})"
+        )
+    return (
+        f"neither helps: the best, {best.strategy} on {best.total_devices} devices, reaches {best.speedup:.2f}x one "
+        f"device (communication dominates: {_losses(best)})"
+    )
+
+
+def _where_dp_stops_scaling(multi: list[Prediction], dp_name: str | None, payoff: Payoff | None) -> list[str]:
+    """Where DP is slower than one device from the start (and from which batch it would pay), or the largest
+    count at which adding devices still adds throughput."""
+    dp_runs = sorted((p for p in multi if p.strategy == dp_name), key=lambda p: p.total_devices)
+    if dp_runs and dp_runs[0].speedup < 1.0:
+        pays = payoff(dp_runs[0].strategy, dp_runs[0].devices) if payoff is not None else None
+        return [
+            f"DP is slower than one device already on {dp_runs[0].total_devices} ({dp_runs[0].speedup:.2f}x)"
+            + (f"; {pays}" if pays else "")
+        ]
+    for before, after in zip(dp_runs, dp_runs[1:]):
+        if after.samples_per_second <= before.samples_per_second * 1.05:
+            return [
+                f"DP stops scaling after {before.total_devices} devices "
+                f"({before.speedup:.2f}x, then {after.speedup:.2f}x)"
+            ]
+    return []
+
+
+def _why_this_sharding(at_largest: list[Prediction], best: Prediction) -> tuple[str, str] | None:
+    """(the strategy it speaks for, why sharding is or is not the answer): a faster, more sharded strategy not worth
+    it, or a sharded best that is worth it over the best whole copy per device; None when sharding is no question."""
+    fastest = max(at_largest, key=lambda p: p.samples_per_second)
     if best is not fastest and shards(fastest.strategy):
         faster = fastest.samples_per_second / best.samples_per_second - 1
         if shards(best.strategy):
@@ -226,69 +235,18 @@ def recommend(
                 f"too little for sharding: {best.strategy} keeps a whole model on each device, "
                 "with no parameters to gather"
             )
-        sharding = (best.strategy, f"{fastest.strategy} would be {faster:.1%} faster, {why}")
-    elif shards(best.strategy) and best_whole is not None:
+        return best.strategy, f"{fastest.strategy} would be {faster:.1%} faster, {why}"
+    best_whole = max(
+        (p for p in at_largest if not shards(p.strategy)), key=lambda p: p.samples_per_second, default=None
+    )
+    if shards(best.strategy) and best_whole is not None:
         faster = best.samples_per_second / best_whole.samples_per_second - 1
-        sharding = (
+        return (
             best.strategy,
             f"{best.strategy} is {faster:.0%} faster than {best_whole.strategy}: each device steps only its "
             "shard of the optimizer state",
         )
-    if best.speedup < HELPS_SPEEDUP and alone_fits:
-        choice = Recommendation(one_device, 1)
-        alone = next(p for p in fits if p.strategy == one_device and p.total_devices == 1)
-        share = launch_share(alone)
-        if share >= LAUNCH_BOUND_SHARE:
-            reasons.append(
-                f"neither helps: on this model a step is mostly operation launches and per-step Python ({share:.0%} "
-                f"of one device's step), which more devices do not divide; the best, {best.strategy} on {largest} "
-                f"devices, reaches {best.speedup:.2f}x one device ({_losses(best)})"
-            )
-        else:
-            reasons.append(
-                f"neither helps: the best, {best.strategy} on {largest} devices, reaches {best.speedup:.2f}x one "
-                f"device (communication dominates: {_losses(best)})"
-            )
-    elif dp is not None and dp.samples_per_second >= DP_FINE_RATIO * best.samples_per_second:
-        choice = Recommendation(dp.strategy, largest)
-        reasons.append(
-            f"DP is fine here: {dp.speedup:.2f}x ({dp.efficiency:.0%}) on {largest} devices, within "
-            f"{1 - dp.samples_per_second / best.samples_per_second:.0%} of the best ({best.strategy}), "
-            "with no processes to launch"
-        )
-    else:
-        choice = Recommendation(best.strategy, largest)
-        reasons.append(
-            f"{best.strategy} on {largest} devices: {best.speedup:.2f}x one device ({best.efficiency:.0%} efficiency)"
-            + ("" if alone_fits else f" (one device cannot hold the {one_device} step; its time is the yardstick)")
-        )
-        if dp is not None:
-            reasons.append(f"DP reaches only {dp.speedup:.2f}x ({dp.efficiency:.0%}): it loses {_losses(dp)}")
-            if ddp is not None and best is not ddp:
-                reasons.append(f"{ddp.strategy} would give {ddp.speedup:.2f}x")
-    # where DP stops scaling: the largest count at which adding devices still adds throughput
-    dp_runs = sorted((p for p in multi if p.strategy == dp_name), key=lambda p: p.total_devices)
-    if dp_runs and dp_runs[0].speedup < 1.0:
-        pays = payoff(dp_runs[0].strategy, dp_runs[0].devices) if payoff is not None else None
-        reasons.append(
-            f"DP is slower than one device already on {dp_runs[0].total_devices} ({dp_runs[0].speedup:.2f}x)"
-            + (f"; {pays}" if pays else "")
-        )
-        dp_runs = []
-    for before, after in zip(dp_runs, dp_runs[1:]):
-        if after.samples_per_second <= before.samples_per_second * 1.05:
-            reasons.append(
-                f"DP stops scaling after {before.total_devices} devices "
-                f"({before.speedup:.2f}x, then {after.speedup:.2f}x)"
-            )
-            break
-    if sharding is not None and sharding[0] == choice.strategy:
-        reasons.insert(1, sharding[1])
-    chosen = next((p for p in at_largest if p.strategy == choice.strategy), best)
-    reasons += _limits(chosen, link_name, network_name)
-    reasons += _what_would_change(what_if, largest, chosen.devices, dp_name)
-    choice.reasons = reasons
-    return choice
+    return None
 
 
 def _limits(chosen: Prediction, link_name: str, network_name: str) -> list[str]:
@@ -358,75 +316,15 @@ def _only_sharded_fits(
     reasons = [
         f"only {name}{' and ' + ', '.join(others) if others else ''} fit{'' if others else 's'}: "
         f"{'it' if not others else name} shards {shards_words(name)} over the devices, "
-        f"{_gib(max(best.peak_bytes_per_device))} per device on {count} devices"
+        f"{gib(max(best.peak_bytes_per_device))} per device on {count} devices"
         + (", the lightest sharding that fits" if others else "")
         + (
-            f"; the others need at least {_gib(min(max(p.peak_bytes_per_device) for p in unsharded))}"
+            f"; the others need at least {gib(min(max(p.peak_bytes_per_device) for p in unsharded))}"
             if unsharded
             else ""
         ),
-        f"{name} fits from {_devices(smallest, nodes)} on; recommended on {count} devices, the most asked "
+        f"{name} fits from {devices_words(smallest, nodes)} on; recommended on {count} devices, the most asked "
         f"({best.samples_per_second:,.1f} samples/s)",
     ]
     reasons += _limits(best, link_name, network_name)
     return Recommendation(name, count, reasons)
-
-
-def _nothing_fits(predictions: list[Prediction], sizing: Sizing | None) -> Recommendation:
-    """No strategy fits (or runs): name none, and say what would fit."""
-    candidates = [p for p in predictions if p.runs] or predictions
-    smallest = min(candidates, key=lambda p: max(p.peak_bytes_per_device))
-    largest = max(p.devices for p in predictions)
-    nodes = max(p.nodes for p in predictions)
-    first = f"nothing fits: the least memory is {smallest.strategy} on {_devices(smallest.devices, smallest.nodes)}"
-    reasons = [first + "".join(f"; {note}" for note in smallest.notes)]
-    would_fit: dict[str, Any] = {}
-    shard = sharding_to_suggest(sizing, largest) if sizing is not None else None
-    if sizing is not None and shard is not None:
-        notes = []
-        if not any(p.strategy == shard for p in predictions):
-            notes.append("not among the strategies asked")
-        if not runs_at(shard, sizing.precision):
-            notes.append("with precision bf16-mixed: it has no GradScaler for 16-mixed")
-        also = f" ({'; '.join(notes)})" if notes else ""
-        would_fit["strategy"] = shard
-        devices = sizing.smallest_fitting_devices(shard)
-        would_fit["devices"] = devices * nodes if devices is not None else None
-        if devices is not None:
-            reasons.append(
-                f"more devices: {shard} shards {shards_words(shard)} and fits on "
-                f"{_devices(devices, nodes)}, {_gib(sizing.peak_bytes(shard, devices))} each{also}"
-            )
-        else:
-            floor = sizing.peak_bytes(shard, 1, offload=True)
-            activations = floor - sizing.peak_bytes(shard, 1, offload=True, batch=0)
-            reasons.append(
-                f"more devices: no device count makes {shard} fit: what it gathers and the activations alone "
-                f"need {_gib(floor)} of the {_gib(sizing.usable_bytes)} usable, {_gib(activations)} of it "
-                f"activations and outputs (shorter inputs would shrink them){also}"
-            )
-        if not sizing.hardware.shared_compute:
-            offloaded = sizing.peak_bytes(shard, largest, offload=True)
-            would_fit["offload"] = offloaded <= sizing.usable_bytes
-            host = (sizing.peak_bytes(shard, largest) - offloaded) * largest
-            reasons.append(
-                f"CPU offload ({shard} with its shards in host memory, about {_gib(host)} of host memory per node): "
-                f"{_gib(offloaded)} per device on {_devices(largest, nodes)}, "
-                + ("which fits" if would_fit["offload"] else "which does not fit either")
-            )
-        batch = sizing.largest_batch(shard, largest)
-        would_fit["batch_size_per_device"] = batch or None
-        if batch >= sizing.share(largest):
-            reasons.append(f"{shard} fits the batch asked on {_devices(largest, nodes)}{also}")
-        elif batch > 0:
-            reasons.append(f"a smaller batch: {shard} on {_devices(largest, nodes)} fits {batch} per device")
-        else:
-            reasons.append(f"a smaller batch: not even 1 sample per device fits {shard} on {_devices(largest, nodes)}")
-    else:
-        batch = max(p.max_batch_per_device for p in candidates)
-        reasons.append(
-            "shard the model (FSDP / ZeRO), use a smaller batch"
-            + (f" (up to {batch} per device)" if batch else "")
-            + ", or a larger device"
-        )
-    return Recommendation(None, None, reasons, would_fit or None)

@@ -30,7 +30,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from dpkit.plan.catalogue import GPU, PRECISIONS, Link
-from dpkit.plan.cost_model import CostConstants, Hardware, predict
+from dpkit.plan.configuration import Hardware
+from dpkit.plan.constants import CostConstants
+from dpkit.plan.cost_model import predict
 from dpkit.plan.profiles import ModelProfile
 
 if TYPE_CHECKING:

@@ -15,7 +15,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from dpkit.plan.cost_model import BatchSize, CostConstants, Hardware, predict
+from dpkit.plan.configuration import BatchSize, Hardware
+from dpkit.plan.constants import CostConstants
+from dpkit.plan.cost_model import predict
 from dpkit.plan.profiles import ModelProfile
 from dpkit.strategies import reference
 

@@ -11,24 +11,17 @@ from dpkit.observe.plots import save_scaling_figure
 from dpkit.observe.report import write_json
 from dpkit.plan.advisor import Recommendation, recommend
 from dpkit.plan.catalogue import Link
-from dpkit.plan.cost_model import (
-    PHASE_ORDER,
-    BatchSize,
-    CostConstants,
-    Hardware,
-    Prediction,
-    Setup,
-    Sizing,
-    as_batch,
-    memory_by_category,
-    predict_all,
-)
+from dpkit.plan.configuration import BatchSize, Hardware, Setup, as_batch
+from dpkit.plan.constants import CostConstants
+from dpkit.plan.cost_model import Prediction, predict_all
+from dpkit.plan.memory import Sizing, memory_by_category
 from dpkit.plan.payoff import MOST_SAMPLES, break_even_batch
 from dpkit.plan.profiles import ModelProfile
+from dpkit.plan.step_time import PHASE_ORDER
 from dpkit.plan.tables import fitted_table, wrap
 from dpkit.strategies import PER_DEVICE, reference, strategy_class
 
-# the memory table's columns: (header, the categories of cost_model.MEMORY_CATEGORIES added up in it, legend)
+# the memory table's columns: (header, the categories of memory.MEMORY_CATEGORIES added up in it, legend)
 MEMORY_COLUMNS = (
     ("params", ("parameters",), "the weights kept between steps"),
     ("grads", ("gradients",), "the gradients after the exchange"),

@@ -8,7 +8,8 @@ from importlib import resources
 from typing import Any
 
 from dpkit.plan.catalogue import Catalogue
-from dpkit.plan.cost_model import Hardware, predict_all
+from dpkit.plan.configuration import Hardware
+from dpkit.plan.cost_model import predict_all
 from dpkit.plan.profiles import builtin_profile
 from dpkit.strategies import reference
 

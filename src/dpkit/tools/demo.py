@@ -44,13 +44,57 @@ def demo(
     model = DigitsMLP().to(primary)
     dp = DataParallel(model, device_list)
     optimizer = torch.optim.Adam(dp.parameters(), lr=lr)
-
-    rows_per_device = [0] * len(device_list)
-    generator = torch.Generator().manual_seed(seed)
-    steps_per_epoch = (len(y_train) + batch_size - 1) // batch_size
     print(
         f"dpkit demo: digits MLP, {len(y_train)} training images, DataParallel over {', '.join(map(str, device_list))}"
     )
+    step_seconds, rows_per_device, observer = _train(
+        dp,
+        model,
+        optimizer,
+        x_train,
+        y_train,
+        device_list,
+        epochs=epochs,
+        batch_size=batch_size,
+        seed=seed,
+        progress=progress,
+    )
+
+    dp.eval()
+    with torch.no_grad():
+        accuracy = (dp(x_test.to(primary)).argmax(dim=1).cpu() == y_test).float().mean().item()
+    median_ms = sorted(step_seconds)[len(step_seconds) // 2] * 1e3
+    print(f"held-out accuracy: {accuracy:.4f} on {len(y_test)} images")
+    print(f"time per step: median {median_ms:.2f} ms over {len(step_seconds)} steps (batch {batch_size})")
+    _print_devices(device_list, rows_per_device, observer)
+    same = _save_and_reload(dp, model, out, x_test)
+    if accuracy < LEARNED_ACCURACY:  # a quality note, not a failure: the run did what was asked
+        print(
+            f"note: held-out accuracy {accuracy:.4f} is below {LEARNED_ACCURACY}, which the default 20 epochs reach; "
+            "train longer (--epochs) to get there"
+        )
+    return same
+
+
+def _train(
+    dp: DataParallel,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    x_train: torch.Tensor,
+    y_train: torch.Tensor,
+    device_list: list[torch.device],
+    *,
+    epochs: int,
+    batch_size: int,
+    seed: int,
+    progress: bool,
+) -> tuple[list[float], list[int], Observer | None]:
+    """Train for `epochs`: each step's seconds, the rows each device processed, and the observer of the last
+    step (each device's memory by category)."""
+    primary = device_list[0]
+    rows_per_device = [0] * len(device_list)
+    generator = torch.Generator().manual_seed(seed)
+    steps_per_epoch = (len(y_train) + batch_size - 1) // batch_size
     step_seconds: list[float] = []
     total_steps, observer = epochs * steps_per_epoch, None
     with tqdm(total=epochs * steps_per_epoch, desc="training", unit="step", disable=not progress) as bar:
@@ -76,13 +120,11 @@ def demo(
                     epoch=epoch + 1, loss=f"{loss.item():.3f}", refresh=False
                 )  # redraw at tqdm's pace, not every step
                 bar.update()
+    return step_seconds, rows_per_device, observer
 
-    dp.eval()
-    with torch.no_grad():
-        accuracy = (dp(x_test.to(primary)).argmax(dim=1).cpu() == y_test).float().mean().item()
-    median_ms = sorted(step_seconds)[len(step_seconds) // 2] * 1e3
-    print(f"held-out accuracy: {accuracy:.4f} on {len(y_test)} images")
-    print(f"time per step: median {median_ms:.2f} ms over {len(step_seconds)} steps (batch {batch_size})")
+
+def _print_devices(device_list: list[torch.device], rows_per_device: list[int], observer: Observer | None) -> None:
+    """Per device: the rows it processed, and its peak memory in the last step."""
     peaks = {entry.device: entry.peak_bytes for entry in observer.report().devices} if observer else {}
     print("per device: rows processed, and peak memory in the last step (device 0 also holds the gathered")
     print("outputs, the loss, the gradients' sum and the optimizer state, so it fills first):")
@@ -91,6 +133,10 @@ def demo(
         peak = peaks.get(str(device))
         print(f"  {str(device):8s} {rows:7d} {'-' if peak is None else f'{peak / 2**20:.2f}':>9s}")
 
+
+def _save_and_reload(dp: DataParallel, model: torch.nn.Module, out: str, x_test: torch.Tensor) -> bool:
+    """Save a clean checkpoint, say how to load it, and reload it: whether the reloaded model reproduces the
+    trained one."""
     path = save_model(dp, Path(out) / "model.pt")
     reloaded = load_model(DigitsMLP(), path)
     keys = list(torch.load(path, weights_only=True))
@@ -102,9 +148,4 @@ def demo(
     with torch.no_grad():
         same = torch.equal(reloaded(x_test[:8]), model.cpu()(x_test[:8]))
     print(f"reloaded model reproduces the trained one: {same}")
-    if accuracy < LEARNED_ACCURACY:  # a quality note, not a failure: the run did what was asked
-        print(
-            f"note: held-out accuracy {accuracy:.4f} is below {LEARNED_ACCURACY}, which the default 20 epochs reach; "
-            "train longer (--epochs) to get there"
-        )
     return same

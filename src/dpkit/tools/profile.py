@@ -15,7 +15,7 @@ report holding every rank's devices; without a launcher, `run` starts the proces
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -23,7 +23,7 @@ import torch
 from torch.utils.data import DataLoader, RandomSampler, TensorDataset
 
 from dpkit.checks import check_batch_split, check_int, check_output_file
-from dpkit.compilation import check_compile, compile_counts, describe_compile
+from dpkit.compilation import CompileCounts, check_compile, compile_counts, describe_compile
 from dpkit.devices import resolve_devices
 from dpkit.engine.engine import Engine
 from dpkit.launch import Command, launched, relaunch
@@ -140,18 +140,7 @@ def profile(spec: ProfileSpec) -> tuple[Report | None, float]:
     cls = strategy_class(spec.strategy)
     devices = checked_devices(spec)
     spec = with_global_batch(spec, len(devices))
-    source = model_source(
-        spec.example, spec.model, spec.data, input_shape=spec.input_shape, synthetic_rows=max(256, spec.batch_size)
-    )
-    torch.manual_seed(spec.seed)
-    model = source.build_model()
-    x, y = source.load_data(spec.seed)[:2]
-    if len(x) < spec.batch_size:
-        raise ValueError(f"batch_size: {spec.batch_size} rows but the data has only {len(x)}; use a smaller batch")
-    dtype = torch.float64 if str(spec.precision) == "64" else torch.float32
-    model = model.to(dtype=dtype)
-    x = x.to(dtype) if x.is_floating_point() else x
-    y = y.to(dtype) if y.is_floating_point() else y
+    model, x, y = _model_and_data(spec)
     momentum = 0.9 if spec.optimizer == "sgd" else 0.0
     optimizer = build_optimizer(spec.optimizer, model.parameters(), spec.lr, momentum, weight_decay=0.0)
     # the layout a strategy has on GPUs, also on virtual CPU devices (replicated would share one copy there)
@@ -166,61 +155,116 @@ def profile(spec: ProfileSpec) -> tuple[Report | None, float]:
     )
     before_warm_up = compile_counts()
     try:
-        model, engine_optimizer = engine.setup(model, optimizer)
-        criterion = engine.setup_criterion(criterion_for(y))
-        sampler = RandomSampler(range(len(x)), generator=torch.Generator().manual_seed(spec.seed))
-        loader = engine.setup_dataloader(
-            DataLoader(TensorDataset(x, y), batch_size=spec.batch_size, sampler=sampler, drop_last=True)
-        )
-        batches = batches_forever(loader)
-
-        def step() -> float:
-            xb, yb = next(batches)
-            engine_optimizer.zero_grad(set_to_none=True)
-            loss = criterion(model(xb), yb)
-            engine.backward(loss)
-            engine_optimizer.step()  # timed and charged by the observer's optimizer hooks
-            return float(engine.reduce(loss.detach(), "mean", weight=len(yb)))
-
-        with engine.progress(total=spec.warmup + spec.steps, desc=f"profile {spec.strategy}", unit="step") as bar:
-            for _ in range(spec.warmup):
-                step()
-                bar.update()
-            after_warm_up = compile_counts()
-            # every collective of the observed steps is kept for the trace, not only the ring's last RING_SIZE
-            with RECORD.keeping(PROFILE_RING_SIZE) as before:
-                with Observer(engine.device, models=engine.model_copies(), optimizers=[optimizer]) as observer:
-                    for _ in range(spec.steps):
-                        last_loss = step()
-                        bar.update()
-                issued, dropped = RECORD.since(before), RECORD.sequence - before
-            here = observer.report()
-            here.collectives = collective_spans(issued, observer.home or str(engine.device), observer.clock.origin)
-            dropped -= len(issued)  # beyond PROFILE_RING_SIZE: the first ones are not in the trace
-            # the step's split between the calling thread and the replica threads, timed again without memory
-            # accounting, which would distort it (observe/step_split.py); not while another observer still runs
-            # (dp-balanced calibrating past a short warm-up), whose stop must find its own dispatch mode on top
-            if not active():
-                with Observer(engine.device, memory=False, trace=False, backward_by_device=False) as timer:
-                    for _ in range(spec.steps):
-                        last_loss = step()
-                here.threads = timer.report().threads
-            compiled = None
-            if engine.compile_options is not None:  # the warm-up's compiles, and any recompile in the steps after
-                compiled = {
-                    "options": describe_compile(engine.compile_options),
-                    "warm_up": after_warm_up.since(before_warm_up).as_dict(),
-                    "recompiles_after_warm_up": compile_counts().since(after_warm_up).frames,
-                }
+        step = _training_step(engine, model, optimizer, x, y, spec)
+        here, last_loss, compiled = _observed_steps(engine, spec, step, optimizer, before_warm_up)
         kept = engine.gather_object(kept_bytes(engine.model_copies()[0][0], optimizer)) if cls.traits.sharded else None
-        if dropped > 0:
-            here.meta["collectives_not_kept"] = dropped
         reports = engine.gather_object(here)
         writes = engine.is_global_zero
     finally:
         engine.close()
     if not writes:
         return None, last_loss
+    return _merged_report(spec, devices, reports, last_loss, compiled, kept), last_loss
+
+
+def _model_and_data(spec: ProfileSpec) -> tuple[torch.nn.Module, torch.Tensor, torch.Tensor]:
+    """The model built from the seed, and the data's inputs and targets, in float64 for precision "64"."""
+    source = model_source(
+        spec.example, spec.model, spec.data, input_shape=spec.input_shape, synthetic_rows=max(256, spec.batch_size)
+    )
+    torch.manual_seed(spec.seed)
+    model = source.build_model()
+    x, y = source.load_data(spec.seed)[:2]
+    if len(x) < spec.batch_size:
+        raise ValueError(f"batch_size: {spec.batch_size} rows but the data has only {len(x)}; use a smaller batch")
+    dtype = torch.float64 if str(spec.precision) == "64" else torch.float32
+    model = model.to(dtype=dtype)
+    x = x.to(dtype) if x.is_floating_point() else x
+    y = y.to(dtype) if y.is_floating_point() else y
+    return model, x, y
+
+
+def _training_step(
+    engine: Engine,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    spec: ProfileSpec,
+) -> Callable[[], float]:
+    """The model, optimizer, criterion and loader set up through the engine; one training step on the next
+    batch, returning the global batch's loss."""
+    model, engine_optimizer = engine.setup(model, optimizer)
+    criterion = engine.setup_criterion(criterion_for(y))
+    sampler = RandomSampler(range(len(x)), generator=torch.Generator().manual_seed(spec.seed))
+    loader = engine.setup_dataloader(
+        DataLoader(TensorDataset(x, y), batch_size=spec.batch_size, sampler=sampler, drop_last=True)
+    )
+    batches = batches_forever(loader)
+
+    def step() -> float:
+        xb, yb = next(batches)
+        engine_optimizer.zero_grad(set_to_none=True)
+        loss = criterion(model(xb), yb)
+        engine.backward(loss)
+        engine_optimizer.step()  # timed and charged by the observer's optimizer hooks
+        return float(engine.reduce(loss.detach(), "mean", weight=len(yb)))
+
+    return step
+
+
+def _observed_steps(
+    engine: Engine,
+    spec: ProfileSpec,
+    step: Callable[[], float],
+    optimizer: torch.optim.Optimizer,
+    before_warm_up: CompileCounts,
+) -> tuple[Report, float, dict[str, Any] | None]:
+    """The warm-up steps, then the observed ones: (this process's report, the last loss, what compiling cost)."""
+    with engine.progress(total=spec.warmup + spec.steps, desc=f"profile {spec.strategy}", unit="step") as bar:
+        for _ in range(spec.warmup):
+            step()
+            bar.update()
+        after_warm_up = compile_counts()
+        # every collective of the observed steps is kept for the trace, not only the ring's last RING_SIZE
+        with RECORD.keeping(PROFILE_RING_SIZE) as before:
+            with Observer(engine.device, models=engine.model_copies(), optimizers=[optimizer]) as observer:
+                for _ in range(spec.steps):
+                    last_loss = step()
+                    bar.update()
+            issued, dropped = RECORD.since(before), RECORD.sequence - before
+        here = observer.report()
+        here.collectives = collective_spans(issued, observer.home or str(engine.device), observer.clock.origin)
+        dropped -= len(issued)  # beyond PROFILE_RING_SIZE: the first ones are not in the trace
+        # the step's split between the calling thread and the replica threads, timed again without memory
+        # accounting, which would distort it (observe/step_split.py); not while another observer still runs
+        # (dp-balanced calibrating past a short warm-up), whose stop must find its own dispatch mode on top
+        if not active():
+            with Observer(engine.device, memory=False, trace=False, backward_by_device=False) as timer:
+                for _ in range(spec.steps):
+                    last_loss = step()
+            here.threads = timer.report().threads
+        compiled = None
+        if engine.compile_options is not None:  # the warm-up's compiles, and any recompile in the steps after
+            compiled = {
+                "options": describe_compile(engine.compile_options),
+                "warm_up": after_warm_up.since(before_warm_up).as_dict(),
+                "recompiles_after_warm_up": compile_counts().since(after_warm_up).frames,
+            }
+    if dropped > 0:
+        here.meta["collectives_not_kept"] = dropped
+    return here, last_loss, compiled
+
+
+def _merged_report(
+    spec: ProfileSpec,
+    devices: list[torch.device],
+    reports: list[Report],
+    last_loss: float,
+    compiled: dict[str, Any] | None,
+    kept: list[Any] | None,
+) -> Report:
+    """Every process's report as one (on rank 0), with what was profiled and how in its meta."""
     report = Report.merged(reports) if len(reports) > 1 else reports[0]
     report.meta = {
         "example": None if spec.model else spec.example,
@@ -242,7 +286,7 @@ def profile(spec: ProfileSpec) -> tuple[Report | None, float]:
     not_kept = [r.meta.get("collectives_not_kept", 0) for r in reports]
     if any(not_kept):  # the first collectives of a very long profile (per rank), missing from the trace
         report.meta["collectives_not_kept"] = not_kept
-    return report, last_loss
+    return report
 
 
 def kept_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, dict[str, int]]:

@@ -47,7 +47,7 @@ class ReadState:
     shards: Path | None  # the sharded state's folder, if it is one
     sharded_load: bool  # this strategy reads its own shards of it (DCP reshards them)
     model_state: dict[str, Any] | None  # the whole model; None: the shards load into the model
-    optimizers: list[dict[str, Any] | None]  # each optimizer's whole state (placeholders when the shards load)
+    optimizers: list[dict[str, Any]]  # each optimizer's whole state (placeholders when the shards load)
 
 
 def load_training_state(
@@ -79,7 +79,11 @@ def read_model_and_optimizers(set_up: SetUp, chosen: Path, shared: SharedState) 
     folder = shared.get("shards")
     if not folder:
         model_state = check_state_dict(bare, shared.get("model") or {}, source)
-        return ReadState(None, False, model_state, shared.get("optimizers") or [])
+        saved = shared.get("optimizers") or []
+        states = [optimizer for optimizer in saved if isinstance(optimizer, dict)]
+        if len(states) != len(saved):
+            raise CheckpointCorruptError(f"{source}: an optimizer's state is missing (saved as None)")
+        return ReadState(None, False, model_state, states)
     shards = chosen / folder
     verify_shards_together(set_up.strategy, shards, shared.get("shard_digests") or {})
     groups = shared.get("optimizer_groups", [])

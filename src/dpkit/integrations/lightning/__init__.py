@@ -19,8 +19,9 @@ except ImportError as error:  # pragma: no cover - the extra is missing
         "dpkit.lightning needs the lightning package (2.2 or newer): pip install 'dpkit[lightning]'"
     ) from error
 
+from dpkit.integrations.lightning.arguments import modes
 from dpkit.integrations.lightning.fabric import FabricDataParallelStrategy
-from dpkit.integrations.lightning.replicas import StepReplicas, modes
+from dpkit.integrations.lightning.replicas import StepReplicas
 from dpkit.integrations.lightning.trainer import REGISTERED_NAMES, DataParallelStrategy
 
 __all__ = ["REGISTERED_NAMES", "DataParallelStrategy", "FabricDataParallelStrategy", "StepReplicas", "modes"]

@@ -34,14 +34,9 @@ from lightning.fabric.utilities.types import _PATH, Optimizable
 from torch import nn
 
 from dpkit.devices import DeviceLike
-from dpkit.integrations.lightning.replicas import (
-    DeferredForward,
-    StepReplicas,
-    check_devices,
-    check_mode,
-    check_options,
-    resolve_devices,
-)
+from dpkit.integrations.lightning.arguments import check_devices, check_mode, check_options, resolve_devices
+from dpkit.integrations.lightning.fabric_forward import DeferredForward
+from dpkit.integrations.lightning.replicas import StepReplicas
 from dpkit.integrations.lightning.trainer import check_precision, register_names
 
 T = TypeVar("T")

@@ -20,247 +20,48 @@ Arguments with no tensor to split run once, unreplicated, on the first device.
 
 Which dpkit strategy does what is asked of the registry's traits, never of a name: per-step replicas are a
 dpkit.DataParallel (balanced when the strategy balances), persistent ones the strategy object itself.
+
+The parts: what the strategies accept (arguments.py), what each replica runs (replica_step.py), how the
+replicas' outputs become one device's (outputs.py), and Fabric's forward (fabric_forward.py).
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager
-from typing import Any, NoReturn, Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch import nn
 
-from dpkit.devices import DeviceLike, cpu_devices, parse_device_list
-from dpkit.integrations.lightning.logs import logs_values, recorded_logs, replay
+from dpkit.devices import DeviceLike, parse_device_list
+from dpkit.integrations.lightning.arguments import check_mode, check_options
+from dpkit.integrations.lightning.fabric_forward import DeferredForward, redirected_method
+from dpkit.integrations.lightning.logs import replay
+from dpkit.integrations.lightning.outputs import combine_outputs, training_output
+from dpkit.integrations.lightning.replica_step import (
+    CALL_KEYWORD,
+    RETURNS_LOSS,
+    RETURNS_NOTHING,
+    RETURNS_OUTPUT,
+    ROWS_KEYWORD,
+    TRAINING_STEP,
+    ReplicaResult,
+    ReplicaStep,
+    StepCall,
+    call_method,
+)
 from dpkit.parallel import DataParallel
-from dpkit.parallel.nested import is_namedtuple
 from dpkit.parallel.reduce import GradientSum
 from dpkit.parallel.scatter import batch_size_of
-from dpkit.parallel.whole_batch_rng import WholeBatchDraws, finish_draws
-from dpkit.strategies import PERSISTENT, DeferredOutput, create_strategy, matching, strategy_class
+from dpkit.parallel.whole_batch_rng import finish_draws
+from dpkit.strategies import PERSISTENT, DeferredOutput, create_strategy, strategy_class
 
 log = logging.getLogger("dpkit")
 
-TRAINING_STEP = "training_step"
-STEP_METHODS = ("training_step", "validation_step", "test_step", "predict_step")
-_CALL = "dpkit_call"  # keyword arguments that travel with the batch to every replica, never to the module
-_ROWS = "dpkit_rows"
-# what a replica hands back: its loss (the loss path), its output (forward: gathered by dpkit), or nothing
-# (the other steps: their outputs are combined from the call's results)
-RETURNS_LOSS, RETURNS_OUTPUT, RETURNS_NOTHING = "loss", "output", "nothing"
-_ONLY_LOSS = object()  # what a training_step that returned a bare loss tensor leaves besides its loss
 _MODULE_KEYS = frozenset(nn.Module().__dict__) | {"_device", "_dtype", "log", "log_dict"}
-
-
-def modes() -> list[str]:
-    """dpkit's strategies with one process and a thread per device: the modes these strategies offer."""
-    return matching(lambda traits: traits.threads_per_step)
-
-
-def check_mode(mode: object) -> str:
-    accepted = modes()
-    if not isinstance(mode, str) or mode not in accepted:
-        listed = ", ".join(repr(m) for m in accepted)
-        raise ValueError(
-            f"mode: expected one of {listed} (one process, a replica per device), got {mode!r}; "
-            "for one process per device use Lightning's own strategy='ddp'"
-        )
-    return mode
-
-
-def check_options(mode: str, options: Mapping[str, Any]) -> dict[str, Any]:
-    known = strategy_class(mode).options
-    for name in options:
-        if name not in known:
-            raise TypeError(f"{name}: not an option of mode {mode!r} (its options: {', '.join(known) or 'none'})")
-    return dict(options)
-
-
-def check_devices(devices: object) -> list[torch.device] | int | None:
-    """devices as given to a strategy: a list of device specs, a count (devices of the accelerator Lightning
-    chose), or None (Lightning's own devices= decides)."""
-    if devices is None:
-        return None
-    if isinstance(devices, int) and not isinstance(devices, bool):
-        if devices < 1:
-            raise ValueError(
-                f"devices: expected a positive count, a list such as ['cpu:0', 'cpu:1'] or [0, 1], got {devices}"
-            )
-        return devices
-    if isinstance(devices, (str, bytes)) or not isinstance(devices, Sequence):
-        raise TypeError(
-            f"devices: expected a list such as ['cpu:0', 'cpu:1'] (virtual CPU devices) or [0, 1] (GPUs), a count, "
-            f"or None, got {devices!r}"
-        )
-    return parse_device_list(devices, argument="devices")
-
-
-def resolve_devices(
-    asked: list[torch.device] | int | None, offered: Sequence[torch.device | str | int] | None
-) -> list[torch.device]:
-    """The devices to run on: `asked` (check_devices) completed with what Lightning's connector `offered` (its
-    accelerator's devices for Trainer(devices=...)): a count takes the offered kind, None the offered count.
-    Several CPU devices offered are virtual CPU devices cpu:0, cpu:1, ... Empty while nothing is known."""
-    if isinstance(asked, list):
-        return asked
-    given = [torch.device(d) if not isinstance(d, torch.device) else d for d in (offered or [])]
-    if not given:
-        return []
-    kind = given[0].type
-    count = len(given) if asked is None else asked
-    if asked is not None and len(given) > 1 and len(given) != asked:
-        raise ValueError(
-            f"devices: the strategy was given devices={asked} but Lightning's devices= gives {len(given)}; "
-            "give the devices in one place"
-        )
-    if kind == "cpu":
-        return cpu_devices(count)
-    if asked is None:
-        return parse_device_list(given, argument="devices")
-    return parse_device_list([torch.device(kind, i) for i in range(count)], argument="devices")
-
-
-class StepCall:
-    """One call into the replicas: what each replica ran, filled in by the replicas' threads and keyed by
-    the replica's first row. (A plain class: dpkit's scatter passes it to every replica unchanged.)"""
-
-    def __init__(self, method: str, total: int, returns: str, state: torch.Tensor | None):
-        self.method = method
-        self.total = total
-        self.returns = returns
-        self.state = state  # the default generator's state before the step; None: replicas draw as dpkit does
-        self.results: dict[int, ReplicaResult] = {}
-
-
-class ReplicaResult:
-    __slots__ = ("rows", "output", "logs", "draws")
-
-    def __init__(self, rows: int, output: object, logs: list, draws: WholeBatchDraws | None):
-        self.rows, self.output, self.logs, self.draws = rows, output, logs, draws
-
-
-def _loss_of(method: str, output: object, device: torch.device) -> tuple[torch.Tensor, object]:
-    """(the loss a replica hands back, what it leaves besides) for training_step's output."""
-    if output is None:  # the step skips this batch: a stand-in loss, never backpropagated
-        return torch.zeros((), device=device), None
-    if isinstance(output, torch.Tensor):
-        loss, rest = output, _ONLY_LOSS
-    elif isinstance(output, Mapping) and isinstance(output.get("loss"), torch.Tensor):
-        loss, rest = output["loss"], {key: value for key, value in output.items() if key != "loss"}
-    else:
-        raise TypeError(
-            f"{method}: must return a loss tensor, a dict with a 'loss' tensor, or None; got {type(output).__name__}"
-        )
-    if loss.dim() != 0:
-        raise ValueError(
-            f"{method}: must return a 0-dim loss (a mean over the rows it was given), got shape {tuple(loss.shape)}"
-        )
-    return loss, rest
-
-
-class _Step(nn.Module):
-    """What each replica runs: one method of its copy of the module, its log calls recorded, its random
-    numbers drawn as one device would (virtual CPU devices)."""
-
-    def __init__(self, module: nn.Module):
-        super().__init__()
-        self.module = module
-
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        call: StepCall = kwargs.pop(_CALL)
-        rows = kwargs.pop(_ROWS)
-        offset, count = int(rows[0]), rows.numel()
-        module = self.module
-        if rows.device.type != "cpu" and module.__dict__.get("_device", rows.device) != rows.device:
-            module.__dict__["_device"] = rows.device  # a LightningModule's self.device, in this replica
-        draws = WholeBatchDraws(call.state, offset, count, call.total) if call.state is not None else None
-        with recorded_logs(module, logs_values(module)) as logs:
-            if draws is not None:
-                with draws:
-                    output = self._call(module, call.method, args, kwargs)
-            else:
-                output = self._call(module, call.method, args, kwargs)
-        if call.returns == RETURNS_LOSS:
-            loss, rest = _loss_of(call.method, output, rows.device)
-            call.results[offset] = ReplicaResult(count, rest, logs, draws)
-            return loss
-        if call.returns == RETURNS_OUTPUT:
-            call.results[offset] = ReplicaResult(count, None, logs, draws)
-            return output
-        call.results[offset] = ReplicaResult(count, output, logs, draws)
-        return None
-
-    @staticmethod
-    def _call(module: nn.Module, method: str, args: tuple, kwargs: dict) -> Any:
-        return module(*args, **kwargs) if method == "forward" else getattr(module, method)(*args, **kwargs)
-
-
-def combine_outputs(values: Sequence[Any], rows: Sequence[int], device: torch.device) -> Any:
-    """One output from the replicas' outputs of a step, as one device's output for the whole batch:
-    tensors with the replicas' rows along dim 0 are concatenated in row order; a floating 0-dim tensor (a
-    mean, such as a loss) is the replicas' values weighted by their rows; an integer 0-dim tensor (a count)
-    is their sum; dicts, lists and tuples are combined item by item; None stays None; other values equal in
-    every replica are that value, else the list of the replicas' values (as is any other tensor)."""
-    first = values[0]
-    if all(value is None for value in values):
-        return None
-    if all(isinstance(value, torch.Tensor) for value in values):
-        moved = [value if device.type == "cpu" else value.to(device) for value in values]
-        if first.dim() == 0 and all(value.dim() == 0 for value in values):
-            if first.is_floating_point():
-                total = sum(rows)
-                return sum(value * (n / total) for value, n in zip(moved, rows))
-            return sum(moved[1:], moved[0])
-        if all(value.dim() > 0 and value.shape[0] == n for value, n in zip(values, rows)):
-            return torch.cat(moved)
-        return list(values)
-    if isinstance(first, Mapping) and all(isinstance(v, Mapping) and v.keys() == first.keys() for v in values):
-        mapping_class: Any = type(first)  # the user's Mapping class, built from a dict
-        return mapping_class({key: combine_outputs([v[key] for v in values], rows, device) for key in first})
-    if isinstance(first, (list, tuple)) and all(type(v) is type(first) and len(v) == len(first) for v in values):
-        parts = [combine_outputs([v[k] for v in values], rows, device) for k in range(len(first))]
-        return type(first)(*parts) if is_namedtuple(first) else type(first)(parts)
-    if all(_same(value, first) for value in values[1:]):
-        return first
-    return list(values)
-
-
-def _same(a: object, b: object) -> bool:
-    try:
-        return bool(a == b)
-    except Exception:
-        return False
-
-
-def redirected_method(module: nn.Module) -> str | None:
-    """The LightningModule method Fabric routes through `forward` (fabric_model.training_step(...)), or None.
-
-    Fabric patches the module's forward with a closure that calls `module.<method_name>`: run in replicas,
-    it would run the original module's method in every replica. The patch is undone here and the method's
-    name returned, so the replicas run their own."""
-    patched = module.__dict__.get("forward")
-    if patched is None:
-        return None
-    if getattr(patched, "__self__", None) is module:
-        if getattr(patched, "__func__", None) is type(module).forward:
-            # what an earlier redirect leaves behind: per-step replicas would copy it and run the original
-            del module.__dict__["forward"]
-        return None
-    code, cells = getattr(patched, "__code__", None), getattr(patched, "__closure__", None)
-    if code is None or not cells:
-        return None
-    found = {name: cell.cell_contents for name, cell in zip(code.co_freevars, cells)}
-    method, original = found.get("method_name"), found.get("original_forward")
-    if not isinstance(method, str) or original is None:
-        return None
-    if getattr(original, "__self__", None) is module and getattr(original, "__func__", None) is type(module).forward:
-        del module.__dict__["forward"]  # the class's forward again, with nothing left in the instance
-    else:
-        module.forward = original
-    return method
 
 
 class PersistentOptimizer(Protocol):
@@ -299,7 +100,7 @@ class StepReplicas(nn.Module):
 
     wraps_module = True  # dpkit.unwrap_model / save_model / load_model look inside
     # set with object.__setattr__ (not registered: they hold the module again, whose keys would repeat)
-    step: _Step
+    step: ReplicaStep
     persistent: PersistentReplicas | None
     data_parallel: DataParallel | None
     steppers: dict[int, PersistentOptimizer]  # id(user's optimizer) -> the persistent strategy's optimizer
@@ -311,7 +112,7 @@ class StepReplicas(nn.Module):
         self.mode = mode
         self.devices = parse_device_list(devices, argument="devices")
         self.on_cpu = all(device.type == "cpu" for device in self.devices)
-        step = _Step(module)
+        step = ReplicaStep(module)
         persistent: PersistentReplicas | None = None
         data_parallel: DataParallel | None = None
         if traits.replicas == PERSISTENT:
@@ -381,7 +182,7 @@ class StepReplicas(nn.Module):
         protect = state is not None and self._draws.get(key) is not False
         call = StepCall(method, total, returns, state if protect else None)
         rows = torch.arange(total, device=self.root_device)
-        extra = {**kwargs, _CALL: call, _ROWS: rows}
+        extra = {**kwargs, CALL_KEYWORD: call, ROWS_KEYWORD: rows}
         self._prepare_replicas()
         self._criterion = criterion
         try:
@@ -407,20 +208,7 @@ class StepReplicas(nn.Module):
         outputs, counts = [result.output for result in results], [result.rows for result in results]
         if returns == RETURNS_NOTHING:
             return combine_outputs(outputs, counts, self.root_device)
-        return self._training_output(method, value, outputs, counts)
-
-    def _training_output(self, method: str, loss: torch.Tensor, outputs: list, counts: list[int]) -> Any:
-        skipped = [output is None for output in outputs]
-        if all(skipped):
-            return None
-        if any(skipped):
-            raise RuntimeError(
-                f"{method}: returned None (skip the batch) in some replicas and a loss in others; a step that "
-                "skips must skip for the whole batch (decide from something every replica sees, not from its rows)"
-            )
-        if outputs[0] is _ONLY_LOSS:
-            return loss
-        return {"loss": loss, **combine_outputs(outputs, counts, self.root_device)}
+        return training_output(method, value, outputs, counts, self.root_device)
 
     def _replica_loss(self, output: Any, target: tuple) -> torch.Tensor:
         """The loss a replica contributes: its step's loss, or the criterion on its output and its targets."""
@@ -430,7 +218,7 @@ class StepReplicas(nn.Module):
     def _run_here(self, method: str, args: tuple, kwargs: dict, criterion: Callable | None, targets: tuple) -> Any:
         if criterion is not None:
             return criterion(self.module(*args, **kwargs), *targets)
-        return _Step._call(self.module, method, args, kwargs)
+        return call_method(self.module, method, args, kwargs)
 
     def _prepare_replicas(self) -> None:
         """Replicas see the module as it is now: its training flags and, for persistent replicas, its plain
@@ -550,18 +338,3 @@ class StepReplicas(nn.Module):
 
     def extra_repr(self) -> str:
         return f"mode={self.mode!r}, devices=[{', '.join(str(d) for d in self.devices)}]"
-
-
-class DeferredForward:
-    """What a Fabric model returns in training under a strategy's criterion (setup_criterion): nothing has
-    run yet; the criterion runs the forward and the loss in each replica."""
-
-    def __init__(self, replicas: StepReplicas, args: tuple, kwargs: dict):
-        self.replicas, self.args, self.kwargs = replicas, args, kwargs
-
-    def __getattr__(self, name: str) -> NoReturn:
-        raise AttributeError(
-            f"model(x) returns a deferred output (no .{name}) while training with a criterion from "
-            "strategy.setup_criterion(criterion): the forward runs inside the replicas together with the loss. "
-            "Pass it to that criterion; for plain outputs call model.eval() or use torch.no_grad()"
-        )

@@ -31,13 +31,8 @@ from lightning.pytorch.utilities.types import STEP_OUTPUT
 from torch import nn
 
 from dpkit.devices import DeviceLike
-from dpkit.integrations.lightning.replicas import (
-    StepReplicas,
-    check_devices,
-    check_mode,
-    check_options,
-    resolve_devices,
-)
+from dpkit.integrations.lightning.arguments import check_devices, check_mode, check_options, resolve_devices
+from dpkit.integrations.lightning.replicas import StepReplicas
 from dpkit.strategies import strategy_class
 
 # the names Lightning knows them by: Trainer(strategy="dpkit_replicated", accelerator="cpu", devices=2)
