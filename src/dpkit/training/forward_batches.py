@@ -16,7 +16,7 @@ batch yielded last, as a loop that fetches after backward has it.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -43,7 +43,7 @@ class ForwardBatches:
             return
         for _, value in leaves(output, "output"):
             if isinstance(value, torch.Tensor) and value.grad_fn is not None:
-                value.grad_fn.metadata[MARK] = record
+                _metadata(value.grad_fn)[MARK] = record
                 self.marking = True
 
     def loss_weight(self, loss: torch.Tensor) -> float:
@@ -62,6 +62,11 @@ class ForwardBatches:
         return self.yielded.loss_weight if self.yielded is not None else 1.0
 
 
+def _metadata(node: torch.autograd.graph.Node) -> dict[str, Any]:
+    """A node's own dict of metadata (a property; torch's stubs declare it as a method)."""
+    return cast(dict[str, Any], node.metadata)
+
+
 def _marks_above(top: torch.autograd.graph.Node) -> list[BatchRecord]:
     """The records of the marked nodes `top` reaches, each path followed down to its first mark."""
     found: dict[int, BatchRecord] = {}
@@ -69,7 +74,7 @@ def _marks_above(top: torch.autograd.graph.Node) -> list[BatchRecord]:
     stack = [top]
     while stack:
         node = stack.pop()
-        record = node.metadata.get(MARK)
+        record = _metadata(node).get(MARK)
         if record is not None:
             found.setdefault(id(record), record)
             continue
