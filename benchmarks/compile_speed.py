@@ -41,9 +41,9 @@ import torch._dynamo
 from torch import nn
 
 from dpkit.compilation import check_cpp_compiler, compile_counts
+from dpkit.engine.engine import Engine
 from dpkit.examples.launch_bound import LaunchBoundMLP
 from dpkit.examples.wide_blocks import WideBlocksNet
-from dpkit.engine.engine import Engine
 
 DEVICES = 2
 

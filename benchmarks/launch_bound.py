@@ -41,10 +41,10 @@ import torch.nn.functional as F
 from torch import nn
 
 import dpkit
+from dpkit.engine.engine import Engine
 from dpkit.examples import EXAMPLES, get_example
 from dpkit.observe import Observer
 from dpkit.observe.report import thread_lines
-from dpkit.engine.engine import Engine
 
 DEVICES = 2
 SINGLE, DP, DP_BEFORE, REPLICATED, REPLICATED_BEFORE = (

@@ -41,8 +41,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import dpkit
-from dpkit.launch import launch
 from dpkit.engine.engine import Engine
+from dpkit.launch import launch
 
 DEVICES = 2
 THREADS_PER_DEVICE = 1

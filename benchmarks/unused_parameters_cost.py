@@ -36,8 +36,8 @@ def worker(args: argparse.Namespace) -> None:
     import torch
     import torch.nn.functional as F
 
-    from dpkit.examples.wide_blocks import CLASSES, FEATURES, WideBlocksNet
     from dpkit.engine.engine import Engine
+    from dpkit.examples.wide_blocks import CLASSES, FEATURES, WideBlocksNet
 
     steps = {}
     for name in (DEFAULT, FIND_UNUSED, DEFAULT_AGAIN):

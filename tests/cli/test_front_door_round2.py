@@ -138,14 +138,15 @@ def test_profile_takes_input_shape_and_plan_takes_one_strategy(tmp_path, capsys,
 def test_profiles_table_is_per_step_and_its_batch_is_trains():
     from dpkit.cli.main import build_parser
     from dpkit.observe.report import DeviceReport, Report
-    from dpkit.recipe.config import TrainConfig
-    from dpkit.tools.profile import ProfileSpec
+    from dpkit.recipe.recipe import TrainConfig
+    from dpkit.tools.profile import ProfileSpec, global_batch_size
 
-    assert ProfileSpec.batch_size == TrainConfig.batch_size == 64
+    # train's batch, except wide-output's 64 per device, where dp-balanced can even its devices out (issue 41)
+    assert global_batch_size(ProfileSpec(example="digits"), 2) == TrainConfig.batch_size == 64
     from dpkit.cli.vocabulary import verb_parsers
 
     assert (
-        "(default: 64, as train's)"
+        "(default: 64, as train's;"
         in verb_parsers(build_parser())["profile"]._option_string_actions["--batch-size"].help
     )
     report = Report([DeviceReport("cpu:0", 32, 2**20, {"other": 2**20}, {"forward": 0.5, "backward": 1.0})], steps=2)

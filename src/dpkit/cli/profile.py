@@ -61,7 +61,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     add_compile(parser)
     add_steps(parser, 3, "observed steps")
     add_warmup(parser, 3, "unobserved steps first: optimizer state is created, dp-balanced calibrates")
-    add_batch_size(parser, "64, as train's")
+    add_batch_size(
+        parser, "64, as train's; 64 per device for the wide-output example, where dp-balanced can even the devices out"
+    )
     add_lr(parser, 1e-3)
     add_optimizer(parser, "adam", OPTIMIZERS)
     add_seed(parser)
@@ -80,7 +82,6 @@ def run(args: argparse.Namespace) -> int:
     spec = from_args(
         ProfileSpec,
         args,
-        batch_size=args.batch_size if args.batch_size is not None else ProfileSpec.batch_size,
         progress=not args.no_progress,
         relaunch=command,
     )

@@ -85,8 +85,9 @@ class Engine(AmongProcesses):
         accumulate: micro-batches per optimizer step.
         progress: show tqdm bars from engine.progress (on rank 0 only).
         compile: True or a dict of torch.compile's options: the model's forward compiled, under every strategy
-            (each replica runs it; fsdp compiles each unit's). A model compiled before setup keeps its own
-            options. docs/compile.md says where it pays.
+            (each replica runs it; fsdp, hsdp and zero stage 2 compile each innermost sharded module: the units, or
+            the root of a model without units). A model compiled before setup keeps its own options.
+            docs/compile.md says where it pays.
         **strategy_options: passed to the strategy, e.g. timeout_seconds= and seed= for ddp.
 
     Where it runs is resolved once (engine/placement.py) into `engine.placement`, a frozen value the

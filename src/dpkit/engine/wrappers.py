@@ -65,6 +65,10 @@ class EngineModule(nn.Module):
             # untraced too (compiling it bought nothing and cost seconds); said once, from outside the graph
             torch.compiler.disable(_say_replicas_run_eager)(self)
             return torch.compiler.disable(self._run)(*args, **kwargs)
+        if torch.compiler.is_compiling() and self.strategy.traits.weights == SHARDED:
+            # compiled after setup under a sharded strategy: FSDP2's hooks around the root break dynamo's graph and
+            # it gives up on the model's forward (measured: no graph, flat or in blocks), so say how to compile it
+            torch.compiler.disable(_say_sharded_model_runs_eager)(self)
         output = self._run(*args, **kwargs)
         forward_ran = self.__dict__.get("forward_ran")
         if forward_ran is not None:  # the Engine ties the output to the batch in hand (engine/forward_batches.py)
@@ -111,6 +115,20 @@ class EngineModule(nn.Module):
         finally:
             # torch copies the keys that match before it raises for the others: the other copies follow either way
             self.strategy.weights_loaded()
+
+
+def _say_sharded_model_runs_eager(model: EngineModule) -> None:
+    """Said once per model: torch.compile of the Engine's wrapper under a sharded strategy compiles none of the model
+    (unless its sharded modules were compiled at setup)."""
+    if model.__dict__.get("said_eager") or any(has_compiled_forward(m) for m in model.user_module.modules()):
+        return
+    model.__dict__["said_eager"] = True
+    log.warning(
+        "torch.compile(model) after engine.setup: under strategy '%s' the model runs eager (FSDP2's hooks around the "
+        "sharded model break the graph, and dynamo skips its forward); compile before engine.setup, or pass "
+        "Engine(compile=True): either compiles each sharded unit",
+        model.strategy.name,
+    )
 
 
 def _say_replicas_run_eager(model: EngineModule) -> None:

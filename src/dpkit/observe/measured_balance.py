@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+from torch import nn
 
 from dpkit.observe.memory import device_key
 from dpkit.observe.observer import Observer
@@ -26,9 +27,11 @@ from dpkit.parallel.balance import (
     LinearCost,
     calibration_split,
     fit_cost,
+    fixed_share_limit,
     solve,
     split_sizes,
 )
+from dpkit.parallel.data_parallel import DataParallel
 
 log = logging.getLogger("dpkit")
 
@@ -77,6 +80,9 @@ class Balancer:
                     self._sizes[batch_size],
                     predicted,
                 )
+                note = self.limit_note(batch_size)
+                if note is not None:
+                    log.info("%s", note)
             return list(self._sizes[batch_size]), False
         if batch_size < 2 * n or not can_measure:  # too few rows to learn from, or no backward to see
             return split_sizes(batch_size, n), False
@@ -84,6 +90,25 @@ class Balancer:
         # the first call is a warm-up: optimizers create their state in their first step, which is not
         # typical; it is observed only to learn the optimizers whose state counts from then on
         return calibration_split(batch_size, n, self.measured_steps), True
+
+    def limit_note(self, batch_size: int) -> str | None:
+        """One line where memory balance cannot even the peaks out at this batch (a device's fixed share is the
+        largest peak whatever the split): why, and the batch from which it can. None otherwise, or before the
+        calibration has measured."""
+        if self.mode != "memory" or self.cost is None or len(self.device_keys) < 2:
+            return None
+        rows = self._sizes.get(batch_size) or solve(self.mode, batch_size, self.cost, self.limits)
+        limit = fixed_share_limit(rows, self.cost)
+        if limit is None:
+            return None
+        n, mib = len(rows), 2**20
+        return (
+            f"balance='memory': {self.device_keys[limit.device]} holds {limit.fixed / mib:.1f} MiB whatever its rows "
+            f"(parameters, summed gradients, optimizer state) and the other devices stay below it with {batch_size} "
+            f"rows, so no split lowers the largest peak and the rows stay {rows}; from a batch of about "
+            f"{limit.batch_to_reach} ({-(-limit.batch_to_reach // n)} per device) the others reach it and the peaks "
+            "even out"
+        )
 
     def record(self, sizes: Sequence[int], values: Sequence[float | None]) -> None:
         """One measured value per device (peak bytes, or compute seconds; None: nothing to learn)."""
@@ -177,6 +202,17 @@ class MeasuredBalance(Balancer):
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
         self._optimizers = weakref.WeakSet()
+
+
+def balance_notes(module: nn.Module, batch_size: int) -> list[str]:
+    """The limit notes (Balancer.limit_note) of the measured balances of the DataParallel modules in `module`."""
+    notes: list[str] = []
+    for inner in module.modules():
+        balancer = inner.balancer if isinstance(inner, DataParallel) else None
+        note = balancer.limit_note(batch_size) if isinstance(balancer, Balancer) else None
+        if note is not None:
+            notes.append(note)
+    return notes
 
 
 hooks.set_balance_planner(MeasuredBalance)

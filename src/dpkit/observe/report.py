@@ -280,6 +280,8 @@ class Report:
             )
         out = _aligned(memory)
         out.append(f"imbalance (max/mean of per-device peaks): {self.imbalance:.3f}   steps observed: {self.steps}")
+        if self.meta.get("balance_note"):  # why a memory balance left the peaks uneven, and the batch that evens them
+            out.append(str(self.meta["balance_note"]))
         if used_phases:
             out.append(f"time by phase, ms per step (the mean of the {self.steps} observed step(s)):")
             out += _aligned(time)

@@ -14,6 +14,10 @@ even split, the second with device 0's share halved; both come after one unmeasu
 which optimizers create their state. Speed measures one step after the warm-up (time through the
 origin). The model does not depend on the batch size, so a new batch size is re-solved without
 measuring again. Calibration steps run at the even (or perturbed) split, before any limit is known.
+
+Where a device's fixed share is itself the largest peak (a small batch: each other device's rows cost less than
+what device 0 holds whatever its rows), no split lowers it; `fixed_share_limit` says so, and from which batch
+the other devices reach it.
 """
 
 from __future__ import annotations
@@ -132,6 +136,33 @@ def spread_within_slack(
         spread[i] = min(room[i], -(-remaining // (n - k)))
         remaining -= spread[i]
     return spread if remaining == 0 else list(rows)
+
+
+@dataclass(frozen=True)
+class FixedShareLimit:
+    """A split whose largest predicted peak is one device's fixed share, which no split of the batch lowers."""
+
+    device: int  # the device whose fixed share is the largest peak
+    fixed: float  # that share (bytes): what it holds whatever its rows
+    batch_to_reach: int  # the global batch at which every other device reaches it, this one keeping its rows
+
+
+def fixed_share_limit(rows: Sequence[int], cost: LinearCost, slack: float = MEMORY_SLACK) -> FixedShareLimit | None:
+    """Where the largest predicted peak of `rows` is, within `slack`, the largest fixed share: moving rows cannot
+    lower it, and the peaks even out only from a batch at which the other devices' rows cost as much. None where
+    rows set the largest peak, or where some other device never reaches that share (no per-row cost)."""
+    top = max(range(len(rows)), key=lambda i: (cost.fixed[i], -i))
+    fixed = cost.fixed[top]
+    if fixed <= 0 or max(cost.predict(rows)) > fixed * (1.0 + slack):
+        return None
+    batch = rows[top]
+    for i, (f, a) in enumerate(zip(cost.fixed, cost.per_row)):
+        if i == top or f >= fixed:
+            continue
+        if a <= 0:
+            return None
+        batch += math.ceil((fixed - f) / a)
+    return FixedShareLimit(top, fixed, batch) if batch > sum(rows) else None
 
 
 def max_rows_within(limits_bytes: Sequence[float | None], cost: LinearCost, batch_size: int) -> list[int]:

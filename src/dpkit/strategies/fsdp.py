@@ -54,7 +54,7 @@ from dpkit.strategies.mesh import shard_mesh
 from dpkit.strategies.named_state import named_optimizer_state, numbered_optimizer_state
 from dpkit.strategies.per_device import PerDeviceStrategy
 from dpkit.strategies.single import one_device_forward
-from dpkit.strategies.units import DEFAULT_UNIT_PARAMETERS, shard_units
+from dpkit.strategies.units import DEFAULT_UNIT_PARAMETERS, innermost_sharded, shard_units
 
 FULL_ON_RANK_0 = StateDictOptions(full_state_dict=True, cpu_offload=True)
 FULL_EVERYWHERE = StateDictOptions(full_state_dict=True)
@@ -180,8 +180,9 @@ class FSDP(PerDeviceStrategy):
         return MixedPrecisionPolicy()
 
     def compile_model(self, model: nn.Module, compile_fn: CompileFn) -> None:
-        # the whole model compiled runs eagerly: FSDP2's hooks are hidden from dynamo, and a graph break in the
-        # forward's loop over the units makes dynamo give up on it; each unit's forward compiles (torchtitan's way)
+        # compiled by wrap_model, after fully_shard: a module's forward whose units' FSDP2 hooks dynamo does not
+        # trace runs eagerly (a graph break; in a loop over the units dynamo gives up on the whole forward), so the
+        # innermost sharded modules compile: each unit (torchtitan's way), or the root of a model without units
         self._compile_fn = compile_fn
 
     def wrap_model(self, model: nn.Module) -> nn.Module:
@@ -202,10 +203,9 @@ class FSDP(PerDeviceStrategy):
                 mp_policy=mp_policy,
                 offload_policy=offload_policy,
             )
-        if self._compile_fn is not None:  # each unit below the root, after fully_shard put its hooks around it
-            for unit in units:
-                if unit is not model:
-                    compile_forward(unit, self._compile_fn)
+        if self._compile_fn is not None:  # after fully_shard put its hooks around each (they stay outside the graph)
+            for unit in innermost_sharded(model, units):
+                compile_forward(unit, self._compile_fn)
         after = dict(model.named_parameters())
         self._sharded_params = {id(before[name]): after[name] for name in before if name in after}
         self.model = self.wrapped = model

@@ -7,7 +7,7 @@ Not a strategy itself.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 from torch import nn
 
@@ -48,6 +48,19 @@ def shard_units(model: nn.Module, min_parameters: int = DEFAULT_UNIT_PARAMETERS)
 
     visit(model)
     return units
+
+
+def innermost_sharded(model: nn.Module, units: Iterable[nn.Module]) -> list[nn.Module]:
+    """Of the modules sharded on their own (`units`, and the root `model` last), those with no other of them inside:
+    the ones whose forward compiles whole. A module with a unit inside calls that unit's FSDP2 hooks, which dynamo
+    does not trace (a graph break; in a loop over blocks it skips the whole forward), so its own code stays eager
+    and its innermost units compile instead. A model without units below the root (an nn.Sequential of layers) is
+    its own innermost unit."""
+    sharded = list(dict.fromkeys([*units, model]))  # (in order, each once: a units= function may repeat one)
+    ids = {id(module) for module in sharded}
+    return [
+        module for module in sharded if not any(id(inner) in ids for inner in module.modules() if inner is not module)
+    ]
 
 
 def shard_unit_sizes(model: nn.Module, min_parameters: int = DEFAULT_UNIT_PARAMETERS) -> list[int]:

@@ -26,14 +26,17 @@ from dpkit.checks import check_batch_split, check_int, check_output_file
 from dpkit.compilation import CompileCounts, check_compile, compile_counts, describe_compile
 from dpkit.devices import resolve_devices
 from dpkit.engine.engine import Engine
+from dpkit.examples import wide_output
 from dpkit.launch import Command, launched, relaunch
 from dpkit.launch.environment import process_place
 from dpkit.observe import Observer, Report, active
 from dpkit.observe.collectives import PROFILE_RING_SIZE, RECORD
+from dpkit.observe.measured_balance import balance_notes
 from dpkit.observe.memory import is_dtensor
 from dpkit.observe.report import collective_spans
 from dpkit.parallel.balance import CALIBRATION_CALLS
 from dpkit.precision import PRECISIONS as ENGINE_PRECISIONS
+from dpkit.recipe.config import TrainConfig
 from dpkit.recipe.optimization import build_optimizer
 from dpkit.recipe.sources import criterion_for, model_source
 from dpkit.strategies import strategy_class
@@ -41,6 +44,11 @@ from dpkit.strategies import strategy_class
 # the Engine's precisions, and "64": the model and data in float64 (for comparisons exact to rounding)
 PRECISIONS = (*ENGINE_PRECISIONS, "64")
 OPTIMIZERS = ("adam", "adamw", "sgd")
+
+# The global batch when none is given: `dpkit train`'s, except for an example whose lesson needs rows on every
+# device (this many per device; wide-output: dp-balanced evens its peaks out only from ~45 rows per device).
+DEFAULT_BATCH_SIZE = TrainConfig.batch_size
+EXAMPLE_ROWS_PER_DEVICE = {"wide-output": wide_output.PROFILE_ROWS_PER_DEVICE}
 
 
 @dataclass
@@ -57,7 +65,7 @@ class ProfileSpec:
     devices: Any = "auto"
     steps: int = 3
     warmup: int = 3
-    batch_size: int = 64  # the global batch, as `dpkit train`'s
+    batch_size: int | None = None  # the global batch; None: DEFAULT_BATCH_SIZE, or the example's rows per device
     batch_size_per_device: int | None = None  # instead: the global batch is this times the devices
     lr: float = 1e-3
     optimizer: str = "adam"
@@ -78,7 +86,8 @@ class ProfileSpec:
         strategy_class(self.strategy)
         check_int(self.steps, "steps")
         check_int(self.warmup, "warmup", minimum=0)
-        check_int(self.batch_size, "batch_size")
+        if self.batch_size is not None:
+            check_int(self.batch_size, "batch_size")
         if self.optimizer not in OPTIMIZERS:
             raise ValueError(f"optimizer: expected one of {', '.join(OPTIMIZERS)}, got {self.optimizer!r}")
         if str(self.precision) not in PRECISIONS:
@@ -107,13 +116,22 @@ def batches_forever(loader: Any) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         epoch += 1
 
 
-def with_global_batch(spec: ProfileSpec, devices: int) -> ProfileSpec:
-    """batch_size_per_device given: the spec with the global batch it makes on `devices` devices (or on the
-    launched processes)."""
-    if spec.batch_size_per_device is None:
-        return spec
-    count = process_place().world_size if launched() else devices
-    return replace(spec, batch_size=spec.batch_size_per_device * count, batch_size_per_device=None)
+def global_batch_size(spec: ProfileSpec, devices: int) -> int:
+    """The global batch on `devices` devices (or on the launched processes): batch_size, batch_size_per_device
+    times the devices, or with neither the default (EXAMPLE_ROWS_PER_DEVICE's example: its rows per device)."""
+    per_device = spec.batch_size_per_device
+    if per_device is None and spec.batch_size is None and spec.model is None and spec.example is not None:
+        per_device = EXAMPLE_ROWS_PER_DEVICE.get(spec.example)
+    if per_device is None:
+        return spec.batch_size if spec.batch_size is not None else DEFAULT_BATCH_SIZE
+    return per_device * (process_place().world_size if launched() else devices)
+
+
+def _rows(spec: ProfileSpec) -> int:
+    """The global batch of a spec profile() resolved (global_batch_size)."""
+    if spec.batch_size is None:
+        raise RuntimeError("profile: the spec's global batch is resolved first (global_batch_size)")
+    return spec.batch_size
 
 
 def checked_devices(spec: ProfileSpec) -> list[torch.device]:
@@ -129,7 +147,7 @@ def checked_devices(spec: ProfileSpec) -> list[torch.device]:
                 f"pass devices={cls.traits.max_devices}, or a strategy for several devices (strategy=dp, ddp, …)"
             )
         devices = devices[: cls.traits.max_devices]
-    check_batch_split(with_global_batch(spec, len(devices)).batch_size, len(devices))
+    check_batch_split(global_batch_size(spec, len(devices)), len(devices))
     return devices
 
 
@@ -139,7 +157,7 @@ def profile(spec: ProfileSpec) -> tuple[Report | None, float]:
     global batch's)."""
     cls = strategy_class(spec.strategy)
     devices = checked_devices(spec)
-    spec = with_global_batch(spec, len(devices))
+    spec = replace(spec, batch_size=global_batch_size(spec, len(devices)), batch_size_per_device=None)
     model, x, y = _model_and_data(spec)
     momentum = 0.9 if spec.optimizer == "sgd" else 0.0
     optimizer = build_optimizer(spec.optimizer, model.parameters(), spec.lr, momentum, weight_decay=0.0)
@@ -155,8 +173,10 @@ def profile(spec: ProfileSpec) -> tuple[Report | None, float]:
     )
     before_warm_up = compile_counts()
     try:
-        step = _training_step(engine, model, optimizer, x, y, spec)
+        step, wrapped = _training_step(engine, model, optimizer, x, y, spec)
         here, last_loss, compiled = _observed_steps(engine, spec, step, optimizer, before_warm_up)
+        # where memory balance cannot even the peaks out at this batch: why, and the batch that lets it
+        notes = balance_notes(wrapped, _rows(spec))
         kept = engine.gather_object(kept_bytes(engine.model_copies()[0][0], optimizer)) if cls.traits.sharded else None
         reports = engine.gather_object(here)
         writes = engine.is_global_zero
@@ -164,19 +184,22 @@ def profile(spec: ProfileSpec) -> tuple[Report | None, float]:
         engine.close()
     if not writes:
         return None, last_loss
-    return _merged_report(spec, devices, reports, last_loss, compiled, kept), last_loss
+    report = _merged_report(spec, devices, reports, last_loss, compiled, kept)
+    if notes:
+        report.meta["balance_note"] = " ".join(notes)
+    return report, last_loss
 
 
 def _model_and_data(spec: ProfileSpec) -> tuple[torch.nn.Module, torch.Tensor, torch.Tensor]:
     """The model built from the seed, and the data's inputs and targets, in float64 for precision "64"."""
     source = model_source(
-        spec.example, spec.model, spec.data, input_shape=spec.input_shape, synthetic_rows=max(256, spec.batch_size)
+        spec.example, spec.model, spec.data, input_shape=spec.input_shape, synthetic_rows=max(256, _rows(spec))
     )
     torch.manual_seed(spec.seed)
     model = source.build_model()
     x, y = source.load_data(spec.seed)[:2]
-    if len(x) < spec.batch_size:
-        raise ValueError(f"batch_size: {spec.batch_size} rows but the data has only {len(x)}; use a smaller batch")
+    if len(x) < _rows(spec):
+        raise ValueError(f"batch_size: {_rows(spec)} rows but the data has only {len(x)}; use a smaller batch")
     dtype = torch.float64 if str(spec.precision) == "64" else torch.float32
     model = model.to(dtype=dtype)
     x = x.to(dtype) if x.is_floating_point() else x
@@ -191,14 +214,14 @@ def _training_step(
     x: torch.Tensor,
     y: torch.Tensor,
     spec: ProfileSpec,
-) -> Callable[[], float]:
-    """The model, optimizer, criterion and loader set up through the engine; one training step on the next
-    batch, returning the global batch's loss."""
+) -> tuple[Callable[[], float], torch.nn.Module]:
+    """The model, optimizer, criterion and loader set up through the engine: one training step on the next
+    batch, returning the global batch's loss, and the set-up model."""
     model, engine_optimizer = engine.setup(model, optimizer)
     criterion = engine.setup_criterion(criterion_for(y))
     sampler = RandomSampler(range(len(x)), generator=torch.Generator().manual_seed(spec.seed))
     loader = engine.setup_dataloader(
-        DataLoader(TensorDataset(x, y), batch_size=spec.batch_size, sampler=sampler, drop_last=True)
+        DataLoader(TensorDataset(x, y), batch_size=_rows(spec), sampler=sampler, drop_last=True)
     )
     batches = batches_forever(loader)
 
@@ -210,7 +233,7 @@ def _training_step(
         engine_optimizer.step()  # timed and charged by the observer's optimizer hooks
         return float(engine.reduce(loss.detach(), "mean", weight=len(yb)))
 
-    return step
+    return step, model
 
 
 def _observed_steps(
@@ -272,7 +295,7 @@ def _merged_report(
         "strategy": spec.strategy,
         "devices_requested": [str(d) for d in devices],
         "processes": len(reports),
-        "batch_size": spec.batch_size,
+        "batch_size": _rows(spec),
         "precision": str(spec.precision),
         "optimizer": spec.optimizer,
         "warmup_steps": spec.warmup,
