@@ -4,6 +4,7 @@ strategies/ compares a strategy's name, and a strategy added to the registry rea
 from __future__ import annotations
 
 import ast
+import dataclasses
 import inspect
 import json
 from pathlib import Path
@@ -27,6 +28,25 @@ from dpkit.strategies import (
     strategy_class,
 )
 from dpkit.strategies.dp import DP
+from dpkit.strategies.per_device import ProcessGroupOptions
+
+
+def constructor_options(cls: type) -> set[str]:
+    """The keywords cls(devices, ...) takes: its constructor's own and, where it passes **options on, those of the
+    constructors along its bases, down to the process group's options value (declared once, per_device.py)."""
+    accepted: set[str] = set()
+    for klass in cls.__mro__:
+        init = klass.__dict__.get("__init__")
+        if init is None:
+            continue
+        parameters = inspect.signature(init).parameters.values()
+        accepted |= {p.name for p in parameters if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)}
+        if not any(p.kind == p.VAR_KEYWORD for p in parameters):
+            return accepted - {"self", "devices"}
+        if klass.__name__ == "PerDeviceStrategy":
+            return (accepted | {field.name for field in dataclasses.fields(ProcessGroupOptions)}) - {"self", "devices"}
+    return accepted - {"self", "devices"}
+
 
 PACKAGE = Path(dpkit.__file__).parent
 
@@ -41,7 +61,7 @@ def test_every_registered_strategy_declares_what_it_is():
         assert traits.loss in (ON_ROOT, IN_REPLICAS)
         assert traits.replicas in (NO_REPLICAS, PER_STEP, PERSISTENT)
         # precision is every strategy's (the run's), given by create_strategy; options are the strategy's own
-        accepted = set(inspect.signature(cls.__init__).parameters) - {"self", "devices", "precision"}
+        accepted = constructor_options(cls) - {"precision"}
         assert set(cls.options) == accepted, (
             f"{name}: options {cls.options} but the constructor takes {sorted(accepted)}"
         )

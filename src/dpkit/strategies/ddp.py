@@ -30,6 +30,7 @@ import contextlib
 import time
 from collections.abc import Sequence
 from contextlib import AbstractContextManager
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -58,27 +59,15 @@ class DDP(PerDeviceStrategy):
         devices: Sequence[torch.device],
         *,
         static_graph: bool = False,
-        timeout_seconds: float = 300.0,
-        seed: int = 0,
-        threads_per_device: int | None = None,
-        init_timeout_seconds: float = 60.0,
-        find_unused_parameters: bool = False,
         precision: str = "32",
+        **group_options: Any,
     ):
         if not isinstance(static_graph, bool):
             raise TypeError(
                 "static_graph: expected True (every step uses the same parameters, torch's DDP learns them in the "
                 f"first) or False, got {static_graph!r}"
             )
-        super().__init__(
-            devices,
-            precision=precision,
-            timeout_seconds=timeout_seconds,
-            seed=seed,
-            threads_per_device=threads_per_device,
-            init_timeout_seconds=init_timeout_seconds,
-            find_unused_parameters=find_unused_parameters,
-        )
+        super().__init__(devices, precision=precision, **group_options)
         self.static_graph = static_graph
         # the trainable parameters the reducer waits for, by name, and those that got a gradient this backward
         self._trainable: dict[str, nn.Parameter] = {}

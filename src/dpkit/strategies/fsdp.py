@@ -132,22 +132,10 @@ class FSDP(PerDeviceStrategy):
         units: Callable[[nn.Module], Iterable[nn.Module]] | None = None,
         min_unit_parameters: int = DEFAULT_UNIT_PARAMETERS,
         offload: bool = False,
-        timeout_seconds: float = 300.0,
-        seed: int = 0,
-        threads_per_device: int | None = None,
-        init_timeout_seconds: float = 60.0,
-        find_unused_parameters: bool = False,
         precision: str = "32",
+        **group_options: Any,
     ):
-        super().__init__(
-            devices,
-            precision=precision,
-            timeout_seconds=timeout_seconds,
-            seed=seed,
-            threads_per_device=threads_per_device,
-            init_timeout_seconds=init_timeout_seconds,
-            find_unused_parameters=find_unused_parameters,
-        )
+        super().__init__(devices, precision=precision, **group_options)
         if not isinstance(reshard_after_forward, bool):
             raise TypeError(
                 f"reshard_after_forward: expected True (gather each unit again in backward, least memory) or "

@@ -16,18 +16,16 @@ for scripts written for ddp.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
 import torch
-from torch import nn
 
 from dpkit.checks import check_int
 from dpkit.strategies.base import ONE_NODE, Traits
 from dpkit.strategies.fsdp import FSDP
 from dpkit.strategies.mesh import mesh_shape
-from dpkit.strategies.units import DEFAULT_UNIT_PARAMETERS
 
 
 class HSDP(FSDP):
@@ -49,30 +47,9 @@ class HSDP(FSDP):
         devices: Sequence[torch.device],
         *,
         shard_size: int | None = None,
-        reshard_after_forward: bool = True,
-        units: Callable[[nn.Module], Iterable[nn.Module]] | None = None,
-        min_unit_parameters: int = DEFAULT_UNIT_PARAMETERS,
-        offload: bool = False,
-        timeout_seconds: float = 300.0,
-        seed: int = 0,
-        threads_per_device: int | None = None,
-        init_timeout_seconds: float = 60.0,
-        find_unused_parameters: bool = False,
-        precision: str = "32",
+        **fsdp_options: Any,
     ):
-        super().__init__(
-            devices,
-            reshard_after_forward=reshard_after_forward,
-            units=units,
-            min_unit_parameters=min_unit_parameters,
-            offload=offload,
-            timeout_seconds=timeout_seconds,
-            seed=seed,
-            threads_per_device=threads_per_device,
-            init_timeout_seconds=init_timeout_seconds,
-            find_unused_parameters=find_unused_parameters,
-            precision=precision,
-        )
-        self.traits = self.traits_for(reshard_after_forward=reshard_after_forward, shard_size=shard_size)
+        super().__init__(devices, **fsdp_options)  # fsdp's own options and the process group's
+        self.traits = self.traits_for(reshard_after_forward=self.reshard_after_forward, shard_size=shard_size)
         # (replicate, shard), refused here when shard_size does not divide the processes, before any wrapping
         self.mesh_shape = mesh_shape(self.world_size, shard_size or min(self.local_world_size, self.world_size))

@@ -26,6 +26,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, fields
 from datetime import timedelta
 from typing import Any, ClassVar, TypeVar
 
@@ -125,37 +126,38 @@ _ENTRY_WAIT_SECONDS = 5.0
 _GLOO_RELEASE_SECONDS = 0.05
 
 
+@dataclass(frozen=True)
+class ProcessGroupOptions:
+    """The options every strategy with a process per device takes (`Engine(strategy=..., **options)`), declared
+    here once: ddp, fsdp, zero and hsdp add only their own."""
+
+    timeout_seconds: float = 300.0  # a collective whose peer died fails after this (not torch's 30 minutes)
+    seed: int = 0  # the data order's seed (rank 0's, broadcast): every process draws the same global batches
+    threads_per_device: int | None = None  # intra-op threads per process; None: a fair share of the cores
+    init_timeout_seconds: float = 60.0  # how long to wait for every rank to join
+    find_unused_parameters: bool = False  # steps may leave trainable parameters without a gradient
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.find_unused_parameters, bool):
+            raise TypeError(
+                "find_unused_parameters: expected True (steps may leave trainable parameters without a gradient) "
+                f"or False, got {self.find_unused_parameters!r}"
+            )
+        if self.threads_per_device is not None:
+            check_int(self.threads_per_device, "threads_per_device", meaning="intra-op threads per process")
+
+
 class PerDeviceStrategy(Strategy):
     """One process per device, joined in a process group: the data, the collectives and the teardown that
     ddp and fsdp share. A subclass wraps the model (keeping what holds the process group in `self.wrapped`)."""
 
-    options: ClassVar[tuple[str, ...]] = (
-        "timeout_seconds",
-        "seed",
-        "threads_per_device",
-        "init_timeout_seconds",
-        "find_unused_parameters",
-    )
+    options: ClassVar[tuple[str, ...]] = tuple(option.name for option in fields(ProcessGroupOptions))
     # where a step's marks ride (observe/collectives.py): a step's first all-gather (fsdp); ddp carries them in
     # its first gradient bucket instead
     marks_in_all_gather: ClassVar[bool] = True
 
-    def __init__(
-        self,
-        devices: Sequence[torch.device],
-        *,
-        timeout_seconds: float = 300.0,
-        seed: int = 0,
-        threads_per_device: int | None = None,
-        init_timeout_seconds: float = 60.0,
-        find_unused_parameters: bool = False,
-        precision: str = "32",
-    ):
-        if not isinstance(find_unused_parameters, bool):
-            raise TypeError(
-                "find_unused_parameters: expected True (steps may leave trainable parameters without a gradient) "
-                f"or False, got {find_unused_parameters!r}"
-            )
+    def __init__(self, devices: Sequence[torch.device], *, precision: str = "32", **group_options: Any):
+        options = ProcessGroupOptions(**group_options)  # (the registry checked the names)
         if not launched():
             raise RuntimeError(
                 f"strategy='{self.name}' runs one process per device, and this process was not started by a launcher "
@@ -176,14 +178,12 @@ class PerDeviceStrategy(Strategy):
                 f"node; pass devices={self.local_world_size} or launch with --nproc-per-node {len(self.devices)}"
             )
         self.device = self.devices[self.local_rank]
-        if threads_per_device is not None:
-            check_int(threads_per_device, "threads_per_device", meaning="intra-op threads per process")
-        self.threads_per_device = threads_per_device
-        self.timeout_seconds = timeout_seconds
-        self.init_timeout_seconds = init_timeout_seconds  # how long to wait for every rank to join
-        self.seed = seed
+        self.threads_per_device = options.threads_per_device
+        self.timeout_seconds = options.timeout_seconds
+        self.init_timeout_seconds = options.init_timeout_seconds
+        self.seed = options.seed
         # ddp hands it to torch's DistributedDataParallel; FSDP2 needs nothing (see each strategy's docstring)
-        self.find_unused_parameters = find_unused_parameters
+        self.find_unused_parameters = options.find_unused_parameters
         self._process_shares: ProcessShares | None = None
         self._heartbeat: ProgressHeartbeat | None = None
         self.wrapped: nn.Module | None = None  # the wrapped model, which holds on to the process group

@@ -93,22 +93,9 @@ class Zero(PerDeviceStrategy):
         devices: Sequence[torch.device],
         *,
         stage: int = 1,
-        timeout_seconds: float = 300.0,
-        seed: int = 0,
-        threads_per_device: int | None = None,
-        init_timeout_seconds: float = 60.0,
-        find_unused_parameters: bool = False,
-        precision: str = "32",
+        **options: Any,
     ):
-        super().__init__(
-            devices,
-            precision=precision,
-            timeout_seconds=timeout_seconds,
-            seed=seed,
-            threads_per_device=threads_per_device,
-            init_timeout_seconds=init_timeout_seconds,
-            find_unused_parameters=find_unused_parameters,
-        )
+        super().__init__(devices, **options)  # the stage's model (ddp's or fsdp's) and the process group's options
         self.stage = check_stage(stage)
         self.traits = STAGE_TRAITS[self.stage]
 
