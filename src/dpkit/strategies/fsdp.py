@@ -60,6 +60,26 @@ FULL_ON_RANK_0 = StateDictOptions(full_state_dict=True, cpu_offload=True)
 FULL_EVERYWHERE = StateDictOptions(full_state_dict=True)
 
 
+def _holds_tensors(per_parameter: Mapping[Any, Any]) -> bool:
+    """Whether an optimizer's per-parameter state holds a tensor of one element or more (moments, buffers)."""
+    return any(
+        isinstance(value, torch.Tensor) and value.dim() > 0
+        for entry in per_parameter.values()
+        if isinstance(entry, Mapping)
+        for value in entry.values()
+    )
+
+
+def _take_group_keys(optimizer: torch.optim.Optimizer, state: Mapping[str, Any]) -> None:
+    """Give the optimizer's param groups the keys the saved groups have and they lack (an LR scheduler's
+    `initial_lr`, made before the save and after this load): a plain load_state_dict takes the saved groups whole,
+    while torch's distributing load looks every saved key up in the optimizer's own."""
+    for group, saved in zip(optimizer.param_groups, state.get("param_groups", [])):
+        for key, value in saved.items():
+            if key != "params" and key not in group:
+                group[key] = value
+
+
 def _torch_optimizer(optimizer: StrategyOptimizer) -> torch.optim.Optimizer:
     """The optimizer the saving hooks are given: the user's, as FSDP.wrap_optimizer returned it."""
     return cast(torch.optim.Optimizer, optimizer)
@@ -288,6 +308,12 @@ class FSDP(PerDeviceStrategy):
 
     def load_optimizer_state(self, optimizer: StrategyOptimizer, state: dict[str, Any]) -> None:
         torch_optimizer = _torch_optimizer(optimizer)
+        _take_group_keys(torch_optimizer, state)
+        if not _holds_tensors(state.get("state", {})):
+            # plain SGD keeps no per-parameter tensors, and torch's distributing load needs one to learn the
+            # device (it asserts): the hyperparameters are the whole state, loaded as they are
+            torch_optimizer.load_state_dict({"state": {}, "param_groups": state["param_groups"]})
+            return
         by_name = named_optimizer_state(state, self._parameter_names(torch_optimizer))
         set_optimizer_state_dict(self._wrapped_model(), torch_optimizer, by_name, options=FULL_EVERYWHERE)
 
