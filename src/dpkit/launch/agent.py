@@ -143,7 +143,7 @@ def launch(
     the launcher, and KeyboardInterrupt on SIGINT (Ctrl-C), after the workers were stopped. With
     max_restarts the group is restarted after a failure, except one a restart would only repeat: a worker
     exiting with 2 (bad input) or 3 (training diverged) ends the launch, and LaunchError.exit_code is that
-    code (else 2). More than PROCESSES_PER_CORE processes per core are refused unless force=True.
+    code (else 1, a failure). More than PROCESSES_PER_CORE processes per core are refused unless force=True.
 
     nproc_per_node: a count, or 'auto' (every visible GPU, else 2). nnodes and node_rank default to 1 and 0;
     with slurm=True, inside a SLURM job they come from SLURM, and on several nodes master_addr and master_port
@@ -327,7 +327,7 @@ def _run_agent(
         )
         code = None if hung else deterministic_failure(failures, exits.exit_times)
         exit_codes = {rank: failure.exitcode for rank, failure in failures.items()}
-        raise LaunchError(summary, exit_codes, exit_code=code or 2) from None
+        raise LaunchError(summary, exit_codes, exit_code=code or 1) from None
     except SignalException as error:
         if error.sigval == signal.SIGINT:
             raise KeyboardInterrupt from None

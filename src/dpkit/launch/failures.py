@@ -39,10 +39,12 @@ class LaunchError(DpkitError):
     """A worker process failed; the message names its rank, exit code and error. `exit_codes` maps each
     failed worker's rank to its exit code (negative: killed by that signal)."""
 
-    def __init__(self, message: str, exit_codes: dict[int, int] | None = None, exit_code: int = 2):
+    def __init__(self, message: str, exit_codes: dict[int, int] | None = None, exit_code: int = 1):
         super().__init__(message)
         self.exit_codes = dict(exit_codes or {})
-        # what `dpkit launch` exits with: the worker's own 2 or 3 when that failure was deterministic, else 2
+        # what `dpkit launch` exits with: the worker's own 2 (bad input) or 3 (diverged) when that failure was
+        # deterministic, else 1, a failure (a crash, a kill): never 2, which says the input was bad and a requeue
+        # script would give up on
         self.exit_code = exit_code
 
 
