@@ -49,6 +49,7 @@ class SharedState(TypedDict, total=False):
     format: str  # STATE_FORMAT
     step: int  # optimizer steps taken
     strategy: str  # the registry's name of the strategy that saved it
+    layout: str  # the strategy with what its options chose ("zero stage 2", "hsdp 2x2 (replicate x shard)")
     world_size: int  # processes that saved it: one rank-R.pt each
     devices: list[str]
     precision: str

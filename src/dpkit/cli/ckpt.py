@@ -120,8 +120,9 @@ def _integrity(path: Path) -> str:
 
 
 def _describe_state(shared: dict, folder: Path | None) -> list[str]:
+    strategy = shared.get("layout") or shared.get("strategy")  # (states saved before the layout was recorded)
     lines = [
-        f"training state: step {shared.get('step')}, strategy {shared.get('strategy')} on {shared.get('world_size')} "
+        f"training state: step {shared.get('step')}, strategy {strategy} on {shared.get('world_size')} "
         f"process(es) ({', '.join(shared.get('devices', []))}), precision {shared.get('precision')}, "
         f"accumulate {shared.get('accumulate')}"
     ]

@@ -91,6 +91,20 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         action="store_true",
         help="ddp: every step uses the same parameters (torch's DDP learns which in the first step)",
     )
+    run.add_argument(
+        "--zero-stage",
+        type=int,
+        choices=(1, 2),
+        default=None,
+        help="zero: 1 shards the optimizer state (ddp's model), 2 the gradients too (default: 1)",
+    )
+    run.add_argument(
+        "--shard-size",
+        type=positive_int,
+        default=None,
+        metavar="N",
+        help="hsdp: processes per shard group, the rest replicate (default: the processes of one node)",
+    )
     add_restarts(run, " (strategies with a process per device; resumes from the last saved state)")
     steps = parser.add_argument_group("optimization")
     add_steps(steps, 100, "optimizer steps in total, a resumed run's included")

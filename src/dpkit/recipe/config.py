@@ -25,6 +25,7 @@ from dpkit.precision import PRECISIONS, Precision
 from dpkit.recipe.metrics_log import tensorboard_writer_class
 from dpkit.recipe.optimization import OPTIMIZERS, SCHEDULES
 from dpkit.strategies import available_strategies, strategy_class
+from dpkit.strategies.mesh import mesh_shape
 
 # settings a resumed run must share with the run it continues
 RESUME_MUST_MATCH = (
@@ -41,6 +42,8 @@ RESUME_MUST_MATCH = (
 # settings a resumed run may change when it says so (change=...), recorded in run.json; `steps` changes freely
 # with a constant schedule and needs saying with a cosine one (it moves the curve)
 CHANGEABLE = ("lr", "schedule", "lr_warmup_steps", "clip_grad_norm", "steps")
+# settings that are one strategy option each: setting -> the option (a strategy without it refuses the setting)
+STRATEGY_SETTINGS = {"zero_stage": "stage", "shard_size": "shard_size"}
 # what keep_best keeps the best model by: metric -> whether larger is better
 BEST_BY = {"accuracy": True, "loss": False}
 DIVERGED_EXIT_CODE = 3
@@ -81,6 +84,8 @@ class TrainConfig:
     )
     find_unused_parameters: bool = False  # ddp, zero 1: steps may leave trainable parameters without a gradient
     static_graph: bool = False  # ddp: every step uses the same parameters
+    zero_stage: int | None = None  # zero: 1 (optimizer state sharded) or 2 (gradients too); None: zero's default
+    shard_size: int | None = None  # hsdp: processes per shard group (the rest replicate); None: one node's
     out: str = "runs/train"
     checkpoint_every: int | None = None
     keep: int = 2
@@ -128,6 +133,9 @@ class TrainConfig:
             options["find_unused_parameters"] = True
         if self.static_graph:
             options["static_graph"] = True
+        for setting, option in STRATEGY_SETTINGS.items():
+            if getattr(self, setting) is not None:
+                options[option] = getattr(self, setting)
         return options
 
     def changes(self) -> tuple[str, ...]:
@@ -175,6 +183,25 @@ def resolve_batch(config: TrainConfig) -> TrainConfig:
 # --- checks, all before any work ----------------------------------------------------------------------
 
 
+def check_strategy_settings(config: TrainConfig, processes: int) -> None:
+    """zero_stage and shard_size only where the strategy has the option (asked of the registry), in its range; a
+    shard group that divides the run's `processes`."""
+    for setting, option in STRATEGY_SETTINGS.items():
+        value = getattr(config, setting)
+        if value is None:
+            continue
+        taking = [name for name in available_strategies() if option in strategy_class(name).options]
+        if config.strategy not in taking:
+            raise ValueError(
+                f"{setting}: strategy '{config.strategy}' has no {option.replace('_', ' ')}; "
+                f"it is an option of strategy {', '.join(repr(name) for name in taking)} (or leave it out)"
+            )
+        check_int(value, setting)
+    strategy_class(config.strategy).traits_for(**config.strategy_options())  # each strategy's own range checks
+    if config.shard_size is not None:
+        mesh_shape(processes, config.shard_size)
+
+
 def check_config(config: TrainConfig) -> list[torch.device]:
     """Every setting checked without building or measuring anything: the values, the packages they need
     (TensorBoard), the devices, the batch's split over them and the run folder's path; one line on the first bad
@@ -200,6 +227,7 @@ def check_config(config: TrainConfig) -> list[torch.device]:
     placement = placement_of(config)
     devices = list(placement.devices)
     check_cpp_compiler(compile_options, devices[0].type)
+    check_strategy_settings(config, max(placement.processes, len(devices)))
     if config.strategy == "auto":
         check_batch_split(config.batch_size, len(devices))
         Precision(config.precision, devices[0].type)

@@ -177,7 +177,7 @@ class Run:
         """Said once the stop request is listening: a signal after this line stops at a boundary."""
         config, engine, plan, steps_done = self.config, self.engine, self.plan, self.steps_done
         engine.print(
-            f"dpkit train: {config.model or config.example} with strategy {config.strategy} on "
+            f"dpkit train: {config.model or config.example} with strategy {engine.strategy.layout()} on "
             f"{engine.world_size} process(es), devices {', '.join(map(str, engine.devices))}, global batch "
             f"{config.batch_size}, {config.optimizer} lr {config.lr:g} ({config.schedule}"
             + (f", {config.lr_warmup_steps} warm-up steps" if config.lr_warmup_steps else "")

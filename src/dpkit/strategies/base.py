@@ -206,6 +206,11 @@ class Strategy:
         `dpkit profile` measures, so its per-device memory means the same on either."""
         return {}
 
+    def layout(self) -> str:
+        """The strategy as a run's start line and `dpkit ckpt inspect` name it, with what its options chose
+        (zero's stage, hsdp's mesh)."""
+        return self.name
+
     @property
     def root_device(self) -> torch.device:
         """Where this process keeps the model and puts the batches it receives."""

@@ -53,3 +53,7 @@ class HSDP(FSDP):
         self.traits = self.traits_for(reshard_after_forward=self.reshard_after_forward, shard_size=shard_size)
         # (replicate, shard), refused here when shard_size does not divide the processes, before any wrapping
         self.mesh_shape = mesh_shape(self.world_size, shard_size or min(self.local_world_size, self.world_size))
+
+    def layout(self) -> str:
+        replicas, shards = self.mesh_shape
+        return f"{self.name} {replicas}x{shards} (replicate x shard)"

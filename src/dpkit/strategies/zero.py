@@ -99,6 +99,9 @@ class Zero(PerDeviceStrategy):
         self.stage = check_stage(stage)
         self.traits = STAGE_TRAITS[self.stage]
 
+    def layout(self) -> str:
+        return f"{self.name} stage {self.stage}"
+
 
 class ShardedOptimizer(ZeroRedundancyOptimizer):
     """torch's ZeroRedundancyOptimizer over the user's optimizer (its class, groups and hyperparameters), as

@@ -55,6 +55,7 @@ def save_training_state(
             format=STATE_FORMAT,
             step=set_up.step,
             strategy=set_up.strategy.name,
+            layout=set_up.strategy.layout(),
             world_size=set_up.strategy.world_size,
             devices=[str(d) for d in set_up.devices],
             precision=set_up.precision.precision,
