@@ -43,3 +43,10 @@ def test_hsdp_on_four_processes_in_shard_groups_of_two_says_its_mesh_and_the_sta
         timeout=120,
     )
     assert "strategy hsdp 2x2 (replicate x shard) on 4 process(es)" in inspected.stdout, inspected.stdout
+
+
+def test_the_start_line_says_what_a_step_takes_under_accumulate(tmp_path, capsys):
+    argv = ["train", *CPU, "--batch-size", "8", "--accumulate", "4", "--steps", "1", "--out", str(tmp_path / "run")]
+    assert dpkit_main(argv) == 0
+    said = capsys.readouterr()
+    assert "global batch 8 x 4 micro-batches = 32 samples per step" in said.out + said.err

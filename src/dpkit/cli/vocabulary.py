@@ -27,7 +27,8 @@ VOCABULARY = {
     "--nproc-per-node": "processes to start on this node, one per device: a count or auto (every GPU, else 2)",
     "--strategy": "one strategy: " + ", ".join(available_strategies()) + " (train: also auto)",
     "--strategies": "strategies to compare, comma-separated",
-    "--batch-size": "samples per optimizer step over all devices, split across them",
+    "--batch-size": "samples per forward over all devices, split across them (with --accumulate K a step takes K "
+    "such batches)",
     "--batch-size-per-device": "samples per device per step; the global batch is this times the devices",
     "--precision": "numeric precision: " + ", ".join(PRECISIONS) + " (plan also knows tf32)",
     "--optimizer": "the optimizer: sgd (with --momentum), adamw or adam",

@@ -176,10 +176,13 @@ class Run:
     def _say_start(self) -> None:
         """Said once the stop request is listening: a signal after this line stops at a boundary."""
         config, engine, plan, steps_done = self.config, self.engine, self.plan, self.steps_done
+        batch = f"global batch {config.batch_size}"
+        if config.accumulate > 1:  # --batch-size is each micro-batch's: a step takes `accumulate` of them
+            batch += f" x {config.accumulate} micro-batches = {config.batch_size * config.accumulate} samples per step"
         engine.print(
             f"dpkit train: {config.model or config.example} with strategy {engine.strategy.layout()} on "
-            f"{engine.world_size} process(es), devices {', '.join(map(str, engine.devices))}, global batch "
-            f"{config.batch_size}, {config.optimizer} lr {config.lr:g} ({config.schedule}"
+            f"{engine.world_size} process(es), devices {', '.join(map(str, engine.devices))}, {batch}, "
+            f"{config.optimizer} lr {config.lr:g} ({config.schedule}"
             + (f", {config.lr_warmup_steps} warm-up steps" if config.lr_warmup_steps else "")
             + ")"
             + (f", clip {config.clip_grad_norm:g}" if config.clip_grad_norm else "")
