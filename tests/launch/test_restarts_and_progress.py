@@ -3,6 +3,7 @@ knows what progress is: a rank inside `busy()` (rank 0 saving the state) is work
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import signal
@@ -71,12 +72,16 @@ def test_without_restarts_the_worker_s_code_is_still_the_exit_code(tmp_path):
 
 
 @pytest.mark.parametrize("how", ["1", "kill"])
-def test_a_crash_or_a_kill_is_still_retried(tmp_path, how):
+def test_a_crash_or_a_kill_is_still_retried(tmp_path, how, caplog):
     script = tmp_path / "fails.py"
     script.write_text(FAILS_EVERY_TIME)
-    with pytest.raises(LaunchError) as error:
+    with caplog.at_level(logging.WARNING, logger="dpkit"), pytest.raises(LaunchError) as error:
         launch(str(script), [str(tmp_path), how], nproc_per_node=2, max_restarts=1)
     assert _attempts(tmp_path) == {0, 1}  # restarted once, as asked
+    # the restart is announced in one line naming the worker that ended it
+    died = "was killed by SIGKILL" if how == "kill" else "exited with code 1"
+    restarts = [r.getMessage() for r in caplog.records if "restart 1 of 1" in r.getMessage()]
+    assert len(restarts) == 1 and f"launch: worker rank 1 {died}" in restarts[0], caplog.text
     assert error.value.exit_code == 1  # a failure, not bad input (2), which a requeue script would give up on
     assert "not retried" not in str(error.value)
     if how == "kill":  # who sent a SIGKILL: the kernel counted no out-of-memory kill, so another process

@@ -26,7 +26,7 @@ import signal
 import sys
 import tempfile
 import threading
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -50,6 +50,7 @@ from dpkit.launch.worker import check_script
 
 if TYPE_CHECKING:
     from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
     from torch.distributed.launcher.api import LaunchConfig
 
 log = logging.getLogger("dpkit")
@@ -370,10 +371,34 @@ def _agent_class() -> type[LocalElasticAgent]:
                     self._remaining_restarts = 0
                     getattr(_agent_state, "not_retried", []).append(code)
                     log.debug("launch: a worker exited with %d; not restarting the group", code)
+                else:  # said before the survivors' own errors and the restarted group's first lines
+                    spec = self._worker_group.spec
+                    restart = spec.max_restarts - self._remaining_restarts + 1
+                    log.warning(
+                        "launch: %s; restart %d of %d", _first_failure(result.failures), restart, spec.max_restarts
+                    )
             return result
 
     _agent_cls = NoPointlessRestartAgent
     return _agent_cls
+
+
+def _first_failure(failures: Mapping[int, ProcessFailure]) -> str:
+    """'worker rank R exited with code C' (or 'was killed by SIGNAL') for the failed worker that ended first; the
+    workers the agent stopped (SIGTERM) are named only when nothing else failed."""
+
+    def order(item: tuple[int, ProcessFailure]) -> tuple[bool, int, int]:
+        rank, failure = item
+        return (failure.exitcode == -signal.SIGTERM, failure.timestamp, rank)
+
+    rank, failure = min(failures.items(), key=order)
+    code = failure.exitcode
+    if code is not None and code < 0:
+        try:
+            return f"worker rank {rank} was killed by {signal.Signals(-code).name}"
+        except ValueError:  # a number with no name here
+            return f"worker rank {rank} was killed by signal {-code}"
+    return f"worker rank {rank} exited with code {code}"
 
 
 @contextlib.contextmanager
