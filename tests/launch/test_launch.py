@@ -179,14 +179,14 @@ def test_too_many_processes_for_the_cores_need_force():
 
 NO_PEERS = textwrap.dedent("""
     import sys, time
-    import dpkit.strategies.per_device as per_device
+    import dpkit.strategies.process_group as process_group
     from dpkit.engine.engine import Engine
 
     def announced_rendezvous(*args, **kwargs):
         print("in the rendezvous", flush=True)  # the test's Ctrl-C comes once this line is out
         return rendezvous(*args, **kwargs)
 
-    rendezvous, per_device.rendezvous_store = per_device.rendezvous_store, announced_rendezvous
+    rendezvous, process_group.rendezvous_store = process_group.rendezvous_store, announced_rendezvous
     try:
         Engine(strategy="ddp", accelerator="cpu", devices=1, init_timeout_seconds=float(sys.argv[1]))
     except KeyboardInterrupt:

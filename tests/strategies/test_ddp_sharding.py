@@ -9,7 +9,7 @@ from torch.utils.data import DataLoader, DistributedSampler, RandomSampler, Tens
 
 from dpkit.engine.resumable_loader import ResumableLoader
 from dpkit.parallel import split_sizes
-from dpkit.strategies.per_device import ProcessShares
+from dpkit.strategies.process_shares import ProcessShares
 
 
 def sharded(loader, rank, world_size, seed):

@@ -33,7 +33,7 @@ from dpkit.strategies.per_device import ProcessGroupOptions
 
 def constructor_options(cls: type) -> set[str]:
     """The keywords cls(devices, ...) takes: its constructor's own and, where it passes **options on, those of the
-    constructors along its bases, down to the process group's options value (declared once, per_device.py)."""
+    constructors along its bases, down to the process group's options value (declared once, process_group.py)."""
     accepted: set[str] = set()
     for klass in cls.__mro__:
         init = klass.__dict__.get("__init__")

@@ -1,7 +1,7 @@
 """Which batch a loss came from: the loss weight of the forward that produced it, in any fetch order.
 
 Under ddp, fsdp, zero and hsdp each process scales its mean loss by its share of the global batch (rows * world /
-global rows: strategies/per_device.py). The share belongs to the batch the loss was computed on. A loop that
+global rows: strategies/process_shares.py). The share belongs to the batch the loss was computed on. A loop that
 fetches the next batch before backward (nanoGPT's) holds batch k+1 when it calls engine.backward on batch k's
 loss, so "the batch the loader yielded last" is the wrong one whenever the two shares differ (the last batch of
 an epoch).

@@ -115,7 +115,7 @@ class CollectiveRecord:
         self.steps = 0
         self._pinned: str | None = None
         # op -> a replacement called as carrier(original, entry, *args, **kwargs): a strategy that carries its
-        # step marks in that collective (per_device.py, FSDP's all-gathers)
+        # step marks in that collective (strategies/step_marks.py, FSDP's all-gathers)
         self.carriers: dict[str, Callable[..., Any]] = {}
         self.enabled = True  # off only to measure what the record costs (benchmarks/collective_record_cost.py)
         self._inside = threading.local()  # depth of recorded calls in this thread: inner calls are not entries

@@ -112,4 +112,4 @@ def create_strategy(name: str, devices: Sequence[torch.device], *, precision: st
     if unknown:
         accepted = ", ".join(cls.options) or "none"
         raise TypeError(f"{unknown[0]}: not an option of strategy '{name}' (its options: {accepted})")
-    return cls(devices, precision=precision, **options)
+    return cls.built_as(**options)(devices, precision=precision, **options)

@@ -194,6 +194,12 @@ class Strategy:
             raise TypeError(f"{unknown[0]}: not an option of strategy '{cls.name}' (its options: {accepted})")
         return cls.traits
 
+    @classmethod
+    def built_as(cls, **options: Any) -> type[Strategy]:
+        """The class create_strategy builds for `options`: this one, unless an option picks another composition
+        (zero's stage: ddp's model with a sharded optimizer, or fsdp kept gathered)."""
+        return cls
+
     # --- launching ----------------------------------------------------------------------------------
     @classmethod
     def needs_launcher(cls) -> bool:

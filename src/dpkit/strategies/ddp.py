@@ -2,13 +2,15 @@
 
 Each process keeps one replica; DDP all-reduces gradient buckets while backward runs. The processes, the
 data rule (every process loads its contiguous share of each global batch) and the loss weight that makes
-DDP's average the single-device gradient on uneven shares come from per_device.PerDeviceStrategy.
+DDP's average the single-device gradient on uneven shares come from per_device.PerDeviceStrategy and the
+process group it composes.
 
 Every bucket's all-reduce is recorded (observe/collectives.py). The first bucket of each step (DDP launches
 buckets in index order, so bucket 0's all-reduce is the step's first collective) carries every rank's place
-(batches, steps, collective sequence): ranks that disagree stop in backward, before the optimizer steps,
-with one line naming both; engine.close's collective takes bucket 0's shape, so a rank still training is told
-that another ran out of batches instead of waiting in a collective nobody joins.
+(batches, steps, collective sequence: the process group's step marks, which ddp tells it ride there): ranks
+that disagree stop in backward, before the optimizer steps, with one line naming both; engine.close's
+collective takes bucket 0's shape, so a rank still training is told that another ran out of batches instead
+of waiting in a collective nobody joins.
 
 Unused parameters: DDP's reducer waits for every trainable parameter's gradient; a step whose backward leaves
 one without (a branch not taken, a head of another task) leaves its bucket unreduced and torch fails only at
@@ -33,22 +35,20 @@ from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
-from dpkit.launch.heartbeat import publish_soon
-from dpkit.observe.collectives import GRADIENTS, RECORD, CollectiveMismatch, read_marks, step_marks
+from dpkit.observe.collectives import RECORD
 from dpkit.parallel import hooks
 from dpkit.strategies.base import ON_ROOT, PER_DEVICE, PERSISTENT, Traits
 from dpkit.strategies.per_device import PerDeviceStrategy
 from dpkit.strategies.single import one_device_forward
+from dpkit.strategies.step_marks import IN_FIRST_BUCKET
 
 
 class DDP(PerDeviceStrategy):
     name = "ddp"
     traits = Traits(processes=PER_DEVICE, loss=ON_ROOT, replicas=PERSISTENT)
-    marks_in_all_gather = False  # the marks ride in the first gradient bucket (_all_reduce_with_marks)
     options = PerDeviceStrategy.options + ("static_graph",)
     wrapped: nn.parallel.DistributedDataParallel | None
     # names shown in the unused-parameter line before "and N more"
@@ -67,7 +67,8 @@ class DDP(PerDeviceStrategy):
                 "static_graph: expected True (every step uses the same parameters, torch's DDP learns them in the "
                 f"first) or False, got {static_graph!r}"
             )
-        super().__init__(devices, precision=precision, **group_options)
+        # the step marks ride in the first gradient bucket (_all_reduce_bucket)
+        super().__init__(devices, IN_FIRST_BUCKET, precision=precision, **group_options)
         self.static_graph = static_graph
         # the trainable parameters the reducer waits for, by name, and those that got a gradient this backward
         self._trainable: dict[str, nn.Parameter] = {}
@@ -79,13 +80,12 @@ class DDP(PerDeviceStrategy):
         self.wrapped = nn.parallel.DistributedDataParallel(
             model,
             device_ids=device_ids,
-            find_unused_parameters=self.find_unused_parameters,
+            find_unused_parameters=self.group.options.find_unused_parameters,
             static_graph=self.static_graph,
         )
-        if not (self.find_unused_parameters or self.static_graph):
+        if not (self.group.options.find_unused_parameters or self.static_graph):
             self._watch_gradients(model)
         self.bucket_seconds: list[tuple[float, float]] = []  # (started, reduced) per bucket, while observed
-        self._mismatch: tuple[list[tuple[int, ...]], object] | None = None  # (marks, entry) from the last check
         # torch's own all-reduce hook (the same arithmetic as DDP's default), timed while anyone listens
         self.wrapped.register_comm_hook(None, self._all_reduce_bucket)
         return self.wrapped
@@ -114,8 +114,8 @@ class DDP(PerDeviceStrategy):
         with RECORD.issuing(
             f"all_reduce of gradient bucket {bucket.index()}", buffer.numel() * buffer.element_size()
         ) as entry:
-            if bucket.index() == 0 and self.world_size > 1 and self.marking_steps:
-                reduced = self._all_reduce_with_marks(buffer, entry)
+            if self.group.marks.due_in_bucket(bucket.index()):
+                reduced = self.group.marks.all_reduce_with_marks(buffer, entry)
             else:
                 reduced = allreduce_hook(state, bucket)
         if not hooks.listening():
@@ -132,27 +132,6 @@ class DDP(PerDeviceStrategy):
             return future.value()
 
         return reduced.then(finished)
-
-    def _all_reduce_with_marks(self, buffer: torch.Tensor, entry: object) -> torch.futures.Future:
-        """allreduce_hook's average, with this rank's step marks appended; checked when it completes."""
-        self._step_opener = ("all_reduce", buffer.numel(), buffer.dtype)
-        publish_soon()  # the launcher knows each rank's step even if a peer's mismatched collective aborts them
-        marks = step_marks(RECORD, GRADIENTS, self.rank, self.world_size, buffer.dtype, buffer.device)
-        combined = torch.cat([buffer / self.world_size, marks])
-        future = dist.all_reduce(combined, async_op=True).get_future()
-
-        def unpack(done: torch.futures.Future) -> torch.Tensor:
-            summed = done.value()[0]
-            buffer.copy_(summed[: buffer.numel()])
-            carried = read_marks(summed[buffer.numel() :], self.world_size)
-            if any(mark != carried[0] for mark in carried):
-                # failing the bucket's future fails backward (DDP waits for it); the message is made there,
-                # in the user's thread, with the other ranks' entries
-                self._mismatch = (carried, entry)
-                raise CollectiveMismatch("the ranks' step marks differ")
-            return buffer
-
-        return future.then(unpack)
 
     def announce_all_reduce(self) -> None:
         """Tell listeners the all-reduce time of the backward that just ended, and the part of it hidden
@@ -179,18 +158,11 @@ class DDP(PerDeviceStrategy):
         skip_sync = self.wrapped.no_sync() if (not sync and self.wrapped is not None) else contextlib.nullcontext()
         if sync:
             RECORD.steps += 1
-        self._mismatch = None
         self._got_gradient.clear()
-        try:
-            # the buckets' collectives get this call site (on a GPU the hook runs in autograd's thread)
-            with skip_sync, hooks.phase("backward", self.device), RECORD.pinned():
-                (loss * scale if scale != 1.0 else loss).backward()  # waits for the last buckets' all-reduce
-        except RuntimeError:
-            if self._mismatch is None:
-                raise
-        if self._mismatch is not None:
-            marks, entry = self._mismatch
-            self.check_marks(marks, entry)  # raises CollectiveMismatch, naming every rank's place
+        # a first bucket whose ranks' marks differ raises CollectiveMismatch, naming every rank's place; the
+        # buckets' collectives get this call site (on a GPU the hook runs in autograd's thread)
+        with self.group.marks.checked_in_backward(), skip_sync, hooks.phase("backward", self.device), RECORD.pinned():
+            (loss * scale if scale != 1.0 else loss).backward()  # waits for the last buckets' all-reduce
         if sync and self._trainable:
             # only the synchronizing backward counts: DDP's reducer waits on the parameters of that one
             self._check_every_parameter_got_gradient()

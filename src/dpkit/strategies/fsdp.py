@@ -6,7 +6,7 @@ forward and drops them after it (reshard_after_forward=True, ZeRO-3) or keeps th
 (False, ZeRO-2's memory for parameters during the step); backward gathers them again where they were
 dropped and reduce-scatters the gradients, so each process ends the step with its shard of the averaged
 gradient and steps its shard of the optimizer. The processes, the data rule and the loss weight that makes
-the average the single-device gradient on uneven shares are PerDeviceStrategy's, as under ddp.
+the average the single-device gradient on uneven shares are PerDeviceStrategy's process group's, as under ddp.
 
 On CPU (gloo) it is exact and measurable, but nothing overlaps: FSDP2 prefetches and overlaps its
 collectives with CUDA streams. CPU offload of the shards (offload=True) needs CUDA.
@@ -54,6 +54,7 @@ from dpkit.strategies.mesh import shard_mesh
 from dpkit.strategies.named_state import named_optimizer_state, numbered_optimizer_state
 from dpkit.strategies.per_device import PerDeviceStrategy
 from dpkit.strategies.single import one_device_forward
+from dpkit.strategies.step_marks import IN_FIRST_ALL_GATHER
 from dpkit.strategies.units import DEFAULT_UNIT_PARAMETERS, innermost_sharded, shard_units
 
 FULL_ON_RANK_0 = StateDictOptions(full_state_dict=True, cpu_offload=True)
@@ -155,7 +156,8 @@ class FSDP(PerDeviceStrategy):
         precision: str = "32",
         **group_options: Any,
     ):
-        super().__init__(devices, precision=precision, **group_options)
+        # the step marks ride in a step's first all-gather (step_marks.py)
+        super().__init__(devices, IN_FIRST_ALL_GATHER, precision=precision, **group_options)
         if not isinstance(reshard_after_forward, bool):
             raise TypeError(
                 f"reshard_after_forward: expected True (gather each unit again in backward, least memory) or "

@@ -12,7 +12,7 @@
   step, so between steps it holds their shards only.
 
 Why these are the exact choices: every gradient is the average of the processes' gradients, each process's
-loss weighted by its share of the batch (PerDeviceStrategy's rule, as under ddp and fsdp), so it is the
+loss weighted by its share of the batch (the process shares' rule, as under ddp and fsdp), so it is the
 single-device gradient; stage 1 steps each whole parameter with the user's optimizer class on one process and
 broadcasts the result, which is the single-device step for any optimizer that treats parameters one by one
 (not only elementwise ones: torch partitions whole parameters, never slices); stage 2 steps flat shards, which
@@ -41,7 +41,16 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import _init_optim_state
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
-from dpkit.strategies.base import FOR_THE_STEP, ON_ROOT, PER_DEVICE, PERSISTENT, SHARDED, StrategyOptimizer, Traits
+from dpkit.strategies.base import (
+    FOR_THE_STEP,
+    ON_ROOT,
+    PER_DEVICE,
+    PERSISTENT,
+    SHARDED,
+    Strategy,
+    StrategyOptimizer,
+    Traits,
+)
 from dpkit.strategies.ddp import DDP
 from dpkit.strategies.fsdp import FSDP
 from dpkit.strategies.named_state import named_optimizer_state, numbered_optimizer_state
@@ -71,7 +80,9 @@ def check_stage(stage: object) -> int:
 
 
 class Zero(PerDeviceStrategy):
-    """`zero` with stage=1 or 2: an instance of the stage's class below (the registry names this one)."""
+    """`zero`, as the registry names it: its options, each stage's traits, and the class create_strategy builds
+    for a stage (`built_as`): ZeroStage1 (ddp's model and the sharded optimizer) or ZeroStage2 (fsdp kept
+    gathered from forward to backward). Zero itself is a declaration, never built."""
 
     name = "zero"
     traits = STAGE_TRAITS[1]  # the default stage's
@@ -83,21 +94,16 @@ class Zero(PerDeviceStrategy):
         super().traits_for(**options)  # (checks the option names)
         return STAGE_TRAITS[check_stage(options.get("stage", 1))]
 
-    def __new__(cls, devices: Sequence[torch.device], *, stage: int = 1, **options: Any) -> Zero:
-        if cls is Zero:
-            cls = ZeroStage1 if check_stage(stage) == 1 else ZeroStage2
-        return super().__new__(cls)
+    @classmethod
+    def built_as(cls, **options: Any) -> type[Strategy]:
+        return ZeroStage1 if check_stage(options.get("stage", 1)) == 1 else ZeroStage2
 
-    def __init__(
-        self,
-        devices: Sequence[torch.device],
-        *,
-        stage: int = 1,
-        **options: Any,
-    ):
-        super().__init__(devices, **options)  # the stage's model (ddp's or fsdp's) and the process group's options
-        self.stage = check_stage(stage)
-        self.traits = STAGE_TRAITS[self.stage]
+    def __init__(self, devices: Sequence[torch.device], *, stage: int = 1, **group_options: Any):
+        # (the signature declares zero's options: the stage and the process group's)
+        raise TypeError(
+            "zero: built as its stage's class; use create_strategy('zero', devices, stage=...) or "
+            "Engine(strategy='zero', stage=...)"
+        )
 
     def layout(self) -> str:
         return f"{self.name} stage {self.stage}"
@@ -153,8 +159,16 @@ def _sharded(optimizer: StrategyOptimizer) -> ShardedOptimizer:
     return cast(ShardedOptimizer, optimizer)
 
 
-class ZeroStage1(Zero, DDP):
+class ZeroStage1(DDP):
     """Stage 1: ddp's model, the optimizer's state sharded by ZeroRedundancyOptimizer."""
+
+    name = "zero"
+    traits = STAGE_TRAITS[1]
+    options = Zero.options
+
+    def __init__(self, devices: Sequence[torch.device], *, stage: int = 1, **group_options: Any):
+        super().__init__(devices, **group_options)  # ddp's model, with the process group's options
+        self.stage = check_stage(stage)
 
     def wrap_optimizer(self, optimizer: torch.optim.Optimizer) -> ShardedOptimizer:
         if isinstance(optimizer, ZeroRedundancyOptimizer):
@@ -196,13 +210,17 @@ class ZeroStage1(Zero, DDP):
             optimizer.load_state_dict(numbered_optimizer_state(state["optimizers"][key]))
 
 
-class ZeroStage2(Zero, FSDP):
+class ZeroStage2(FSDP):
     """Stage 2: FSDP2 keeping each unit gathered from its forward to its backward."""
+
+    name = "zero"
+    traits = STAGE_TRAITS[2]
+    options = Zero.options
 
     @classmethod
     def traits_for(cls, **options: Any) -> Traits:
         return STAGE_TRAITS[2]  # (FSDP's constructor asks with its reshard_after_forward, which stage 2 sets)
 
-    def __init__(self, devices: Sequence[torch.device], **options: Any):
-        super().__init__(devices, **options)
-        self.reshard_after_forward = False
+    def __init__(self, devices: Sequence[torch.device], *, stage: int = 2, **group_options: Any):
+        super().__init__(devices, reshard_after_forward=False, **group_options)  # with the process group's options
+        self.stage = check_stage(stage)
