@@ -50,3 +50,11 @@ def test_the_start_line_says_what_a_step_takes_under_accumulate(tmp_path, capsys
     assert dpkit_main(argv) == 0
     said = capsys.readouterr()
     assert "global batch 8 x 4 micro-batches = 32 samples per step" in said.out + said.err
+
+
+def test_zero_stage_2_from_the_command_line_is_stage_2(tmp_path):
+    command = [sys.executable, "-m", "dpkit.cli.main", "train", *CPU, "--strategy", "zero", "--devices", "2"]
+    command += ["--zero-stage", "2", "--steps", "1", "--out", str(tmp_path / "run")]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "with strategy zero stage 2 on 2 process(es)" in result.stdout + result.stderr

@@ -105,9 +105,6 @@ class Zero(PerDeviceStrategy):
             "Engine(strategy='zero', stage=...)"
         )
 
-    def layout(self) -> str:
-        return f"{self.name} stage {self.stage}"
-
 
 class ShardedOptimizer(ZeroRedundancyOptimizer):
     """torch's ZeroRedundancyOptimizer over the user's optimizer (its class, groups and hyperparameters), as
@@ -170,6 +167,9 @@ class ZeroStage1(DDP):
         super().__init__(devices, **group_options)  # ddp's model, with the process group's options
         self.stage = check_stage(stage)
 
+    def layout(self) -> str:
+        return f"{self.name} stage {self.stage}"
+
     def wrap_optimizer(self, optimizer: torch.optim.Optimizer) -> ShardedOptimizer:
         if isinstance(optimizer, ZeroRedundancyOptimizer):
             raise ValueError(
@@ -224,3 +224,6 @@ class ZeroStage2(FSDP):
     def __init__(self, devices: Sequence[torch.device], *, stage: int = 2, **group_options: Any):
         super().__init__(devices, reshard_after_forward=False, **group_options)  # with the process group's options
         self.stage = check_stage(stage)
+
+    def layout(self) -> str:
+        return f"{self.name} stage {self.stage}"
