@@ -31,7 +31,8 @@ def test_a_taken_port_is_reported_as_an_error(tmp_path, capsys):
 def test_a_failing_worker_is_reported(tmp_path, capsys):
     script = tmp_path / "fails.py"
     script.write_text("raise SystemExit(4)\n")
-    assert main(["launch", "--nproc-per-node", "2", str(script)]) == 2
+    # a failure, not bad input (2): a requeue script may try again (issue 43)
+    assert main(["launch", "--nproc-per-node", "2", str(script)]) == 1
     assert "exited with code 4" in capsys.readouterr().err
 
 

@@ -186,6 +186,8 @@ def resolve_batch(config: TrainConfig) -> TrainConfig:
 def check_strategy_settings(config: TrainConfig, processes: int) -> None:
     """zero_stage and shard_size only where the strategy has the option (asked of the registry), in its range; a
     shard group that divides the run's `processes`."""
+    if all(getattr(config, setting) is None for setting in STRATEGY_SETTINGS):
+        return
     for setting, option in STRATEGY_SETTINGS.items():
         value = getattr(config, setting)
         if value is None:
