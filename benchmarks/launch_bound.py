@@ -23,6 +23,11 @@ no memory accounts, no per-device marking of the backward).
     python benchmarks/launch_bound.py --example launch-bound-conv
     python benchmarks/launch_bound.py --before                          # only single and the before paths
     python benchmarks/launch_bound.py --compute-bound --windows 9       # make bench's MLP: nothing lost there
+    python benchmarks/launch_bound.py --dpkit-src /tmp/old/src --rounds 5  # this dpkit against another checkout's
+
+With --dpkit-src, single, dp and replicated (as --after) run in fresh processes, --rounds times, alternating between
+this dpkit and the one under PATH (its `src`, put first on PYTHONPATH), and the medians of each process's ratios
+to single are compared: two commits paired in one run.
 """
 
 from __future__ import annotations
@@ -31,7 +36,9 @@ import argparse
 import json
 import os
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -123,6 +130,59 @@ def step_split(step: Callable[[], None], engine: Engine, count: int) -> dict:
     return observer.report().threads
 
 
+def paired(args: argparse.Namespace) -> None:
+    """--dpkit-src: this dpkit and the one under args.dpkit_src in fresh processes taking turns, --rounds each; the
+    medians of their ratios to single side by side."""
+    sources = {"this dpkit": str(Path(dpkit.__file__).resolve().parent.parent), "--dpkit-src": args.dpkit_src}
+    argv = ["--after", "--example", args.example, "--windows", str(args.windows), "--warmup", str(args.warmup)]
+    argv += ["--split-steps", "0"] + (["--compute-bound"] if args.compute_bound else [])
+    argv += ["--batch-size", str(args.batch_size)] + (["--steps", str(args.steps)] if args.steps else [])
+    ratios: dict[str, dict[str, list[float]]] = {side: {DP: [], REPLICATED: []} for side in sources}
+    load_before = os.getloadavg()
+    with tempfile.TemporaryDirectory() as folder:
+        for round_ in range(args.rounds):
+            order = list(sources) if round_ % 2 == 0 else list(sources)[::-1]
+            for side in order:
+                result = Path(folder, f"{round_}-{len(ratios[side][DP])}-{side[:4]}.json")
+                environment = dict(
+                    os.environ, PYTHONPATH=os.pathsep.join(filter(None, [sources[side], os.environ.get("PYTHONPATH")]))
+                )
+                subprocess.run(
+                    [sys.executable, str(Path(__file__).resolve()), *argv, "--json", str(result)],
+                    env=environment,
+                    check=True,
+                    stdout=subprocess.DEVNULL,
+                )
+                to_single = json.loads(result.read_text())["ratio_to_single"]
+                for name in (DP, REPLICATED):
+                    ratios[side][name].append(to_single[name])
+            line = ", ".join(
+                f"{side}: dp {ratios[side][DP][-1]:.2f}x, replicated {ratios[side][REPLICATED][-1]:.2f}x"
+                for side in sources
+            )
+            print(f"round {round_ + 1}: {line}", flush=True)
+    load_after = os.getloadavg()
+    print(
+        f"load average (1, 5, 15 min) before {load_before[0]:.2f} {load_before[1]:.2f} {load_before[2]:.2f}, "
+        f"after {load_after[0]:.2f} {load_after[1]:.2f} {load_after[2]:.2f}; {os.cpu_count()} CPUs"
+    )
+    print(f"medians of {args.rounds} fresh processes each (ms per step / single's, lower is better):")
+    for side, src in sources.items():
+        cells = []
+        for name in (DP, REPLICATED):
+            ratio = statistics.median(ratios[side][name])
+            verdict = (
+                ""
+                if args.compute_bound
+                else f" (target <= {TARGETS[name]}x: {'met' if ratio <= TARGETS[name] else 'NOT met'})"
+            )
+            cells.append(f"{name} {ratio:.3f}x{verdict}")
+        print(f"  {side:12s} {', '.join(cells)}   [{src}]")
+    for name in (DP, REPLICATED):
+        mine, other = (statistics.median(ratios[side][name]) for side in sources)
+        print(f"  {name}: this dpkit / --dpkit-src {mine / other:.3f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--example", default="launch-bound", choices=sorted(EXAMPLES))
@@ -133,12 +193,17 @@ def main() -> None:
     parser.add_argument("--windows", type=int, default=30)
     parser.add_argument("--steps", type=int, default=None, help="steps per window (10; 2 with --compute-bound)")
     parser.add_argument("--warmup", type=int, default=5)
-    parser.add_argument("--split-steps", type=int, default=None, help="steps observed for each step split")
+    parser.add_argument("--split-steps", type=int, default=None, help="steps observed for each step split (0: none)")
     parser.add_argument("--json", default=None, help="write the numbers here")
+    parser.add_argument("--dpkit-src", default=None, metavar="PATH", help="pair with the dpkit under PATH (see above)")
+    parser.add_argument("--rounds", type=int, default=5, help="fresh processes per side with --dpkit-src (default 5)")
     args = parser.parse_args()
     args.batch_size = args.batch_size or (512 if args.compute_bound else 32)
+    if args.dpkit_src:
+        paired(args)
+        return
     per_window = args.steps or (2 if args.compute_bound else 10)
-    split_steps = args.split_steps or (5 if args.compute_bound else 100)
+    split_steps = (5 if args.compute_bound else 100) if args.split_steps is None else args.split_steps
     torch.set_num_threads(1)  # one intra-op thread per device, as `make bench`; replica threads take their share
 
     names = [SINGLE, DP, DP_BEFORE, REPLICATED, REPLICATED_BEFORE]
@@ -178,9 +243,10 @@ def main() -> None:
                 f"{extra_new * 1e3:.3f} ms against {extra_old * 1e3:.3f} ms ({extra_new / extra_old:.2f} of it)"
             )
 
-    print(f"\nwhere a step goes by thread ({split_steps} steps each, lean observer):")
     splits = {}
-    for name, (step, engine) in built.items():
+    if split_steps:
+        print(f"\nwhere a step goes by thread ({split_steps} steps each, lean observer):")
+    for name, (step, engine) in built.items() if split_steps else ():
         splits[name] = step_split(step, engine, split_steps)
         print(f"{name}:")
         for line in thread_lines(splits[name]):

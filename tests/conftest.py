@@ -12,6 +12,17 @@ import torch  # noqa: E402
 
 from launched_group import Groups
 
+# The processes the tests start (a launched group runs functions of test modules) import the helpers the tests
+# share (closeness.py) from this folder, as this process does.
+TESTS = os.path.dirname(os.path.abspath(__file__))
+os.environ["PYTHONPATH"] = os.pathsep.join(path for path in (TESTS, os.environ.get("PYTHONPATH")) if path)
+
+# DPKIT_TEST_THREADS=n: this process computes with n intra-op threads instead of torch's one per core, as on a
+# host with another core count; a test that asserts bitwise equality must hold whatever n is (tests/closeness.py).
+# torch sets a thread's count when it first asks for it, to the last count set by any thread: without this, a
+# replica's worker that set its share first would decide the count of this thread for the rest of the session.
+torch.set_num_threads(int(os.environ.get("DPKIT_TEST_THREADS") or torch.get_num_threads()))
+
 # A shell that starts `make test` in the background without job control hands it SIGINT ignored, and a
 # process that inherits an ignored SIGINT never sees Ctrl-C (nor do the processes it starts). The tests of
 # Ctrl-C need the terminal's behaviour: Python's own handler here, the default disposition in children.

@@ -138,7 +138,7 @@ def test_profile_takes_input_shape_and_plan_takes_one_strategy(tmp_path, capsys,
 def test_profiles_table_is_per_step_and_its_batch_is_trains():
     from dpkit.cli.main import build_parser
     from dpkit.observe.report import DeviceReport, Report
-    from dpkit.recipe.recipe import TrainConfig
+    from dpkit.recipe.config import TrainConfig
     from dpkit.tools.profile import ProfileSpec, global_batch_size
 
     # train's batch, except wide-output's 64 per device, where dp-balanced can even its devices out (issue 41)

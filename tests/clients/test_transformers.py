@@ -7,10 +7,11 @@ import pytest
 import torch
 
 import dpkit
+from closeness import assert_close_to_scale
 
 transformers = pytest.importorskip("transformers", reason="transformers is not installed (pip install -e '.[test]')")
 
-TOLERANCE = 1e-5
+TOLERANCE = 1e-5  # relative to the values' size (tests/closeness.py): chunks and the whole batch round apart
 
 
 def hook_count(model):
@@ -24,10 +25,7 @@ def grads(model):
 
 
 def assert_same_grads(model, reference):
-    got, expected = grads(model), grads(reference)
-    assert got.keys() == expected.keys() and got
-    worst = max((got[k] - expected[k]).abs().max().item() for k in got)
-    assert worst <= TOLERANCE, f"largest gradient difference {worst}"
+    assert_close_to_scale(grads(model), grads(reference), TOLERANCE, "gradients")
 
 
 def tiny_bert():
@@ -62,16 +60,15 @@ def test_bert_with_hidden_states_and_attentions_matches_and_leaves_the_model_alo
         (out.last_hidden_state, *out.hidden_states, *out.attentions),
         (expected.last_hidden_state, *expected.hidden_states, *expected.attentions),
     ):
-        assert torch.allclose(got, want, atol=TOLERANCE)
+        assert_close_to_scale(got, want, TOLERANCE, "outputs")
     (out.last_hidden_state.pow(2).mean() + out.pooler_output.sum()).backward()
     (expected.last_hidden_state.pow(2).mean() + expected.pooler_output.sum()).backward()
     assert_same_grads(model, reference)
     # the user's bare model is unchanged: no hooks added, the same outputs
     assert hook_count(model) == hooks_before
     bare = model(input_ids=ids, attention_mask=mask, output_hidden_states=True)
-    assert len(bare.hidden_states) == 3 and torch.allclose(
-        bare.last_hidden_state, expected.last_hidden_state, atol=TOLERANCE
-    )
+    assert len(bare.hidden_states) == 3
+    assert_close_to_scale(bare.last_hidden_state, expected.last_hidden_state, TOLERANCE, "the bare model's output")
 
 
 def tiny_gpt2():
@@ -106,9 +103,9 @@ def test_gpt2_with_labels_and_padding_matches_per_replica_and_in_gradients():
     for i, (start, n) in enumerate(((0, rows[0]), (rows[0], rows[1]))):
         chunk = slice(start, start + n)
         own = reference(input_ids=ids[chunk], attention_mask=mask[chunk], labels=labels[chunk]).loss
-        assert torch.allclose(out.loss[i], own, atol=TOLERANCE)
+        assert_close_to_scale(out.loss[i], own, TOLERANCE, f"replica {i}'s loss")
     expected = reference(input_ids=ids, attention_mask=mask, labels=labels)
-    assert torch.allclose(out.logits, expected.logits, atol=TOLERANCE)
+    assert_close_to_scale(out.logits, expected.logits, TOLERANCE, "logits")
     # a loss over the gathered logits is the single-device loss, and so are its gradients
     reference.zero_grad()
     loss_fn = torch.nn.CrossEntropyLoss()

@@ -11,10 +11,11 @@ import torch
 
 import dpkit
 import dpkit.integrations.hf_trainer
+from closeness import difference_to_scale
 
 transformers = pytest.importorskip("transformers", reason="transformers is not installed (pip install -e '.[test]')")
 
-TOLERANCE = 1e-5
+TOLERANCE = 1e-5  # relative to the values' size (tests/closeness.py): the replicas sum in other orders
 ROWS, BATCH = 11, 4  # batches of 4, 4 and 3: the last one splits [2, 1] on two devices
 
 
@@ -113,7 +114,7 @@ def train_both(model, rows, tmp_path, optim="sgd", learning_rate=0.1):
     dpkit.integrations.hf_trainer.data_parallel(trainer, dpkit.cpu_devices(2))
     trainer.train()
     trainer.reference_trainer = reference_trainer
-    worst = max((p - q).abs().max().item() for p, q in zip(model.parameters(), reference.parameters()))
+    worst = difference_to_scale(list(model.parameters()), list(reference.parameters()))
     moved = max((p - q).abs().max().item() for p, q in zip(model.parameters(), tiny_copy_of(model, reference)))
     return worst, moved, spy, trainer
 
@@ -128,20 +129,20 @@ def test_bert_classifier_trains_to_the_single_device_weights(tmp_path):
     model = tiny_bert_classifier()
     worst, moved, spy, trainer = train_both(model, classification_rows(), tmp_path)
     assert moved > 1e-3  # training changed the weights, so equality below means something
-    assert worst <= TOLERANCE, f"largest weight difference {worst}"
+    assert worst <= TOLERANCE, f"weights {worst:.3g} of their size from single's"
     # 2 rows per replica, and the last batch split 2 + 1
     assert sorted(rows for rows, _ in spy.calls).count(1) == 1
     assert isinstance(trainer.model_wrapped, dpkit.integrations.hf_trainer.TrainerDataParallel)
     rows = classification_rows()  # evaluation goes through the wrapper too: batches of 4, 4, 3
     got, expected = trainer.evaluate(rows)["eval_loss"], trainer.reference_trainer.evaluate(rows)["eval_loss"]
-    assert abs(got - expected) <= TOLERANCE
+    assert got == pytest.approx(expected, rel=TOLERANCE)
 
 
 def test_gpt2_language_model_with_num_items_in_batch_trains_to_the_single_device_weights(tmp_path):
     model = tiny_gpt2()
     worst, moved, spy, _ = train_both(model, language_model_rows(), tmp_path, optim="adamw_torch", learning_rate=1e-3)
     assert moved > 1e-3
-    assert worst <= TOLERANCE, f"largest weight difference {worst}"
+    assert worst <= TOLERANCE, f"weights {worst:.3g} of their size from single's"
     counts = [count for _, count in spy.calls]
     assert all(isinstance(c, torch.Tensor) and c.dim() == 0 for c in counts), (
         "num_items_in_batch reaches each replica whole"
@@ -159,11 +160,12 @@ def test_uneven_split_loss_is_the_batch_loss_where_a_mean_of_replica_means_is_no
     expected = model(**batch, num_items_in_batch=counted).loss
     wrapped = dpkit.integrations.hf_trainer.TrainerDataParallel(model, dpkit.cpu_devices(2))
     loss = wrapped(**batch, num_items_in_batch=counted.expand(count_shape) if count_shape else counted).loss
-    assert loss.dim() == 0 and abs(loss.item() - expected.item()) <= TOLERANCE
+    assert loss.dim() == 0 and loss.item() == pytest.approx(expected.item(), rel=TOLERANCE)
     # without a count each replica's loss is the mean over its own tokens; weighted by tokens, still exact
-    assert abs(wrapped(**batch).loss.item() - expected.item()) <= TOLERANCE
+    assert wrapped(**batch).loss.item() == pytest.approx(expected.item(), rel=TOLERANCE)
     means = [model(**{k: v[s] for k, v in batch.items()}).loss for s in (slice(0, 2), slice(2, 3))]
-    assert abs(torch.stack(means).mean().item() - expected.item()) > 100 * TOLERANCE  # what loss.mean() gives
+    mean_of_means = torch.stack(means).mean().item()  # what loss.mean() gives
+    assert mean_of_means != pytest.approx(expected.item(), rel=100 * TOLERANCE)
 
 
 def test_bad_trainer_argument_is_named():

@@ -11,6 +11,8 @@ import torch
 from torch import nn
 
 import dpkit
+from closeness import intra_op_threads
+from dpkit.devices import cpu_threads_per_device
 from dpkit.parallel import apply, hooks, workers
 from dpkit.parallel.apply import parallel_apply, run_replicas
 
@@ -151,8 +153,9 @@ def test_parallel_apply_matches_the_modules_own_outputs_and_checks_lengths():
     modules = [nn.Linear(3, 2), nn.Linear(3, 2)]
     inputs = [torch.randn(4, 3), torch.randn(5, 3)]
     outputs = parallel_apply(modules, inputs)
-    for module, x, out in zip(modules, inputs, outputs):
-        assert torch.equal(out, module(x))
+    with intra_op_threads(cpu_threads_per_device(len(modules))):  # as each replica ran: the same kernels, bitwise
+        expected = [module(x) for module, x in zip(modules, inputs)]
+    assert all(torch.equal(out, want) for out, want in zip(outputs, expected))
     with pytest.raises(ValueError, match="inputs: has 1 entries for 2 modules"):
         parallel_apply(modules, inputs[:1])
     with pytest.raises(ValueError, match="kwargs_tup: has 1 entries"):

@@ -220,3 +220,37 @@ def test_workers_are_daemons_kept_while_leased_and_started_again_after_the_last_
     again = run_replicas(DEVICES, lambda i: threading.current_thread())
     assert all(t.is_alive() for t in again) and not set(again) & set(threads)
     assert workers._leases == 0
+
+
+def test_auto_keeps_threads_for_long_jobs_however_fast_serial_measured():
+    """Serial is kept only for short jobs: a site whose jobs take tens of ms keeps threads even when serial measured
+    faster (as it does while other processes hold the cores), so the run is not halved once they free up."""
+    for serial, threads, chosen in ((0.080, 0.090, "threads"), (0.0018, 0.0021, "serial")):
+        policy = Concurrency("auto")
+        while policy.choice() is None:
+            way = policy.way()
+            policy.ran(way, serial if way == "serial" else threads, jobs=2)
+        assert policy.choice() == chosen
+
+
+def test_threaded_replicas_leave_the_callers_thread_count_as_it_was():
+    """A caller that never asked torch for its thread count keeps its own after the replicas ran in threads."""
+    import subprocess
+    import sys
+
+    code = (
+        "import torch, dpkit\nfrom torch import nn\nbefore = torch.get_num_threads()\n"
+        "dpkit.DataParallel(nn.Linear(4, 2), dpkit.cpu_devices(2), concurrency='threads')(torch.randn(6, 4))\n"
+        "print(before, torch.get_num_threads())\n"
+    )
+    fresh = (
+        "import torch, dpkit\nfrom torch import nn\n"
+        "dpkit.DataParallel(nn.Linear(4, 2), dpkit.cpu_devices(2), concurrency='threads')(torch.randn(6, 4))\n"
+        "print(torch.get_num_threads())\n"
+    )
+    before, after = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    ).stdout.split()
+    assert before == after
+    untouched = subprocess.run([sys.executable, "-c", fresh], capture_output=True, text=True, check=True).stdout.split()
+    assert untouched == [before], (untouched, before)

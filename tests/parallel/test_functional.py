@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 import dpkit.parallel as dp
+from closeness import assert_close_to_scale
 from dpkit.parallel import apply
 
 DEVICES = ["cpu:0", "cpu:1"]
@@ -30,14 +31,18 @@ def test_data_parallel_matches_a_single_device_run_in_outputs_gradients_and_buff
     bias = torch.randn(8, 3)
     out = dp.data_parallel(model, (x, 2.0), DEVICES, module_kwargs={"bias": bias})
     expected = torch.cat([reference(x[:4], 2.0, bias[:4]), reference(x[4:], 2.0, bias[4:])])  # BatchNorm per chunk
-    assert torch.allclose(out, expected, atol=1e-6)
+    # the chunks' products run with a replica's thread count here and this thread's there: equal up to rounding
+    assert_close_to_scale(out, expected, what="outputs")
     out.pow(2).sum().backward()
     expected.pow(2).sum().backward()
-    for p, q in zip(model.parameters(), reference.parameters()):
-        assert torch.allclose(p.grad, q.grad, atol=1e-5)
+    # the replicas' gradients summed against one backward through both chunks; batch norm's backward over four
+    # rows subtracts means of terms larger than the result (measured: up to 3.5e-6 with plain kernels)
+    grads, expected_grads = [p.grad for p in model.parameters()], [q.grad for q in reference.parameters()]
+    assert_close_to_scale(grads, expected_grads, 5e-5, "gradients")
     # the first device's replica updated the user's running statistics, once (as torch's does)
     assert int(model.bn.num_batches_tracked) == 1
-    assert torch.allclose(model.bn.running_mean, 0.9 * torch.zeros(3) + 0.1 * model.linear(x[:4]).mean(0), atol=1e-6)
+    expected_mean = 0.9 * torch.zeros(3) + 0.1 * model.linear(x[:4]).mean(0)
+    assert_close_to_scale(model.bn.running_mean, expected_mean, what="running mean")
 
 
 def test_a_bare_tensor_is_one_argument_and_negative_dims_work():

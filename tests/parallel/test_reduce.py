@@ -9,6 +9,8 @@ import torch
 from torch import nn
 
 import dpkit
+from closeness import intra_op_threads
+from dpkit.devices import cpu_threads_per_device
 from dpkit.parallel.reduce import GradientSum, plan_buckets, plan_shares
 
 
@@ -28,9 +30,13 @@ def roots(models: list[nn.Module], rows: list[int]) -> list[tuple[int, torch.Ten
     return out
 
 
-def manual_sums(models, rows) -> list[torch.Tensor]:
-    for _, loss, grad in roots(models, rows):
-        loss.backward(grad)
+def manual_sums(models, rows, threads: int | None = None) -> list[torch.Tensor]:
+    """The replicas' gradients summed in replica order, each backward run with `threads` intra-op threads (default:
+    a replica's share; a matrix product splits its sums by the thread count): bitwise what GradientSum must give."""
+    losses = roots(models, rows)  # the forwards on this thread, as the tests' own
+    with intra_op_threads(threads or cpu_threads_per_device(len(models))):
+        for _, loss, grad in losses:
+            loss.backward(grad)
     grads = [[p.grad for p in m.parameters()] for m in models]
     return [sum(g for g in group if g is not None) for group in zip(*grads)]
 
@@ -86,7 +92,7 @@ def test_a_gradient_missing_in_some_replicas_counts_as_zero_and_none_stays_none(
 
 
 def test_sum_now_after_a_backward_elsewhere_equals_the_manual_sum():
-    expected = manual_sums(replicas(2), [3, 4])
+    expected = manual_sums(replicas(2), [3, 4], threads=torch.get_num_threads())
     models = replicas(2)
     for _, loss, grad in roots(models, [3, 4]):
         loss.backward(grad)  # on this thread, as the gathered-output path does

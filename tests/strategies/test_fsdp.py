@@ -9,7 +9,6 @@ from fsdp_runs import (
     Blocks,
     RunSpec,
     launched_runs,
-    max_difference,
     mismatched_resume,
     observed_memory,
     plain_save_and_load_refused,
@@ -17,9 +16,14 @@ from fsdp_runs import (
 )
 from torch import nn
 
+from closeness import difference_to_scale
 from dpkit.strategies.fsdp import FSDP, shard_units
 
-TOLERANCE = 1e-5
+# relative to the largest weight (tests/closeness.py): the runs sum in different orders. Adam divides each gradient by
+# its running size, so a rounding apart in a small gradient moves a weight by a share of the learning rate, not of
+# the weight: measured up to 2e-5 of the largest weight (0.26 in these models) after 4 steps with AVX-512, AVX2 or
+# plain kernels; SGD's runs stay below 1e-6
+TOLERANCE = {"sgd": 1e-5, "adam": 1e-4}
 
 
 def test_the_default_units_are_the_blocks_then_large_modules_never_a_tied_weight():
@@ -59,7 +63,7 @@ def test_fsdp_equals_one_device_with_sgd_adam_uneven_batches_accumulation_and_cl
         for rank, results in enumerate(launched_runs(sharded, devices, groups)):
             for spec, single, result in zip(specs, singles, results):
                 where = f"{devices} processes, reshard_after_forward={reshard}, rank {rank}, {spec}"
-                assert max_difference(result["weights"], single["weights"]) <= TOLERANCE, where
+                assert difference_to_scale(result["weights"], single["weights"]) <= TOLERANCE[spec.optimizer], where
                 assert result["norms"] == pytest.approx(single["norms"], rel=1e-5), where
 
 
@@ -67,9 +71,10 @@ def test_bf16_mixed_gathers_in_bf16_and_stays_close_to_one_device(groups):
     spec = RunSpec(precision="bf16-mixed", optimizer="adam")
     single = train(spec)
     (result,), _ = launched_runs([RunSpec(**{**spec.__dict__, "strategy": "fsdp", "devices": 2})], 2, groups)
-    difference = max_difference(result["weights"], single["weights"])
-    # bf16 keeps 8 bits of mantissa: the two runs round differently, but train the same model
-    assert 0 < difference < 0.05
+    difference = difference_to_scale(result["weights"], single["weights"])
+    # bf16 keeps 8 bits of mantissa: the two runs round differently, but train the same model (measured: 0.04 of
+    # the largest weight; 0.2 of it is the 0.05 this test allowed when it measured absolute differences)
+    assert 0 < difference < 0.2
     assert all(w.dtype == torch.float32 for w in result["weights"].values())  # the shards stay float32
 
 
@@ -118,7 +123,7 @@ def test_a_sharded_state_resumes_bitwise_reshards_and_reads_back_whole_anywhere(
     # save_model: one whole state dict with the bare model's names, for plain torch.load
     bare = Blocks()
     bare.load_state_dict(torch.load(model_file, weights_only=True))
-    assert max_difference(dict(bare.named_parameters()), whole_run["weights"]) == 0
+    assert difference_to_scale(dict(bare.named_parameters()), whole_run["weights"]) == 0
 
     # 3 processes resume the 2-process state (DCP reshards); one process and ddp read it back whole; fsdp
     # resumes a whole state that one device saved, and engine.load gives each process its shards of a file
@@ -127,13 +132,13 @@ def test_a_sharded_state_resumes_bitwise_reshards_and_reads_back_whole_anywhere(
     from_single = RunSpec(**fsdp, steps=12, resume=True, state=single_state)
     loaded = RunSpec(**fsdp, steps=0, load_model=model_file)
     from_single, loaded = launched_runs([from_single, loaded], 2, groups)[0]
-    assert max_difference(from_single["weights"], whole_run["weights"]) <= TOLERANCE
-    assert max_difference(loaded["weights"], whole_run["weights"]) == 0
+    assert difference_to_scale(from_single["weights"], whole_run["weights"]) <= TOLERANCE["adam"]
+    assert difference_to_scale(loaded["weights"], whole_run["weights"]) == 0
     on_three = launched_runs([RunSpec(**{**resumed.__dict__, "devices": 3})], 3, groups)
     on_ddp = launched_runs([RunSpec(**{**resumed.__dict__, "strategy": "ddp"})], 2, groups)
     on_one = train(RunSpec(optimizer="adam", batch_size=67, steps=12, resume=True, state=state))
     for result in (on_three[0][0], on_ddp[0][0], on_one):
-        assert max_difference(result["weights"], whole_run["weights"]) <= TOLERANCE
+        assert difference_to_scale(result["weights"], whole_run["weights"]) <= TOLERANCE["adam"]
 
     # and the CLI reads it: inspect verifies every shard, convert joins the model into one file
     from dpkit.cli.main import main
@@ -147,7 +152,7 @@ def test_a_sharded_state_resumes_bitwise_reshards_and_reads_back_whole_anywhere(
     fresh = Blocks()
     fresh.load_state_dict(joined)
     stopped_one = train(RunSpec(optimizer="adam", batch_size=67, steps=5))  # the same 5 steps on one device
-    assert max_difference(dict(fresh.named_parameters()), stopped_one["weights"]) <= TOLERANCE
+    assert difference_to_scale(dict(fresh.named_parameters()), stopped_one["weights"]) <= TOLERANCE["adam"]
 
 
 def test_a_sharded_state_of_another_model_is_refused_before_anything_changes(tmp_path, groups):
@@ -224,8 +229,10 @@ def test_on_cuda_over_nccl_with_cpu_offload_and_bf16_it_trains_like_one_device(g
         RunSpec(strategy="fsdp", accelerator="cuda", optimizer="adam", precision="bf16-mixed"),
     ]
     offloaded, bf16 = launched_runs(specs, 1, groups)[0]
-    assert max_difference(offloaded["weights"], single["weights"]) <= 1e-4  # CUDA kernels may differ in rounding
-    assert 0 < max_difference(bf16["weights"], single["weights"]) < 0.05
+    # CUDA kernels may differ in rounding; relative to the largest weight, 0.26 here (the absolute bounds this test
+    # had, 1e-4 and 0.05, at that size)
+    assert difference_to_scale(offloaded["weights"], single["weights"]) <= 4e-4
+    assert 0 < difference_to_scale(bf16["weights"], single["weights"]) < 0.2
 
 
 def gpt2_run(strategy: str, out: str) -> None:
@@ -261,4 +268,4 @@ def test_a_transformers_gpt2_with_tied_embeddings_trains_like_one_device(tmp_pat
     single, sharded = (torch.load(tmp_path / f"{name}.pt", weights_only=True) for name in ("single", "fsdp"))
     assert sorted(single) == sorted(sharded)
     # the blocks are units, the tied wte / lm_head weight stays with the root; AdamW and clipping, 4 steps
-    assert max((single[k] - sharded[k]).abs().max().item() for k in single) <= 1e-5
+    assert difference_to_scale(sharded, single) <= TOLERANCE["adam"]

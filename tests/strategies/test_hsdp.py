@@ -6,12 +6,17 @@ from __future__ import annotations
 
 import pytest
 import torch
-from fsdp_runs import RunSpec, launched_runs, max_difference, train
+from fsdp_runs import RunSpec, launched_runs, train
 from sharding_runs import STATE, observed_many, predicted
 
+from closeness import difference_to_scale
 from dpkit.strategies import ONE_NODE, create_strategy, strategy_traits
 
-TOLERANCE = 1e-5
+# relative to the largest weight (tests/closeness.py): the runs sum in different orders. Adam divides each gradient by
+# its running size, so a rounding apart in a small gradient moves a weight by a share of the learning rate, not of
+# the weight: measured up to 2e-5 of the largest weight (0.26 in these models) after 4 steps with AVX-512, AVX2 or
+# plain kernels; SGD's runs stay below 1e-6
+TOLERANCE = {"sgd": 1e-5, "adam": 1e-4}
 SPECS = [  # 3 steps each: 4 processes share 2 cores in the tests
     RunSpec(batch_size=67, optimizer="sgd", clip=0.5, steps=3),  # 17 + 17 + 17 + 16 rows on 4 processes
     RunSpec(batch_size=33, optimizer="adam", accumulate=2, steps=3),  # micro-batches of 9 + 8 + 8 + 8 rows
@@ -29,7 +34,7 @@ def test_on_a_2_by_2_mesh_it_equals_one_device_with_sgd_adam_uneven_batches_accu
     for rank, results in enumerate(launched_runs([hsdp(spec, 2) for spec in SPECS], 4, groups)):
         for spec, result, single in zip(SPECS, results, singles):
             where = f"rank {rank}, {spec}"
-            assert max_difference(result["weights"], single["weights"]) <= TOLERANCE, where
+            assert difference_to_scale(result["weights"], single["weights"]) <= TOLERANCE[spec.optimizer], where
             assert result["norms"] == pytest.approx(single["norms"], rel=1e-5), where
 
 
@@ -64,12 +69,12 @@ def test_it_resumes_bitwise_and_on_other_mesh_shapes(tmp_path, groups):
         whole, _, resumed, *other_meshes = results
         assert all(torch.equal(resumed["weights"][k], whole["weights"][k]) for k in whole["weights"])
         for result in other_meshes:  # another mesh reduces in another order: the last bits may differ
-            assert max_difference(result["weights"], whole["weights"]) <= 1e-6
+            assert difference_to_scale(result["weights"], whole["weights"]) <= 1e-6
     # fsdp and one device read the 2 x 2 shards too
     on_fsdp = launched_runs([RunSpec(**adam, strategy="fsdp", devices=4, steps=6, resume=True, state=state)], 4, groups)
     alone = train(RunSpec(**adam, steps=6, resume=True, state=state))
     for result in (on_fsdp[0][0], alone):
-        assert max_difference(result["weights"], whole["weights"]) <= TOLERANCE
+        assert difference_to_scale(result["weights"], whole["weights"]) <= TOLERANCE["adam"]
 
 
 def test_each_process_keeps_its_groups_shards_as_the_planner_predicts(groups):

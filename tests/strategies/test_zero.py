@@ -5,12 +5,17 @@ from __future__ import annotations
 
 import pytest
 import torch
-from fsdp_runs import Blocks, RunSpec, launched_runs, max_difference, train
+from fsdp_runs import Blocks, RunSpec, launched_runs, train
 from sharding_runs import STATE, WIDTH, observed_many, predicted, scheduled, scheduled_many
 
+from closeness import difference_to_scale
 from dpkit.strategies import create_strategy, strategy_traits
 
-TOLERANCE = 1e-5
+# relative to the largest weight (tests/closeness.py): the runs sum in different orders. Adam divides each gradient by
+# its running size, so a rounding apart in a small gradient moves a weight by a share of the learning rate, not of
+# the weight: measured up to 2e-5 of the largest weight (0.26 in these models) after 4 steps with AVX-512, AVX2 or
+# plain kernels; SGD's runs stay below 1e-6
+TOLERANCE = {"sgd": 1e-5, "adam": 1e-4}
 SPECS = [
     RunSpec(batch_size=64, optimizer="sgd", clip=0.5),
     RunSpec(batch_size=67, optimizer="adam"),  # 34 + 33 rows on 2 processes
@@ -29,7 +34,7 @@ def test_it_equals_one_device_with_sgd_adam_uneven_batches_accumulation_and_clip
     for rank, results in enumerate(launched_runs([zero(spec, stage) for spec in SPECS], 2, groups)):
         for spec, result, single in zip(SPECS, results, singles):
             where = f"rank {rank}, stage {stage}, {spec}"
-            assert max_difference(result["weights"], single["weights"]) <= TOLERANCE, where
+            assert difference_to_scale(result["weights"], single["weights"]) <= TOLERANCE[spec.optimizer], where
             assert result["norms"] == pytest.approx(single["norms"], rel=1e-5), where
 
 
@@ -74,14 +79,14 @@ def test_each_stage_resumes_bitwise_and_from_the_other_stage_fsdp_and_one_device
         for whole, resumed in ((whole_1, resumed_1), (whole_2, resumed_2)):
             assert all(torch.equal(resumed["weights"][k], whole["weights"][k]) for k in whole["weights"])
         for result in across:
-            assert max_difference(result["weights"], whole_1["weights"]) <= TOLERANCE
+            assert difference_to_scale(result["weights"], whole_1["weights"]) <= TOLERANCE["adam"]
     # stage 1's processes each wrote the optimizer state they own: no whole state on rank 0
     shared = torch.load(tmp_path / "stage-1" / "step-00000004" / "state.pt", weights_only=False)
     assert shared["model"] is None and shared["optimizers"] is None and shared["shards"] == "shards"
     assert sum(name.endswith(".distcp") for name in shared["shard_digests"]) == 2
     # one device reads stage 1's shards back whole
     alone = train(RunSpec(**adam, steps=10, resume=True, state=str(tmp_path / "stage-1")))
-    assert max_difference(alone["weights"], whole_1["weights"]) <= TOLERANCE
+    assert difference_to_scale(alone["weights"], whole_1["weights"]) <= TOLERANCE["adam"]
 
 
 def test_each_process_keeps_what_the_planner_predicts_from_the_traits(groups):
@@ -122,5 +127,5 @@ def test_a_scheduler_on_the_users_optimizer_sets_the_sharded_optimizers_rate_als
     ]
     for whole, _, resumed in groups(2).run(scheduled_many, runs):
         assert whole["lr"] == resumed["lr"] == single["lr"] == 0.1 / 16
-        assert max_difference(whole["weights"], single["weights"]) <= TOLERANCE
+        assert difference_to_scale(whole["weights"], single["weights"]) <= TOLERANCE["sgd"]
         assert all(torch.equal(resumed["weights"][k], whole["weights"][k]) for k in whole["weights"])

@@ -209,7 +209,7 @@ def run_replicas(
     else:
         results = _run_in_threads(devices, job, context, streams, modes, threads, on_interrupt)
     if isinstance(policy, Concurrency):
-        policy.ran(way, time.perf_counter() - began)
+        policy.ran(way, time.perf_counter() - began, jobs=n)
     if watch is not None:
         watch.end(modes, state_before)
     return results
@@ -225,6 +225,9 @@ def _run_in_threads(
     on_interrupt: Callable[[], None] | None,
 ) -> list[T]:
     """Every job in its device's worker thread, side by side; the caller waits, interruptibly."""
+    # the caller's intra-op thread count, read before any worker sets its share: torch gives a thread that never
+    # asked the last count any thread set, which would leave the caller at a device's share for good
+    torch.get_num_threads()
     call = Call(len(devices))
     jobs: list[Job[T]] = [
         Job(_run_job, (job, i, device, context, stream, mode, threads), call)

@@ -5,11 +5,27 @@
              share and generator, as in its worker thread: no hand-off to a thread and no wake-up after
     auto     measured once, then frozen: the call site's first runs alternate between the two ways (WARMUP
              runs not counted, then SAMPLES of each); serial is chosen when its median is clearly smaller
-             (by SERIAL_MARGIN), threads otherwise, and the choice is kept
+             (by SERIAL_MARGIN) and its jobs are short (SERIAL_MAX_JOB_SECONDS), threads otherwise, and the
+             choice is kept
 
 Why two ways: replica threads whose jobs are mostly Python (a model of many small layers) hand the GIL to
 each other at nearly every operator, so side by side takes longer than one after the other; jobs that spend
 their time in long operators, which run without the GIL, gain from running side by side.
+
+Why only short jobs may go serial: the choice is frozen for the whole run, so it must hold on the machine the
+run will mostly see, not only in the seconds it was measured. While other processes keep the cores busy, the
+replica threads seldom get two cores at once, so side by side gains little and still pays its hand-offs: serial
+measured faster even on a compute-bound model, and frozen, its replicas then ran one after the other on one core
+for the rest of the run, at up to half the speed once the cores were free (issue 41: `replicated` fell from 1.24x
+to 0.98x torch DDP on `make bench`'s MLP; 4 of 6 processes chose serial somewhere on a shared 2-core machine, where
+the learners before issue 31 never ran that model's jobs on the calling thread). What serial saves is bounded:
+a hand-off per run (about 0.1 ms) and the GIL's hand-overs between replicas (a few microseconds per operator).
+That is a visible part of a job of a millisecond or two (the launch-bound examples' jobs), and nothing beside a
+job that takes SERIAL_MAX_JOB_SECONDS or more, whose operators are either long (they run side by side without
+the GIL) or so many that the hand-overs cost a fraction of what side by side can gain. So a call site whose
+shortest serial job (its run's time / its jobs, the least disturbed of the samples) takes longer keeps its
+threads whatever the medians say; before issue 31 the same bound came from the 20 ms a job waited for its turn
+before running anyway.
 
 Results do not depend on the way, so neither do they on the machine's timing: each job runs the same
 operators with the same intra-op thread count and its own generator either way, and sums across replicas
@@ -55,6 +71,9 @@ class Concurrency:
     # serial wins only with a median this much smaller: its gain is the hand-offs saved, a cost that shows clearly
     # where it matters (many small operators), while a near tie is noise, and threads gain where cores are idle
     SERIAL_MARGIN = 0.05
+    # serial only where its jobs are short: what it saves per run is bounded (see the module's doc), what it gives
+    # up on a machine whose cores come free is the jobs' overlap; the launch-bound examples' jobs take 0.5 - 2 ms
+    SERIAL_MAX_JOB_SECONDS = 0.005
 
     def __init__(self, concurrency: str = AUTO, *, argument: str = "concurrency"):
         self.declared = check_concurrency(concurrency, argument)
@@ -62,6 +81,7 @@ class Concurrency:
         self._chosen: str | None = None if self.declared == AUTO else self.declared
         self._runs = 0
         self._seconds: dict[str, list[float]] = {THREADS: [], SERIAL: []}
+        self._serial_job_seconds: list[float] = []  # each counted serial run's seconds per job, where given
 
     def choice(self) -> str | None:
         """The way this call site runs from now on: 'threads' or 'serial'; None while auto still measures."""
@@ -79,8 +99,9 @@ class Concurrency:
                 return self._chosen
             return WAYS[self._runs % 2]  # alternate, so a change in the machine's load hits both alike
 
-    def ran(self, way: str, seconds: float) -> None:
-        """A run in `way` took `seconds`: auto counts it, and chooses once it has SAMPLES of each way."""
+    def ran(self, way: str, seconds: float, jobs: int | None = None) -> None:
+        """A run in `way` of `jobs` replica jobs took `seconds`: auto counts it, and chooses once it has SAMPLES
+        of each way (serial only if clearly faster and, where `jobs` was given, its jobs short)."""
         if getattr(_decided, "way", None) is not None:
             return  # a forced run measures the forced way, not this call site's choice
         with self._lock:
@@ -90,10 +111,14 @@ class Concurrency:
             if self._runs <= self.WARMUP:
                 return
             self._seconds[way].append(seconds)
+            if way == SERIAL and jobs:
+                self._serial_job_seconds.append(seconds / jobs)
             if all(len(values) >= self.SAMPLES for values in self._seconds.values()):
                 medians = {w: statistics.median(values) for w, values in self._seconds.items()}
                 clearly_faster = medians[SERIAL] < (1.0 - self.SERIAL_MARGIN) * medians[THREADS]
-                self._chosen = SERIAL if clearly_faster else THREADS
+                # the shortest: a busy machine only lengthens a job, so it is the one closest to the job's own time
+                short = min(self._serial_job_seconds, default=0.0) <= self.SERIAL_MAX_JOB_SECONDS
+                self._chosen = SERIAL if clearly_faster and short else THREADS
 
     def measured(self) -> dict[str, list[float]]:
         """The seconds auto measured each way (empty for a declared way)."""

@@ -452,7 +452,8 @@ class GradientSum:
                 self.sum_now()
         else:
             self._side_by_side(active, by_replica, run_backward, sync)
-        self.concurrency.ran(way, time.perf_counter() - began)  # the way measured whole: backward and sum
+        # the way measured whole, backward and sum; its jobs: the replicas' backwards
+        self.concurrency.ran(way, time.perf_counter() - began, jobs=len(active))
 
     def _side_by_side(
         self,
