@@ -3,9 +3,6 @@ refused in one line with a strategy that lacks them, and named in the start line
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
 
 from dpkit.cli.main import main as dpkit_main
@@ -29,20 +26,44 @@ def test_a_setting_the_strategy_lacks_is_refused_before_any_work(flags, said, tm
     assert not (tmp_path / "run").exists()
 
 
-def test_hsdp_on_four_processes_in_shard_groups_of_two_says_its_mesh_and_the_state_keeps_it(tmp_path):
-    out = tmp_path / "run"
-    command = [sys.executable, "-m", "dpkit.cli.main", "train", *CPU, "--strategy", "hsdp", "--devices", "4"]
-    command += ["--shard-size", "2", "--steps", "2", "--checkpoint-every", "2", "--out", str(out)]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "with strategy hsdp 2x2 (replicate x shard) on 4 process(es)" in result.stdout + result.stderr
-    inspected = subprocess.run(
-        [sys.executable, "-m", "dpkit.cli.main", "ckpt", "inspect", str(out / "state")],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert "strategy hsdp 2x2 (replicate x shard) on 4 process(es)" in inspected.stdout, inspected.stdout
+def layout_and_state(strategy: str, devices: int, folder: str, options: dict) -> str:
+    """In each launched process: the strategy's layout, after saving its (fresh) state into `folder`."""
+    import torch
+    from torch import nn
+
+    from dpkit.engine.engine import Engine
+
+    engine = Engine(strategy=strategy, accelerator="cpu", devices=devices, progress=False, **options)
+    layer = nn.Linear(4, 2)
+    engine.setup(layer, torch.optim.SGD(layer.parameters(), lr=0.1))
+    layout = engine.strategy.layout()
+    engine.save_state(folder)
+    engine.close()
+    return layout
+
+
+@pytest.mark.parametrize(
+    "flags,devices,layout",
+    [
+        (["--strategy", "hsdp", "--shard-size", "2"], 4, "hsdp 2x2 (replicate x shard)"),
+        (["--strategy", "zero", "--zero-stage", "2"], 2, "zero stage 2"),
+    ],
+)
+def test_the_flags_reach_the_strategy_which_names_its_layout_where_the_state_keeps_it(
+    flags, devices, layout, tmp_path, groups, capsys
+):
+    from dpkit.cli.main import build_parser
+    from dpkit.cli.train import config_from_args
+
+    argv = ["train", *CPU, "--devices", str(devices), *flags, "--out", str(tmp_path / "run")]
+    args = build_parser().parse_args(argv)
+    args.argv = argv
+    options = config_from_args(args).strategy_options()
+    folder = tmp_path / "state"
+    assert groups(devices).run(layout_and_state, flags[1], devices, str(folder), options) == [layout] * devices
+    capsys.readouterr()
+    assert dpkit_main(["ckpt", "inspect", str(folder)]) == 0
+    assert f"strategy {layout} on {devices} process(es)" in capsys.readouterr().out
 
 
 def test_the_start_line_says_what_a_step_takes_under_accumulate(tmp_path, capsys):
@@ -50,11 +71,3 @@ def test_the_start_line_says_what_a_step_takes_under_accumulate(tmp_path, capsys
     assert dpkit_main(argv) == 0
     said = capsys.readouterr()
     assert "global batch 8 x 4 micro-batches = 32 samples per step" in said.out + said.err
-
-
-def test_zero_stage_2_from_the_command_line_is_stage_2(tmp_path):
-    command = [sys.executable, "-m", "dpkit.cli.main", "train", *CPU, "--strategy", "zero", "--devices", "2"]
-    command += ["--zero-stage", "2", "--steps", "1", "--out", str(tmp_path / "run")]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "with strategy zero stage 2 on 2 process(es)" in result.stdout + result.stderr
