@@ -39,7 +39,7 @@ def _seed():
 # The test files that take longest, slowest first (`make test` prints the slowest tests). `make test` deals
 # whole files out to its workers in collection order, so starting with these keeps one worker from finishing
 # a long file alone at the end.
-SLOWEST_FILES = [  # by their wall time in `make test` (2026-12-03, summed over each file's tests)
+SLOWEST_FILES = [  # by wall time in `make test` (2026-12-03, summed over each file's tests; 2026-12-06's new ones)
     "tests/launch/test_restarts_and_progress.py",
     "tests/test_docs.py",
     "tests/recipe/test_recipe_faults.py",
@@ -47,6 +47,7 @@ SLOWEST_FILES = [  # by their wall time in `make test` (2026-12-03, summed over 
     "tests/strategies/test_hsdp.py",
     "tests/cli/test_train.py",
     "tests/test_compilation.py",
+    "tests/strategies/test_compile_sharded.py",
     "tests/engine/test_engine_equivalence.py",
     "tests/cli/test_profile.py",
     "tests/strategies/test_faults.py",
@@ -64,6 +65,10 @@ SLOWEST_FILES = [  # by their wall time in `make test` (2026-12-03, summed over 
     "tests/cli/test_doctor.py",
     "tests/launch/test_slurm.py",
     "tests/strategies/test_repeatability.py",
+    "tests/strategies/test_resume_whole_into_sharded.py",
+    "tests/cli/test_strategy_settings.py",
+    "tests/engine/test_prefetching_loop.py",
+    "tests/cli/test_profile_balance.py",
 ]
 
 
