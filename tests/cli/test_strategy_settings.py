@@ -71,3 +71,33 @@ def test_the_start_line_says_what_a_step_takes_under_accumulate(tmp_path, capsys
     assert dpkit_main(argv) == 0
     said = capsys.readouterr()
     assert "global batch 8 x 4 micro-batches = 32 samples per step" in said.out + said.err
+
+
+def test_plan_takes_the_same_settings_and_plans_those_variants_alone(tmp_path, capsys):
+    import json
+
+    plan = ["plan", "--model", "gpt2-124m", "--gpu", "h100-sxm", "--batch-size-per-device", "8", "--device-counts"]
+    out = tmp_path / "plan.json"
+    argv = [*plan, "1,4", "--strategies", "ddp,zero,hsdp", "--zero-stage", "2", "--shard-size", "2"]
+    assert dpkit_main([*argv, "--json", str(out)]) == 0
+    table = capsys.readouterr().out
+    assert "zero stage=2             4" in table and "hsdp shard_size=2        4" in table, table
+    rows = {row["strategy"]: row for row in json.loads(out.read_text())["memory_by_category"]}
+    assert rows["zero"]["options"] == {"stage": 2} and rows["hsdp"]["shard_size"] == 2, rows
+    assert [p["options"] for p in json.loads(out.read_text())["predictions"] if p["strategy"] == "hsdp"] == [
+        {"shard_size": 2}
+    ] * 2
+    # without the settings: zero planned at both stages, hsdp over one node's processes (4)
+    assert dpkit_main([*plan, "4", "--strategies", "zero,hsdp", "--json", str(out)]) == 0
+    rows_default = json.loads(out.read_text())["memory_by_category"]
+    assert [(r["strategy"], r["options"], r["shard_size"]) for r in rows_default] == [
+        ("zero", {}, 4),
+        ("zero", {"stage": 2}, 4),
+        ("hsdp", {}, 4),
+    ]
+    capsys.readouterr()
+    assert dpkit_main([*plan, "4", "--strategies", "ddp,fsdp", "--zero-stage", "2"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "dpkit plan: error: --zero-stage: an option of strategy zero, which the planned strategies (ddp,fsdp) leave "
+        "out; add it to --strategies or leave --zero-stage out"
+    )

@@ -14,8 +14,9 @@ import torch
 from dpkit.cli import vocabulary
 from dpkit.cli.flags import Flags
 from dpkit.cli.vocabulary import VOCABULARY, Parser, UsageError, verb_parsers
-from dpkit.errors import DpkitError
+from dpkit.errors import DpkitError, is_said_by_every_rank
 from dpkit.launch import StoppedBySignal, launched
+from dpkit.launch.environment import process_place
 from dpkit.launch.worker import exit_worker
 from dpkit.recipe.sources import UserCodeError, first_line, raised_in_your_code, your_frames
 
@@ -145,13 +146,21 @@ def main(argv: list[str] | None = None) -> int:
             raise
         if isinstance(error, UserCodeError):  # said in one line already; -v adds the user's traceback
             logging.getLogger("dpkit").debug("the exception of your code", exc_info=error.__cause__)
+        if launched() and process_place().rank != 0 and is_said_by_every_rank(error):
+            return getattr(error, "exit_code", 2)  # every rank met it alike: rank 0 says it
         if str(error):  # an empty message: the processes this command started said why
             print(f"dpkit {args.command}: error: {args._flags.message(str(error))}", file=sys.stderr)
         return getattr(error, "exit_code", 2)
 
 
-if __name__ == "__main__":
+def run_as_program() -> None:
+    """`python -m dpkit …` / `python -m dpkit.cli.main …`: run the command and leave with its exit code (a
+    launched worker leaves without interpreter teardown: exit_worker)."""
     exit_code = main()
     if launched():
         exit_worker(exit_code)
     sys.exit(exit_code)
+
+
+if __name__ == "__main__":
+    run_as_program()

@@ -117,6 +117,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     which = run_group.add_mutually_exclusive_group()
     vocabulary.add_strategy(which, None, help_more=" to plan alone, instead of --strategies")
     vocabulary.add_strategies(which)
+    vocabulary.add_strategy_settings(run_group)
     vocabulary.add_precision(run_group, choices=PRECISIONS)  # the catalogue's: tf32 is a rate, not a mode
     vocabulary.add_optimizer(run_group, "adam", choices=tuple(OPTIMIZER_STATE_BYTES_PER_PARAMETER))
     run_group.add_argument(
@@ -248,10 +249,36 @@ def _flops(flops: float) -> str:
     return f"{flops:.3g} FLOP"
 
 
+# a strategy setting's flag -> the strategy option it gives (the strategies that take it plan with it)
+SETTINGS = {"zero_stage": "stage", "shard_size": "shard_size"}
+
+
+def options_from_settings(args: argparse.Namespace) -> dict[str, dict[str, int]]:
+    """--zero-stage and --shard-size as the options of the planned strategies that take them; one line when no
+    planned strategy takes a setting given."""
+    options: dict[str, dict[str, int]] = {}
+    for setting, option in SETTINGS.items():
+        value = getattr(args, setting)
+        if value is None:
+            continue
+        taking = [name for name in args.strategies if option in strategy_class(name).options]
+        if not taking:
+            flag = "--" + setting.replace("_", "-")
+            owners = [name for name in vocabulary.available_strategies() if option in strategy_class(name).options]
+            raise ValueError(
+                f"{flag}: an option of strategy {', '.join(owners)}, which the planned strategies "
+                f"({','.join(args.strategies)}) leave out; add it to --strategies or leave {flag} out"
+            )
+        for name in taking:
+            options.setdefault(name, {})[option] = value
+    return options
+
+
 def run(args: argparse.Namespace) -> int:
     # every flag checked before any work (measuring a factory, fitting a calibration)
     if args.strategy:  # one strategy: the table of it alone (and its one-device reference)
         args.strategies = [args.strategy]
+    strategy_options = options_from_settings(args)
     for name in ("json", "png"):
         check_output_file(getattr(args, name), name)
     for path in args.calibration or ():
@@ -289,6 +316,7 @@ def run(args: argparse.Namespace) -> int:
         args.optimizer,
         links=catalogue.links if not hardware.shared_compute else None,
         networks=catalogue.networks,
+        strategy_options=strategy_options,
     )
     plan.meta["link_assumed"] = bool(link_note.startswith(" (the usual"))
     lines = wrap(

@@ -26,6 +26,7 @@ from dpkit.cli.vocabulary import (
     add_seed,
     add_steps,
     add_strategy,
+    add_strategy_settings,
     add_verb,
     compile_option,
     positive_int,
@@ -91,20 +92,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         action="store_true",
         help="ddp: every step uses the same parameters (torch's DDP learns which in the first step)",
     )
-    run.add_argument(
-        "--zero-stage",
-        type=int,
-        choices=(1, 2),
-        default=None,
-        help="zero: 1 shards the optimizer state (ddp's model), 2 the gradients too (default: 1)",
-    )
-    run.add_argument(
-        "--shard-size",
-        type=positive_int,
-        default=None,
-        metavar="N",
-        help="hsdp: processes per shard group, the rest replicate (default: the processes of one node)",
-    )
+    add_strategy_settings(run)
     add_restarts(run, " (strategies with a process per device; resumes from the last saved state)")
     steps = parser.add_argument_group("optimization")
     add_steps(steps, 100, "optimizer steps in total, a resumed run's included")
@@ -149,6 +137,14 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         action="store_true",
         help="continue the run saved in --out up to --steps in total (a run stopped at its end is completed, "
         "a finished one left as it is)",
+    )
+    outputs.add_argument(
+        "--resume-from",
+        default=None,
+        metavar="STEP_DIR",
+        help="resume from this step directory of OUT/state (e.g. runs/a/state/step-00000200) instead of the latest "
+        "state, with every --resume check; the later states stay until this run's saves of their steps replace "
+        "them",
     )
     outputs.add_argument(
         "--change",

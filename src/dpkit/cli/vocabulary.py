@@ -27,6 +27,8 @@ VOCABULARY = {
     "--nproc-per-node": "processes to start on this node, one per device: a count or auto (every GPU, else 2)",
     "--strategy": "one strategy: " + ", ".join(available_strategies()) + " (train: also auto)",
     "--strategies": "strategies to compare, comma-separated",
+    "--zero-stage": "zero: 1 shards the optimizer state (ddp's model), 2 the gradients too (default: 1)",
+    "--shard-size": "hsdp: processes per shard group, the rest replicate (default: the processes of one node)",
     "--batch-size": "samples per forward over all devices, split across them (with --accumulate K a step takes K "
     "such batches)",
     "--batch-size-per-device": "samples per device per step; the global batch is this times the devices",
@@ -170,6 +172,20 @@ def add_strategy(parser: ParserOrGroup, default: str | None, *, auto: str = "", 
     choices = [*available_strategies(), *(["auto"] if auto else [])]
     text = "the strategy" + help_more + (f"; auto: {auto}" if auto else "")
     _tag(parser.add_argument("--strategy", default=default, choices=choices, help=text), "--strategy")
+
+
+def add_strategy_settings(parser: ParserOrGroup) -> None:
+    """--zero-stage and --shard-size: the options of zero and hsdp (a run's or a plan's)."""
+    _tag(
+        parser.add_argument("--zero-stage", type=int, choices=(1, 2), default=None, help=VOCABULARY["--zero-stage"]),
+        "--zero-stage",
+    )
+    _tag(
+        parser.add_argument(
+            "--shard-size", type=positive_int, default=None, metavar="N", help=VOCABULARY["--shard-size"]
+        ),
+        "--shard-size",
+    )
 
 
 def strategy_list(text: str) -> list[str]:

@@ -47,6 +47,7 @@ from dpkit.engine.placement import Placement, is_choice, resolve_placement
 from dpkit.engine.resumable_loader import ResumableLoader, resumable
 from dpkit.engine.resume.load import LoaderPosition, load_training_state
 from dpkit.engine.resume.save import save_training_state
+from dpkit.engine.together import agreed
 from dpkit.engine.whole_model import load_whole_model, save_whole_model
 from dpkit.engine.wrappers import (
     Accumulation,
@@ -348,7 +349,10 @@ class Engine(AmongProcesses):
     def _load_state(self, directory: str | os.PathLike, **objects: Any) -> dict[str, Any]:
         self._set_up("engine.load_state")  # set up first
         # read onto the CPU: load_state_dict moves weights and optimizer state to their parameters' devices
-        chosen, shared, mine = read_state_directory(directory, self.rank, map_location="cpu")
+        # every process reads its own rank-R.pt: one that fails makes every process fail with its line (together.py)
+        chosen, shared, mine = agreed(
+            self.strategy, lambda: read_state_directory(directory, self.rank, map_location="cpu")
+        )
         if self.placement.undecided:  # resume with the strategy the state was saved under, when this process can
             placement, reason = choose_from_state(
                 self.placement, shared.get("strategy"), chosen, grad_scaler=self.precision.scaler is not None

@@ -132,6 +132,7 @@ def resolve_placement(
     resolved_devices = tuple(resolve_devices(accelerator, devices))
     if traits.processes != PER_DEVICE:
         return Placement(name, resolved_devices, precision=precision, auto_devices=tuple(auto_devices))
+    _check_processes_match_devices(place, resolved_devices, launched_here=in_a_group)
     return Placement(
         name,
         resolved_devices,
@@ -141,3 +142,23 @@ def resolve_placement(
         node_rank=place.node_rank,
         precision=precision,
     )
+
+
+def _check_processes_match_devices(
+    place: ProcessPlace, devices: Sequence[torch.device], *, launched_here: bool
+) -> None:
+    """Refuse a device list that is not one device per process of this node, before anything indexes it.
+
+    Every rank of the group reads the same launcher variables and the same arguments, so every rank refuses
+    with the same line (exit 2 from the CLI, not retried), and no rank dies of an IndexError while another names
+    the cause. A launcher that does not say how many processes share the node (local_world_size None) is taken
+    at its word: one process per device given.
+    """
+    if not launched_here:
+        return
+    processes = place.local_world_size or len(devices)
+    if processes != len(devices):
+        raise ValueError(
+            f"devices: {len(devices)} devices but the launcher started {processes} processes on this node; "
+            f"pass devices={processes} or launch with --nproc-per-node {len(devices)}"
+        )

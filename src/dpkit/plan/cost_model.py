@@ -64,6 +64,11 @@ class Prediction:
         return self.devices * self.nodes
 
     @property
+    def label(self) -> str:
+        """The strategy with the options it was predicted with: "zero stage=2", "hsdp shard_size=2"."""
+        return " ".join([self.strategy, *(f"{key}={value}" for key, value in sorted(self.options.items()))])
+
+    @property
     def batch(self) -> int:
         """The samples of one step, over every device."""
         return self.global_batch if self.global_batch is not None else self.batch_per_device * self.total_devices
@@ -71,6 +76,7 @@ class Prediction:
     def to_dict(self) -> dict[str, Any]:
         return {
             "strategy": self.strategy,
+            "options": dict(self.options),
             "devices": self.devices,
             "nodes": self.nodes,
             "batch_size": self.batch,
@@ -167,11 +173,14 @@ def predict_all(
     precision: str = "32",
     constants: CostConstants = CostConstants(),
     optimizer: str = "adam",
+    strategy_options: Mapping[str, Mapping[str, Any]] | None = None,
 ) -> list[Prediction]:
     """Every strategy at every device count it can use (only strategies with a process per device, such
     as ddp, span nodes), with speed-up and efficiency against the reference strategy on one device of one node
-    (with a global batch: that device running the whole batch). A plain number is a batch per device."""
+    (with a global batch: that device running the whole batch). A plain number is a batch per device.
+    `strategy_options`: a strategy's options by its name (zero's stage, hsdp's shard_size); its defaults else."""
     batch = as_batch(batch_per_device)
+    chosen = strategy_options or {}
 
     def predict_batch(machine: Hardware, strategy: str, devices: int) -> Prediction:
         total = devices * machine.nodes
@@ -185,12 +194,13 @@ def predict_all(
             constants,
             optimizer,
             global_batch=None if batch.per_device else batch.samples,
+            options=chosen.get(strategy),
         )
 
     baseline = predict_batch(replace(hardware, nodes=1), reference(), 1)
     predictions = []
     for strategy in strategies:
-        traits = strategy_class(strategy).traits
+        traits = strategy_class(strategy).traits_for(**chosen.get(strategy, {}))
         spans_nodes = traits.processes == PER_DEVICE  # a launcher's processes reach another node's devices
         one_device = traits.max_devices == 1  # the reference: predicted on one device of one node, as the baseline
         if hardware.nodes > 1 and not spans_nodes and not one_device:

@@ -88,13 +88,16 @@ def memory_rows(
     precision: str = "32",
     constants: CostConstants = CostConstants(),
     optimizer: str = "adam",
+    strategy_options: Mapping[str, Mapping[str, Any]] | None = None,
 ) -> list[MemoryRow]:
     """Every strategy asked, and each variant it plans (Strategy.planned_variants), on the most devices it can use
-    of `device_counts` (per node; nodes as in predict_all): the fullest device's memory by category."""
+    of `device_counts` (per node; nodes as in predict_all): the fullest device's memory by category. A strategy
+    given `strategy_options` (by its name) is planned with those alone."""
     rows = []
     for name in strategies:
         cls = strategy_class(name)
-        for options in ({}, *cls.planned_variants):
+        given = (strategy_options or {}).get(name)
+        for options in (given,) if given else ({}, *cls.planned_variants):
             traits = cls.traits_for(**options)
             one_device = traits.max_devices == 1
             spans_nodes = traits.processes == PER_DEVICE and not one_device
@@ -176,7 +179,7 @@ class Plan:
 
     def _label(self, p: Prediction) -> list[str]:
         devices = f"{p.nodes}x{p.devices}" if self.hardware.nodes > 1 else str(p.devices)
-        return [p.strategy, devices]
+        return [p.label, devices]
 
     def summary_lines(self) -> list[str]:
         per_device = all(p.global_batch is None for p in self.predictions)
@@ -220,7 +223,7 @@ class Plan:
         phases = [name for name in PHASE_ORDER if any(name in p.breakdown for p in self.predictions)]
         header = ["strategy ", "devices"] + [PHASE_HEADERS[name][0] for name in phases]
         rows = [
-            [p.strategy + " ", self._label(p)[1]]  # the trailing space: two between names and figures, as elsewhere
+            [p.label + " ", self._label(p)[1]]  # the trailing space: two between names and figures, as elsewhere
             + [_milliseconds(p.breakdown[name]) if name in p.breakdown else "-" for name in phases]
             for p in self.predictions
         ]
@@ -407,16 +410,21 @@ def make_plan(
     optimizer: str = "adam",
     links: Mapping[str, Link] | None = None,
     networks: Mapping[str, Link] | None = None,
+    strategy_options: Mapping[str, Mapping[str, Any]] | None = None,
 ) -> Plan:
     """Every prediction and the recommendation. A plain number is a batch per device. `links` (the catalogue's)
     and `networks` let the advice re-run the plan with a faster link, among the links the GPU can have
     (`hardware.gpu.links`), and a faster network."""
     batch = as_batch(batch_per_device)
-    predictions = predict_all(profile, hardware, strategies, device_counts, batch, precision, constants, optimizer)
+    predictions = predict_all(
+        profile, hardware, strategies, device_counts, batch, precision, constants, optimizer, strategy_options
+    )
     gpu_links = {name: links[name] for name in hardware.gpu.links if name in links} if links else {}
 
     def rerun(machine: Hardware, changed: BatchSize = batch) -> list[Prediction]:
-        return predict_all(profile, machine, strategies, device_counts, changed, precision, constants, optimizer)
+        return predict_all(
+            profile, machine, strategies, device_counts, changed, precision, constants, optimizer, strategy_options
+        )
 
     def what_if(change: str, devices: int) -> tuple[str, list[Prediction]] | None:
         if change == "faster-link":
@@ -456,7 +464,9 @@ def make_plan(
             return f"it does not pay at any batch up to {MOST_SAMPLES:,} {unit}"
         return f"it would pay from a batch of {pays:,} {unit}"
 
-    memory = memory_rows(profile, hardware, strategies, device_counts, batch, precision, constants, optimizer)
+    memory = memory_rows(
+        profile, hardware, strategies, device_counts, batch, precision, constants, optimizer, strategy_options
+    )
     recommendation = recommend(
         predictions,
         hardware.link.name,

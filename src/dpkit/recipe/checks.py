@@ -159,7 +159,10 @@ def check_out(config: TrainConfig) -> Plan:
     holds = [name for name in (*RUN_FILES, STATE_FOLDER) if name != METRICS_CSV and (out / name).exists()]
     states = saved_states(out)
     taken = step_of(states[-1]) if states else None
-    saved = read_settings(out) if config.resume else None
+    resuming = config.resume or config.resume_from is not None
+    if config.resume_from is not None:  # going back to that state (check_resume_from checked it is one of them)
+        taken = step_of(Path(config.resume_from))
+    saved = read_settings(out) if resuming else None
     ours = False
     if restart_count() > 0:  # a run.json that does not name this job (or no run.json) is another run's
         with contextlib.suppress(ValueError):
@@ -167,8 +170,9 @@ def check_out(config: TrainConfig) -> Plan:
             ours = saved is not None and saved.get("job") == job
     if (out / STATE_FOLDER).is_dir() and (config.checkpoint_every or (config.overwrite and not ours)):
         check_writable(out / STATE_FOLDER, out, "the training state")
-    if config.resume or ours:
-        changes = check_settings(config, out, saved, out / STATE_FOLDER if states else None, taken)
+    if resuming or ours:
+        source = Path(config.resume_from) if config.resume_from is not None else out / STATE_FOLDER
+        changes = check_settings(config, out, saved, source if states else None, taken)
         if is_finished(out, config.steps, taken):
             return Plan(job, finished=True)
         if taken is None:

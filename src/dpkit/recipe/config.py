@@ -94,6 +94,7 @@ class TrainConfig:
     log_every: int = 10  # write the steps' metrics to OUT/metrics.csv every K steps (rows per step)
     tensorboard: bool = False  # also write them to TensorBoard in OUT/tensorboard
     resume: bool = False
+    resume_from: str | None = None  # a step directory of OUT/state to resume from (resumes; later states stay)
     change: (
         str | Sequence[str]
     ) = ()  # with resume: the settings of CHANGEABLE the resumed run changes, e.g. ("lr",) or "lr,schedule"
@@ -226,6 +227,9 @@ def check_config(config: TrainConfig) -> list[torch.device]:
         raise ValueError(
             "resume/overwrite: give one: resume=True continues the run in the folder, overwrite=True replaces it"
         )
+    from dpkit.recipe.earlier_state import check_resume_from  # (it reads the folder's names from folder.py)
+
+    check_resume_from(config)
     placement = placement_of(config)
     devices = list(placement.devices)
     check_cpp_compiler(compile_options, devices[0].type)

@@ -20,13 +20,15 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, RandomSampler, TensorDataset
 
+from dpkit.checkpoint.errors import CheckpointCorruptError
 from dpkit.compilation import compile_counts, describe_compile
 from dpkit.devices import available_cores
 from dpkit.engine.engine import Engine
-from dpkit.errors import DpkitError
+from dpkit.errors import said_by_every_rank
 from dpkit.launch import StoppedBySignal, relaunched
 from dpkit.recipe.checks import Plan, Prepared
 from dpkit.recipe.config import BEST_BY, TrainConfig, TrainingDiverged
+from dpkit.recipe.earlier_state import resume_source, with_earlier_state
 from dpkit.recipe.evaluation import Best, Scores, evaluate
 from dpkit.recipe.folder import (
     BEST,
@@ -44,9 +46,6 @@ from dpkit.recipe.folder import (
 from dpkit.recipe.metrics import StepRecords, write_summary
 from dpkit.recipe.optimization import build_optimizer, schedule_at
 from dpkit.recipe.stop import StopRequest, stopped_message
-
-# what a failed load of the saved state raises when its message is for the person running the command
-LOAD_ERRORS = (ValueError, TypeError, FileNotFoundError, DpkitError)
 
 
 class Run:
@@ -142,9 +141,11 @@ class Run:
             if self.best is not None and config.keep_best is not None:  # (best is kept when keep_best is given)
                 self.best = Best(config.keep_best, BEST_BY[config.keep_best], extras.get("best"))
             if engine.step > config.steps:
-                raise ValueError(
-                    f"steps: the run in {str(out)!r} has already taken {engine.step} steps; give {engine.step} to "
-                    "finish it or more to continue it"
+                raise said_by_every_rank(
+                    ValueError(
+                        f"steps: the run in {str(out)!r} has already taken {engine.step} steps; give {engine.step} "
+                        "to finish it or more to continue it"
+                    )
                 )
             if self.best is not None and engine.is_global_zero and "best_files" in extras:
                 # what a later, discarded part of the run wrote there is not this run's best
@@ -158,20 +159,12 @@ class Run:
             engine.barrier()
 
     def _load_state(self) -> dict[str, Any]:
-        """The saved state loaded; its errors said once: every process reads the same state and meets the same
-        error, so rank 0 says it and the others end with the same error quietly, unless it is about their own
-        file (rank-R.pt), which only they read."""
-        rank = self.engine.rank
+        """The saved state loaded. Its errors are every process's alike (the Engine's processes agree before any
+        fails), said once by rank 0; a damaged state's names the command that resumes from the one before it."""
         try:
-            return self.engine.load_state(self.out / STATE_FOLDER)
-        except LOAD_ERRORS as error:
-            if rank == 0 or f"rank-{rank}.pt" in str(error):
-                raise
-            try:
-                quiet = type(error)("")
-            except Exception:  # an error class that wants other arguments: its kind is what the exit code needs
-                quiet = ValueError("")
-            raise quiet from error
+            return self.engine.load_state(resume_source(self.config))
+        except CheckpointCorruptError as error:
+            raise said_by_every_rank(with_earlier_state(error, self.config)) from error
 
     def _say_start(self) -> None:
         """Said once the stop request is listening: a signal after this line stops at a boundary."""
@@ -188,6 +181,7 @@ class Run:
             + (f", clip {config.clip_grad_norm:g}" if config.clip_grad_norm else "")
             + f", precision {config.precision}"
             + (f", resuming at step {steps_done}" if plan.resume else "")
+            + (f" from {config.resume_from}" if plan.resume and config.resume_from else "")
             + "".join(
                 f"; {c['setting']} {c['from']!r} -> {c['to']!r}"
                 for c in plan.changes

@@ -30,6 +30,7 @@ from dpkit.engine.resume.checks import (
     check_optimizer_state,
     optimizer_snapshot,
 )
+from dpkit.engine.together import agreed
 from dpkit.engine.wrappers import SetUp
 from dpkit.strategies import Strategy
 from dpkit.strategies.named_state import numbered_optimizer_state
@@ -56,10 +57,9 @@ def load_training_state(
     """Load the state read from step directory `chosen` (its shared part and this process's) into `set_up` and
     the named `objects`, all or nothing (engine.load_state's work). Returns the extras' values and every saved
     loader's position, for the loaders set up later."""
-    # check everything first
-    read = read_model_and_optimizers(set_up, chosen, shared)
-    check_optimizers(set_up, shared, read)
-    check_the_rest(set_up, chosen, shared, mine, objects)
+    # check everything first, every process agreeing before any fails (engine/together.py)
+    read = agreed(set_up.strategy, lambda: read_model_and_optimizers(set_up, chosen, shared))
+    agreed(set_up.strategy, lambda: check_everything_else(set_up, chosen, shared, mine, objects, read))
     extras = shared.get("extra", {})
     # then change everything: the steps a load_state_dict could still refuse first, each undone on a failure
     undo = Undo()
@@ -99,6 +99,14 @@ def read_model_and_optimizers(set_up: SetUp, chosen: Path, shared: SharedState) 
         for index, optimizer in enumerate(set_up.optimizers[: len(groups)])
     ]
     return ReadState(shards, False, check_state_dict(bare, whole.get("model", {}), shards), optimizers)
+
+
+def check_everything_else(
+    set_up: SetUp, chosen: Path, shared: SharedState, mine: ProcessState, objects: dict[str, Any], read: ReadState
+) -> None:
+    """The optimizers against what was read, then the loaders, generators, step and named objects."""
+    check_optimizers(set_up, shared, read)
+    check_the_rest(set_up, chosen, shared, mine, objects)
 
 
 def check_optimizers(set_up: SetUp, shared: SharedState, read: ReadState) -> None:
