@@ -16,7 +16,7 @@ import dpkit
 PACKAGE = Path(dpkit.__file__).parent
 
 LAYERS = [
-    ("cli", ["dpkit.cli"]),
+    ("cli", ["dpkit.cli", "dpkit.__main__"]),
     ("tools", ["dpkit.tools"]),
     ("integrations", ["dpkit.integrations", "dpkit.lightning"]),
     ("recipe", ["dpkit.recipe"]),

@@ -425,7 +425,7 @@ def test_a_missing_script_is_one_error_before_anything_starts(tmp_path, monkeypa
         ("no_such_module_here", "no module named 'no_such_module_here'"),
         ("dpkit.no_such_module", "no module named 'dpkit.no_such_module'"),
         ("no_such_package.train", "no module named 'no_such_package'"),
-        ("dpkit", "'dpkit' is a package without a __main__ module"),
+        ("dpkit.strategies", "'dpkit.strategies' is a package without a __main__ module"),
         ("my-script.py", "'my-script.py' is not a module name (dotted identifiers, e.g. mypackage.train)"),
     ],
 )
