@@ -27,6 +27,9 @@ VOCABULARY = {
     "--nproc-per-node": "processes to start on this node, one per device: a count or auto (every GPU, else 2)",
     "--strategy": "one strategy: " + ", ".join(available_strategies()) + " (train: also auto)",
     "--strategies": "strategies to compare, comma-separated",
+    "--compress": "gradient compression: none, bf16, fp16, powersgd or powersgd:R (rank R; powersgd is rank 2); "
+    "bf16/fp16 under ddp, zero, fsdp, hsdp and replicated, powersgd where whole gradients are all-reduced (ddp, zero "
+    "stage 1, replicated)",
     "--zero-stage": "zero: 1 shards the optimizer state (ddp's model), 2 the gradients too (default: 1)",
     "--shard-size": "hsdp: processes per shard group, the rest replicate (default: the processes of one node)",
     "--batch-size": "samples per forward over all devices, split across them (with --accumulate K a step takes K "
@@ -172,6 +175,26 @@ def add_strategy(parser: ParserOrGroup, default: str | None, *, auto: str = "", 
     choices = [*available_strategies(), *(["auto"] if auto else [])]
     text = "the strategy" + help_more + (f"; auto: {auto}" if auto else "")
     _tag(parser.add_argument("--strategy", default=default, choices=choices, help=text), "--strategy")
+
+
+def compression_text(text: str) -> str:
+    """--compress's value, checked as the library checks compress= (one line naming the flag and what is accepted)."""
+    from dpkit.strategies.compression import parse_compression
+
+    try:
+        return str(parse_compression(text))
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error).removeprefix("compress: ")) from None
+
+
+def add_compress(parser: ParserOrGroup) -> None:
+    """--compress: the gradient compression (strategies/compression.py), checked before any work."""
+    _tag(
+        parser.add_argument(
+            "--compress", default="none", type=compression_text, metavar="KIND", help=VOCABULARY["--compress"]
+        ),
+        "--compress",
+    )
 
 
 def add_strategy_settings(parser: ParserOrGroup) -> None:

@@ -126,6 +126,18 @@ class Traits:
         return min(int(self.shard_group), processes)
 
     @property
+    def compressions(self) -> tuple[str, ...]:
+        """The gradient compressions (strategies/compression.py) this strategy's exchange can take: every kind where
+        whole gradients are all-reduced among persistent replicas, the 16-bit ones where gradients are
+        reduce-scattered to shards, none where nothing crosses between persistent replicas (one device; a model
+        re-replicated each step, whose gradients torch's autograd sums onto the first device)."""
+        if self.replicas != PERSISTENT:
+            return ("none",)
+        if self.gradients == SHARDED:
+            return ("none", "bf16", "fp16")
+        return ("none", "bf16", "fp16", "powersgd")
+
+    @property
     def threads_per_step(self) -> bool:
         """Several replicas in one process, each run by its device's worker thread."""
         return self.processes == ONE_PROCESS and self.replicas != NO_REPLICAS
