@@ -75,6 +75,7 @@ class ProcessState(TypedDict, total=False):
     loaders: list[dict[str, Any] | None]  # each loader's generator states from its epoch's start
     threads: int  # its intra-op thread count: a resume computes with the same
     concurrency: dict[str, str]  # how the replica runner's auto call sites decided to run
+    strategy: dict[str, Any] | None  # what its strategy keeps of its own (the compressed exchange's state)
 
 
 _pointer_text = pointer_text  # the name tests/recipe/test_recipe_history.py imports

@@ -62,11 +62,17 @@ from dpkit.launch.heartbeat import busy
 from dpkit.parallel.workers import hold_workers
 from dpkit.precision import Precision
 from dpkit.strategies import PER_DEVICE, Strategy, create_strategy, matching
+from dpkit.strategies.compression import parse_compression
 
 if TYPE_CHECKING:
     from dpkit.plan.auto import Choice
 
 log = logging.getLogger("dpkit")
+
+
+def compressing() -> list[str]:
+    """The strategies that take some gradient compression."""
+    return matching(lambda traits: len(traits.compressions) > 1)
 
 
 class Engine(AmongProcesses):
@@ -89,6 +95,9 @@ class Engine(AmongProcesses):
             (each replica runs it; fsdp, hsdp and zero stage 2 compile each innermost sharded module: the units, or
             the root of a model without units). A model compiled before setup keeps its own options.
             docs/compile.md says where it pays.
+        compress: gradient compression, "none", "bf16", "fp16", "powersgd" or "powersgd:R" (docs/compression.md):
+            16-bit under ddp, zero, fsdp, hsdp and replicated; PowerSGD (rank R, default 2) under ddp, zero stage 1
+            and replicated, after compress_warmup_steps synchronized steps uncompressed (default 1,000).
         **strategy_options: passed to the strategy, e.g. timeout_seconds= and seed= for ddp.
 
     Where it runs is resolved once (engine/placement.py) into `engine.placement`, a frozen value the
@@ -105,9 +114,21 @@ class Engine(AmongProcesses):
         progress: bool = True,
         nonfinite_loss: str | None = None,
         compile: bool | Mapping[str, Any] | None = None,
+        compress: str = "none",
+        compress_warmup_steps: int | None = None,
         **strategy_options: Any,
     ):
         check_int(accumulate, "accumulate", meaning="micro-batches per optimizer step")
+        compression = parse_compression(compress, compress_warmup_steps)  # one line on a bad value, first
+        if compression.compresses:
+            if strategy == "auto" or is_choice(strategy):
+                raise ValueError(
+                    f"compress: {str(compression)!r} goes with a strategy named for it ({', '.join(compressing())}); "
+                    "strategy='auto' chooses without compression"
+                )
+            strategy_options = {"compress": str(compression), **strategy_options}
+            if compress_warmup_steps is not None:
+                strategy_options["compress_warmup_steps"] = compress_warmup_steps
         self.compile_options = check_compile(compile)  # torch.compile's options, None for eager
         self._loss_check = LossCheck(nonfinite_loss)
         self.placement: Placement = resolve_placement(strategy, accelerator, devices, precision)

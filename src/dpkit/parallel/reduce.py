@@ -53,6 +53,9 @@ from dpkit.parallel.apply import PeerFailed, run_replicas
 from dpkit.parallel.concurrency import AUTO, SERIAL, THREADS, Concurrency
 
 DEFAULT_BUCKET_CAP_BYTES = 4 * 1024 * 1024
+# a sum made another way (the replicated strategy's compressed exchange): (the positions of the parameters that
+# have a gradient, grads[replica][k] of position k) -> the sum of each
+Exchange = Callable[[list[int], list[list[torch.Tensor]]], list[torch.Tensor]]
 
 
 def plan_buckets(params: Sequence[torch.Tensor], bucket_cap_bytes: int) -> list[list[int]]:
@@ -283,6 +286,7 @@ class GradientSum:
         everywhere: bool = True,
         coalesce: bool = True,
         concurrency: str | Concurrency = AUTO,
+        exchange: Exchange | None = None,
     ):
         if len(params) != len(devices):
             raise ValueError(
@@ -306,7 +310,9 @@ class GradientSum:
             )
         self.everywhere = everywhere
         self.coalesce = coalesce
-        self.overlap = overlap
+        # a compressed exchange replaces the plain sum (after every backward: nothing overlaps it)
+        self.exchange = exchange
+        self.overlap = overlap and exchange is None
         self.threads = threads
         self.buckets = plan_buckets(self.params[0], bucket_cap_bytes) if self.params else []
         # each bucket in one share per thread (virtual CPU devices)
@@ -349,6 +355,9 @@ class GradientSum:
         (gradients already computed)."""
         if len(self.devices) < 2 or not self.groups:
             return
+        if self.exchange is not None:
+            self._exchange_now(self.exchange)
+            return
         if not self.on_cpu:
             with hooks.phase("all_reduce", self.devices[0]):
                 self._sum_cuda()
@@ -368,6 +377,25 @@ class GradientSum:
 
         run_replicas(self.devices, job, generators=False, threads=self.threads)
         self._release_others()
+
+    def _exchange_now(self, exchange: Exchange) -> None:
+        """The sum as `exchange` makes it (a compressed one): given the positions of the parameters that have a
+        gradient and every replica's gradients of them, it returns their sums, which replica 0 receives (and every
+        replica with `everywhere`)."""
+        for group in self.groups:
+            fill_missing_grads(group)
+        positions = [position for position, group in enumerate(self.groups) if group[0].grad is not None]
+        with hooks.phase("all_reduce", self.devices[0]), torch.no_grad():
+            grads = [[replica_params[p].grad for p in positions] for replica_params in self.params]
+            sums = exchange(positions, grads)  # type: ignore[arg-type]  (filled: every one is a tensor)
+            for position, total in zip(positions, sums):
+                group = self.groups[position]
+                for p in group if self.everywhere else group[:1]:
+                    p.grad.copy_(total.to(p.device))  # type: ignore[union-attr]
+        if self.on_cpu:
+            self._release_others()
+        else:
+            self._holding_copies = True
 
     def _release_others(self) -> None:
         """After a reduce into replica 0 the other replicas start their next gradient from nothing; after an

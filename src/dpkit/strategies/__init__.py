@@ -13,7 +13,7 @@ strategies' traits (base.Traits), never compares a name:
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -37,6 +37,7 @@ from dpkit.strategies.base import (
     Strategy,
     Traits,
 )
+from dpkit.strategies.compression import parse_compression
 
 __all__ = [
     "ALL_PROCESSES",
@@ -105,9 +106,49 @@ def reference() -> str:
     return matching(lambda traits: traits.max_devices == 1)[0]
 
 
+def checked_compression(name: str, options: Mapping[str, Any]) -> dict[str, Any]:
+    """`options` with `compress` checked against what strategy `name` (built with the other options) can take
+    (Traits.compressions): one line naming the argument, the value and what this strategy and the others take.
+    compress="none" (and its warm-up) is dropped for a strategy that has no exchange to compress."""
+    options = dict(options)
+    if "compress" not in options and "compress_warmup_steps" not in options:
+        return options
+    compression = parse_compression(options.get("compress"), options.get("compress_warmup_steps"))
+    cls = strategy_class(name)
+    others = {key: value for key, value in options.items() if key not in ("compress", "compress_warmup_steps")}
+    takes = cls.traits_for(**others).compressions
+    if compression.kind in takes and "compress" in cls.options:
+        return options
+    if not compression.compresses:
+        return others
+    takers = [
+        other
+        for other in STRATEGIES
+        if any(compression.kind in strategy_class(other).traits_for(**variant).compressions
+               for variant in ({}, *strategy_class(other).planned_variants))
+    ]  # fmt: skip
+    why = (
+        f"reduce-scatters gradients to their shards and takes {' or '.join(takes[1:])} only"
+        if "bf16" in takes
+        else "has no gradient exchange to compress (one device, or replicas copied afresh each step whose gradients "
+        "autograd sums onto the first device)"
+    )
+    if compression.kind == "powersgd":
+        takers = [f"{other} stage 1" if other == "zero" else other for other in takers]
+    raise ValueError(
+        f"compress: strategy '{name}'{_variant(others)} {why}, got {str(compression)!r}; "
+        f"{compression.kind} goes with {', '.join(takers)}"
+    )
+
+
+def _variant(options: Mapping[str, Any]) -> str:
+    return "".join(f" {key}={value}" for key, value in sorted(options.items()) if key in ("stage", "shard_size"))
+
+
 def create_strategy(name: str, devices: Sequence[torch.device], *, precision: str = "32", **options: Any) -> Strategy:
     """An instance of the strategy called `name` (one of STRATEGIES) on `devices`, built for `precision`."""
     cls = strategy_class(name)
+    options = checked_compression(name, options)
     unknown = sorted(set(options) - set(cls.options))
     if unknown:
         accepted = ", ".join(cls.options) or "none"

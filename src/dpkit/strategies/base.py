@@ -340,6 +340,16 @@ class Strategy:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what state_dict() returned."""
 
+    def process_state(self) -> dict[str, Any] | None:
+        """What this process's strategy keeps of its own between steps, saved in its rank-R.pt (the compressed
+        exchange's error feedback and factors); None when nothing."""
+        return None
+
+    def load_process_state(self, state: dict[str, Any]) -> str | None:
+        """Restore what process_state() returned (under the same strategy and process count); a note when it
+        cannot be carried (saved under another compression), None when it was."""
+        return None
+
     # --- across processes: identities in one process -------------------------------------------------
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
         return tensor

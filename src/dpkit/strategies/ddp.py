@@ -41,6 +41,8 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_
 from dpkit.observe.collectives import RECORD
 from dpkit.parallel import hooks
 from dpkit.strategies.base import ON_ROOT, PER_DEVICE, PERSISTENT, Traits
+from dpkit.strategies.compressed_buckets import CompressedBuckets
+from dpkit.strategies.compressed_sum import CompressedSum, load_saved_exchange, saved_exchange
 from dpkit.strategies.per_device import PerDeviceStrategy
 from dpkit.strategies.single import one_device_forward
 from dpkit.strategies.step_marks import IN_FIRST_BUCKET
@@ -73,6 +75,9 @@ class DDP(PerDeviceStrategy):
         # the trainable parameters the reducer waits for, by name, and those that got a gradient this backward
         self._trainable: dict[str, nn.Parameter] = {}
         self._got_gradient: set[str] = set()
+        # compress=: the exchange (its state: PowerSGD's) and the worker that runs it per bucket
+        self.exchange: CompressedSum | None = None
+        self.compressed: CompressedBuckets | None = None
 
     def wrap_model(self, model: nn.Module) -> nn.Module:
         model = model.to(self.device)
@@ -86,6 +91,11 @@ class DDP(PerDeviceStrategy):
         if not (self.group.options.find_unused_parameters or self.static_graph):
             self._watch_gradients(model)
         self.bucket_seconds: list[tuple[float, float]] = []  # (started, reduced) per bucket, while observed
+        compression = self.group.options.compression
+        if compression.compresses:  # the buckets cross compressed, exchanged by a worker thread
+            names = {id(parameter): name for name, parameter in model.named_parameters()}
+            self.exchange = CompressedSum(compression, seed=self.group.options.seed)
+            self.compressed = CompressedBuckets(self.exchange, self.world_size, self.group.marks, names)
         # torch's own all-reduce hook (the same arithmetic as DDP's default), timed while anyone listens
         self.wrapped.register_comm_hook(None, self._all_reduce_bucket)
         return self.wrapped
@@ -110,6 +120,8 @@ class DDP(PerDeviceStrategy):
         )
 
     def _all_reduce_bucket(self, state, bucket):  # unannotated: torch checks annotations against its own classes
+        if self.compressed is not None:
+            return self.compressed.submit(bucket, timed=hooks.listening())
         buffer = bucket.buffer()
         with RECORD.issuing(
             f"all_reduce of gradient bucket {bucket.index()}", buffer.numel() * buffer.element_size()
@@ -136,7 +148,9 @@ class DDP(PerDeviceStrategy):
     def announce_all_reduce(self) -> None:
         """Tell listeners the all-reduce time of the backward that just ended, and the part of it hidden
         behind backward's computation (which ends when the last bucket is ready, i.e. launched)."""
-        buckets, self.bucket_seconds = sorted(getattr(self, "bucket_seconds", [])), []
+        timed = self.compressed.bucket_seconds if self.compressed is not None else getattr(self, "bucket_seconds", [])
+        buckets = sorted(timed)
+        timed.clear()
         if not buckets:
             return
         compute_end = max(started for started, _ in buckets)
@@ -166,4 +180,19 @@ class DDP(PerDeviceStrategy):
         if sync and self._trainable:
             # only the synchronizing backward counts: DDP's reducer waits on the parameters of that one
             self._check_every_parameter_got_gradient()
+        if sync and self.exchange is not None:
+            self.exchange.step_done()
         self.announce_all_reduce()
+
+    # --- the compressed exchange's state (compressed_sum.py), this process's own ----------------------------
+    def process_state(self) -> dict[str, Any] | None:
+        return saved_exchange(self.exchange)
+
+    def load_process_state(self, state: dict[str, Any]) -> str | None:
+        return load_saved_exchange(self.exchange, state, self.device)
+
+    def teardown(self) -> None:
+        if self.compressed is not None:
+            self.compressed.close()
+            self.compressed = None
+        super().teardown()

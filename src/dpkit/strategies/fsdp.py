@@ -185,9 +185,11 @@ class FSDP(PerDeviceStrategy):
 
     # --- wrapping -----------------------------------------------------------------------------------
     def _mixed_precision(self) -> MixedPrecisionPolicy:
+        # compress="bf16"/"fp16": the gradients' reduce-scatter (and hsdp's all-reduce across replicas) in 16 bits
+        wire = self.group.options.compression.wire_dtype
         if self.precision == "bf16-mixed":  # bf16 gathers and compute, float32 shards and gradient reduction
-            return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        return MixedPrecisionPolicy()
+            return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=wire or torch.float32)
+        return MixedPrecisionPolicy(reduce_dtype=wire)
 
     def compile_model(self, model: nn.Module, compile_fn: CompileFn) -> None:
         # compiled by wrap_model, after fully_shard: a module's forward whose units' FSDP2 hooks dynamo does not

@@ -31,6 +31,7 @@ from dpkit.launch.environment import hang_timeout_seconds
 from dpkit.launch.heartbeat import ProgressHeartbeat, publish_now
 from dpkit.launch.rendezvous import rendezvous_store
 from dpkit.observe.collectives import RECORD, record_torch_collectives, stop_recording_torch_collectives
+from dpkit.strategies.compression import Compression, parse_compression
 from dpkit.strategies.process_shares import ProcessShares
 from dpkit.strategies.step_marks import MarksRide, StepMarks
 
@@ -58,8 +59,17 @@ class ProcessGroupOptions:
     threads_per_device: int | None = None  # intra-op threads per process; None: a fair share of the cores
     init_timeout_seconds: float = 60.0  # how long to wait for every rank to join
     find_unused_parameters: bool = False  # steps may leave trainable parameters without a gradient
+    # gradient compression (compression.py): "none", "bf16", "fp16", "powersgd" or "powersgd:R", and PowerSGD's
+    # synchronized steps uncompressed first (None: compression.DEFAULT_WARMUP_STEPS)
+    compress: str | Compression = "none"
+    compress_warmup_steps: int | None = None
+
+    @property
+    def compression(self) -> Compression:
+        return parse_compression(self.compress, self.compress_warmup_steps)
 
     def __post_init__(self) -> None:
+        self.compression  # noqa: B018 (checked here: a bad value is one line before any process group)
         if not isinstance(self.find_unused_parameters, bool):
             raise TypeError(
                 "find_unused_parameters: expected True (steps may leave trainable parameters without a gradient) "

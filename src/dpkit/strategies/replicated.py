@@ -54,6 +54,8 @@ from dpkit.strategies.base import (
     defers,
 )
 from dpkit.strategies.combined_loss import ReplicaStep, combined_loss
+from dpkit.strategies.compressed_sum import CompressedSum, ReplicaPeers, load_saved_exchange, saved_exchange
+from dpkit.strategies.compression import Compression, parse_compression
 from dpkit.strategies.replica_optimizers import ReplicaOptimizers, SharedOptimizer, clone_optimizer
 
 
@@ -85,7 +87,15 @@ class Replicated(Strategy):
     traits = Traits(
         processes=ONE_PROCESS, loss=IN_REPLICAS, replicas=PERSISTENT, shares_host_weights=True, grad_scaler=False
     )
-    options = ("threads_per_device", "overlap_reduce", "share_weights", "coalesce_reduce", "concurrency")
+    options = (
+        "threads_per_device",
+        "overlap_reduce",
+        "share_weights",
+        "coalesce_reduce",
+        "concurrency",
+        "compress",
+        "compress_warmup_steps",
+    )
     # the call sites whose replicas run side by side or serially (parallel/concurrency.py)
     concurrency_sites = ("forward", "forward_loss", "backward")
 
@@ -98,9 +108,15 @@ class Replicated(Strategy):
         share_weights: bool | None = None,
         coalesce_reduce: bool = True,
         concurrency: str | Mapping[str, str] = "auto",
+        compress: str | Compression = "none",
+        compress_warmup_steps: int | None = None,
         precision: str = "32",
     ):
         super().__init__(devices, precision=precision)
+        # compress=: the replicas' gradients summed through the compressed exchange (compressed_sum.py), with the
+        # arithmetic a 16-bit or low-rank exchange between devices gives
+        compression = parse_compression(compress, compress_warmup_steps)
+        self.exchange = CompressedSum(compression) if compression.compresses else None
         self.on_cpu = all(device.type == "cpu" for device in self.devices)
         if share_weights not in (None, True, False):
             raise TypeError(
@@ -160,8 +176,23 @@ class Replicated(Strategy):
             everywhere=not self.shares_weights,
             coalesce=self.coalesce_reduce,
             concurrency=self.concurrency["backward"],
+            exchange=self._compressed_sum if self.exchange is not None else None,
         )
+        self.names = [name for name, _ in model.named_parameters()]
         return ReplicatedModule(self, model)
+
+    def _compressed_sum(self, positions: list[int], grads: list[list[torch.Tensor]]) -> list[torch.Tensor]:
+        """The replicas' gradients of the parameters at `positions`, summed through the compressed exchange."""
+        assert self.exchange is not None  # (GradientSum is given this only with an exchange)
+        peers = ReplicaPeers(len(self.replicas), self.root_device)
+        means = self.exchange([self.names[p] for p in positions], grads, peers)
+        return [mean * peers.count for mean in means]  # GradientSum sums; the loss weights made the sum the mean
+
+    def process_state(self) -> dict[str, Any] | None:
+        return saved_exchange(self.exchange)
+
+    def load_process_state(self, state: dict[str, Any]) -> str | None:
+        return load_saved_exchange(self.exchange, state, self.root_device)
 
     def _replica(self, model: nn.Module, device: torch.device) -> nn.Module:
         replica = copy.deepcopy(model).to(device)
@@ -324,6 +355,8 @@ class Replicated(Strategy):
         if sync and self._replica_backwards == before:
             # the loss came from gathered outputs: the backward ran on this thread; sum now
             gradients.sum_now()
+        if sync and self.exchange is not None:
+            self.exchange.step_done()
 
     def reduce_gradients(self) -> None:
         """Every replica's gradient becomes the sum over replicas."""

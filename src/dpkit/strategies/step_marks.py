@@ -89,6 +89,20 @@ class StepMarks:
 
         return future.then(unpack)
 
+    def all_reduce_marks_alone(self) -> None:
+        """The step marks in an all-reduce of their own (float32, exact below its mark modulus), checked when it
+        completes: the first bucket's when its gradients cross compressed (compressed_buckets.py), where the marks
+        cannot ride."""
+        self._step_opener = ("all_reduce", 0, torch.float32)
+        publish_soon()
+        marks = step_marks(RECORD, GRADIENTS, self.rank, self.world_size, torch.float32, self.device)
+        with RECORD.issuing("all_reduce of the step marks", marks.numel() * marks.element_size()) as entry:
+            dist.all_reduce(marks)
+        carried = read_marks(marks, self.world_size)
+        if any(mark != carried[0] for mark in carried):
+            self._mismatch = (carried, entry)  # named in backward (checked_in_backward), in the user's thread
+            raise CollectiveMismatch("the ranks' step marks differ")
+
     @contextlib.contextmanager
     def checked_in_backward(self) -> Iterator[None]:
         """Around a backward whose first bucket carries the marks: a bucket that found the ranks' marks differ

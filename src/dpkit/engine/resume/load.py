@@ -227,8 +227,22 @@ def load_the_rest(set_up: SetUp, chosen: Path, shared: SharedState, mine: Proces
     concurrency = mine.get("concurrency")
     if concurrency:  # the saved run's choices; a call site it had not decided measures again
         set_up.strategy.set_concurrency(concurrency)
+    load_process_state(set_up.strategy, chosen, shared, mine)
     log.info("resumed from %s at step %d", chosen, set_up.step)
     return pending
+
+
+def load_process_state(strategy: Strategy, chosen: Path, shared: SharedState, mine: ProcessState) -> None:
+    """What this process's strategy kept of its own (the compressed exchange's error feedback and factors): its own
+    again under the same strategy on as many processes, else said in one line and left fresh (each process's
+    error feedback belongs to the rank that made it)."""
+    state = mine.get("strategy")
+    if not state:
+        return
+    same = shared.get("strategy") == strategy.name and shared.get("world_size") == strategy.world_size
+    note = strategy.load_process_state(state) if same else "it belongs to another layout's processes"
+    if note:
+        log.info("%s: the strategy's own state is not carried (%s); it starts afresh", chosen, note)
 
 
 def verify_shards_together(strategy: Strategy, folder: Path, digests: dict[str, str]) -> None:

@@ -82,6 +82,8 @@ def save_training_state(
         "threads": torch.get_num_threads(),
         # how the replica runner's auto call sites decided to run (parallel/concurrency.py): a resume runs so
         "concurrency": set_up.strategy.concurrency_choice(),
+        # what this process's strategy keeps of its own (the compressed exchange's state: PowerSGD's)
+        "strategy": set_up.strategy.process_state(),
     }
     # all or nothing in every process: a failure anywhere (a full disk) raises everywhere and leaves the
     # previous states and `latest` as they were
