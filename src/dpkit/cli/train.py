@@ -15,6 +15,7 @@ from dpkit.cli.vocabulary import (
     add_accelerator,
     add_batch_size,
     add_compile,
+    add_compress,
     add_devices,
     add_lr,
     add_model_source,
@@ -29,6 +30,7 @@ from dpkit.cli.vocabulary import (
     add_strategy_settings,
     add_verb,
     compile_option,
+    non_negative_int,
     positive_int,
 )
 from dpkit.devices import resolve_devices
@@ -93,6 +95,16 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         help="ddp: every step uses the same parameters (torch's DDP learns which in the first step)",
     )
     add_strategy_settings(run)
+    add_compress(run)
+    run.add_argument(
+        "--compress-warmup",
+        dest="compress_warmup_steps",
+        type=non_negative_int,
+        default=None,
+        metavar="STEPS",
+        help="powersgd: optimizer steps uncompressed before it compresses (default: a tenth of --steps; a resumed "
+        "run keeps its state's)",
+    )
     add_restarts(run, " (strategies with a process per device; resumes from the last saved state)")
     steps = parser.add_argument_group("optimization")
     add_steps(steps, 100, "optimizer steps in total, a resumed run's included")

@@ -233,6 +233,16 @@ def add_strategies(parser: ParserOrGroup) -> None:
     )
 
 
+def non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an int >= 0, got {text}")
+    return value
+
+
 def positive_int(text: str) -> int:
     try:
         value = int(text)

@@ -84,6 +84,7 @@ class Collective:
     seconds: float | None = None
     async_op: bool = False
     completed: float | None = None
+    gradients: bool = False  # part of the gradients' exchange (issued in a strategy's backward)
 
     def describe(self) -> str:
         """`all_reduce of 4.0 MB (collective 12, step 3, train.py:31 in main)`"""
@@ -119,6 +120,13 @@ class CollectiveRecord:
         self.carriers: dict[str, Callable[..., Any]] = {}
         self.enabled = True  # off only to measure what the record costs (benchmarks/collective_record_cost.py)
         self._inside = threading.local()  # depth of recorded calls in this thread: inner calls are not entries
+        # the bytes this process put into collectives since the record began (every entry's size, counted when it
+        # returns), and of those the gradients' exchange (entries issued while `exchanging_gradients`; replicated,
+        # which has no collective, counts what would cross between its devices with `count_bytes`)
+        self.total_bytes = 0
+        self.gradient_bytes = 0
+        self._gradient_exchanges = 0  # exchanging_gradients blocks open (any thread)
+        self._bytes_lock = threading.Lock()
 
     @property
     def step(self) -> int:
@@ -129,8 +137,29 @@ class CollectiveRecord:
         entry = Collective(
             self.sequence, op, size_bytes, self.step, site or self._pinned or call_site(), perf_counter()
         )
+        # (all-gathers in backward bring parameters: fsdp's units gathered again)
+        entry.gradients = self._gradient_exchanges > 0 and not op.startswith("all_gather")
         self.entries.append(entry)
         return entry
+
+    def count_bytes(self, size_bytes: int, *, gradients: bool) -> None:
+        """Count bytes this process sent (or, for a strategy without collectives, would send between devices)."""
+        with self._bytes_lock:
+            self.total_bytes += size_bytes
+            if gradients:
+                self.gradient_bytes += size_bytes
+
+    @contextlib.contextmanager
+    def exchanging_gradients(self) -> Iterator[None]:
+        """Collectives issued inside (from any thread: ddp's compressed buckets come from a worker) exchange
+        gradients: their bytes count in `gradient_bytes` too (a strategy's backward)."""
+        with self._bytes_lock:
+            self._gradient_exchanges += 1
+        try:
+            yield
+        finally:
+            with self._bytes_lock:
+                self._gradient_exchanges -= 1
 
     def step_begins(self, entry: Collective) -> Collective:
         """A synchronised step begins with this collective (already recorded): count it, and the entry carries
@@ -148,6 +177,7 @@ class CollectiveRecord:
     def reset(self) -> None:
         self.entries.clear()
         self.sequence = self.batches = self.steps = 0
+        self.total_bytes = self.gradient_bytes = 0
         self._pinned = None
         self.carriers.clear()
 
@@ -180,6 +210,7 @@ class CollectiveRecord:
             if entry is not None:
                 entry.seconds = perf_counter() - entry.issued
                 inside.entry = None
+                self.count_bytes(entry.size_bytes, gradients=entry.gradients)
 
     def issued_async(self) -> None:
         """The collective this thread is issuing (the outermost recorded) was issued asynchronously: it returns
@@ -254,8 +285,17 @@ def call_site(frame: Any = None) -> str:
     return f"{os.path.basename(chosen.f_code.co_filename)}:{chosen.f_lineno} in {chosen.f_code.co_name}"
 
 
-def _size_bytes(args: tuple, kwargs: dict) -> int:
-    """The bytes of the first tensor (or list of tensors) among the arguments: what this rank contributes."""
+# the collectives whose first argument is their output: what this rank contributes is the input (the second)
+_OUTPUT_FIRST = ("reduce_scatter_tensor", "reduce_scatter_single", "all_gather_into_tensor", "all_gather_single")
+
+
+def _size_bytes(name: str, args: tuple, kwargs: dict) -> int:
+    """The bytes of the tensor (or list of tensors) this rank contributes: the first among the arguments, or the
+    input of a collective that takes its output first."""
+    if name.lstrip("_") in _OUTPUT_FIRST:
+        given = kwargs.get("input", kwargs.get("input_tensor", args[1] if len(args) > 1 else None))
+        if hasattr(given, "element_size") and hasattr(given, "numel"):
+            return int(given.numel() * given.element_size())
     for value in (*args, *kwargs.values()):
         if hasattr(value, "element_size") and hasattr(value, "numel"):
             return int(value.numel() * value.element_size())
@@ -267,7 +307,7 @@ def _size_bytes(args: tuple, kwargs: dict) -> int:
 def _recorded(name: str, function: Callable, record: CollectiveRecord) -> Callable:
     @functools.wraps(function)
     def collective(*args: Any, **kwargs: Any) -> Any:
-        with record.issuing(name, _size_bytes(args, kwargs)) as entry:
+        with record.issuing(name, _size_bytes(name, args, kwargs)) as entry:
             if kwargs.get("async_op"):  # the entry, or the one this call is part of (ddp's comm hook)
                 record.issued_async()
             carrier = record.carriers.get(name) if entry is not None else None

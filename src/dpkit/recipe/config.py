@@ -24,7 +24,8 @@ from dpkit.launch.environment import launched
 from dpkit.precision import PRECISIONS, Precision
 from dpkit.recipe.metrics_log import tensorboard_writer_class
 from dpkit.recipe.optimization import OPTIMIZERS, SCHEDULES
-from dpkit.strategies import available_strategies, strategy_class
+from dpkit.strategies import available_strategies, checked_compression, strategy_class
+from dpkit.strategies.compression import parse_compression
 from dpkit.strategies.mesh import mesh_shape
 
 # settings a resumed run must share with the run it continues
@@ -84,6 +85,9 @@ class TrainConfig:
     )
     find_unused_parameters: bool = False  # ddp, zero 1: steps may leave trainable parameters without a gradient
     static_graph: bool = False  # ddp: every step uses the same parameters
+    compress: str = "none"  # gradient compression: none, bf16, fp16, powersgd or powersgd:R
+    # PowerSGD's synchronized steps uncompressed first; None: 10% of steps (a resumed run keeps its state's)
+    compress_warmup_steps: int | None = None
     zero_stage: int | None = None  # zero: 1 (optimizer state sharded) or 2 (gradients too); None: zero's default
     shard_size: int | None = None  # hsdp: processes per shard group (the rest replicate); None: one node's
     out: str = "runs/train"
@@ -137,7 +141,14 @@ class TrainConfig:
         for setting, option in STRATEGY_SETTINGS.items():
             if getattr(self, setting) is not None:
                 options[option] = getattr(self, setting)
+        if parse_compression(self.compress).compresses:
+            options["compress"] = self.compress
+            options["compress_warmup_steps"] = self.warmup_steps()
         return options
+
+    def warmup_steps(self) -> int:
+        """PowerSGD's warm-up: as given, else a tenth of the steps (torch's advice: start after about 10%)."""
+        return self.compress_warmup_steps if self.compress_warmup_steps is not None else self.steps // 10
 
     def changes(self) -> tuple[str, ...]:
         """`change` as names: ("lr",) from "lr", ["lr"] or ("lr",)."""
@@ -182,6 +193,30 @@ def resolve_batch(config: TrainConfig) -> TrainConfig:
 
 
 # --- checks, all before any work ----------------------------------------------------------------------
+
+
+def describe_compression(config: TrainConfig) -> str:
+    """', compress bf16' or ', compress powersgd:2 from step 10' for the start line; '' without compression."""
+    compression = parse_compression(config.compress)
+    if not compression.compresses:
+        return ""
+    after = f" from step {config.warmup_steps()}" if compression.kind == "powersgd" else ""
+    return f", compress {compression}{after}"
+
+
+def check_compression(config: TrainConfig) -> None:
+    """compress: a value compression.py knows, a warm-up that is a count, and a strategy that takes it (the
+    registry's one line otherwise); strategy "auto" chooses without compression."""
+    compression = parse_compression(config.compress, config.compress_warmup_steps)
+    if not compression.compresses:
+        return
+    if config.strategy == "auto":
+        takers = [name for name in available_strategies() if len(strategy_class(name).traits.compressions) > 1]
+        raise ValueError(
+            f"compress: {str(compression)!r} goes with a strategy named for it ({', '.join(takers)}); "
+            "strategy 'auto' chooses without compression"
+        )
+    checked_compression(config.strategy, config.strategy_options())
 
 
 def check_strategy_settings(config: TrainConfig, processes: int) -> None:
@@ -234,6 +269,7 @@ def check_config(config: TrainConfig) -> list[torch.device]:
     devices = list(placement.devices)
     check_cpp_compiler(compile_options, devices[0].type)
     check_strategy_settings(config, max(placement.processes, len(devices)))
+    check_compression(config)
     if config.strategy == "auto":
         check_batch_split(config.batch_size, len(devices))
         Precision(config.precision, devices[0].type)

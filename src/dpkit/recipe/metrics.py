@@ -16,6 +16,7 @@ from dpkit.recipe.config import TrainConfig
 from dpkit.recipe.evaluation import Best, Scores
 from dpkit.recipe.folder import METRICS, MODEL, write_json
 from dpkit.recipe.metrics_log import METRICS_CSV, MetricsLog
+from dpkit.strategies.compression import parse_compression
 
 if TYPE_CHECKING:
     from dpkit.engine.engine import Engine
@@ -114,8 +115,10 @@ def write_summary(
     scores: Scores,
     best: Best | None,
     seconds: float,
+    communication_bytes: int = 0,
 ) -> dict[str, Any]:
-    """metrics.json, and the run's last line on stdout (rank 0)."""
+    """metrics.json, and the run's last line on stdout (rank 0). `communication_bytes`: what this process put into
+    collectives over the run (for replicated, what would cross between its devices)."""
     out = Path(config.out)
     losses = records.losses
     samples_per_second = sum(losses.rows) / seconds if seconds > 0 else 0.0
@@ -140,6 +143,8 @@ def write_summary(
         "test_accuracy": scores.accuracy,
         "test_samples": scores.samples,
         "best": best.record() if best is not None else None,
+        "compress": str(parse_compression(config.compress)),
+        "communication_bytes": communication_bytes,
         "resumed": plan.resume,
         "changes": list(plan.changes),
     }

@@ -26,8 +26,9 @@ from dpkit.devices import available_cores
 from dpkit.engine.engine import Engine
 from dpkit.errors import said_by_every_rank
 from dpkit.launch import StoppedBySignal, relaunched
+from dpkit.observe.collectives import RECORD
 from dpkit.recipe.checks import Plan, Prepared
-from dpkit.recipe.config import BEST_BY, TrainConfig, TrainingDiverged
+from dpkit.recipe.config import BEST_BY, TrainConfig, TrainingDiverged, describe_compression
 from dpkit.recipe.earlier_state import resume_source, with_earlier_state
 from dpkit.recipe.evaluation import Best, Scores, evaluate
 from dpkit.recipe.folder import (
@@ -71,6 +72,9 @@ class Run:
             torch.set_num_threads(available_cores())
         # rank 0 decided what to do with the folder; the others learn it here
         self.plan = cast(Plan, self.engine.gather_object(prepared.plan)[0])  # (rank 0's is never None)
+        # the bytes this process put into collectives over the run (metrics.json's communication_bytes): what the
+        # record counts from here, with what a resumed run's earlier parts counted
+        self.bytes_at_start, self.bytes_restored = RECORD.total_bytes, 0
         self.prepared = prepared
         self.stop = StopRequest()
         self.best = Best(config.keep_best, BEST_BY[config.keep_best]) if config.keep_best else None
@@ -135,6 +139,7 @@ class Run:
         config, engine, out = self.config, self.engine, self.out
         if self.plan.resume:
             extras = self._load_state()
+            self.bytes_restored = int(extras.get("communication_bytes", 0))
             self.records = StepRecords(
                 engine, extras["losses"], extras["rows"], extras["step_seconds"], float(extras["seconds"])
             )
@@ -179,6 +184,7 @@ class Run:
             + (f", {config.lr_warmup_steps} warm-up steps" if config.lr_warmup_steps else "")
             + ")"
             + (f", clip {config.clip_grad_norm:g}" if config.clip_grad_norm else "")
+            + describe_compression(config)
             + f", precision {config.precision}"
             + (f", resuming at step {steps_done}" if plan.resume else "")
             + (f" from {config.resume_from}" if plan.resume and config.resume_from else "")
@@ -331,6 +337,7 @@ class Run:
             keep=self.config.keep,
             **self.records.saved(),
             seconds=seconds,
+            communication_bytes=self._communication_bytes(),
             settings={**self.config.settings(), "job": self.plan.job},
             best=self.best.record() if self.best is not None else None,
             # best.pt and best.json as they are at this step: a resume from here rolls them back to them
@@ -347,4 +354,16 @@ class Run:
         self.engine.save(self.model, self.out / MODEL)
         if not self.engine.is_global_zero:
             return None
-        return write_summary(self.config, self.engine, self.plan, self.records, scores, self.best, seconds)
+        return write_summary(
+            self.config,
+            self.engine,
+            self.plan,
+            self.records,
+            scores,
+            self.best,
+            seconds,
+            communication_bytes=self._communication_bytes(),
+        )
+
+    def _communication_bytes(self) -> int:
+        return self.bytes_restored + RECORD.total_bytes - self.bytes_at_start

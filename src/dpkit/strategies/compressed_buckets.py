@@ -41,7 +41,8 @@ class ProcessPeers:
         return summed
 
     def sum_rounded(self, tensors: Sequence[torch.Tensor], dtype: torch.dtype, scale: float) -> torch.Tensor:
-        """A reduce-scatter in 16 bits (each process receives every process's chunk of its share), its chunks summed
+        """(Counted as one all-reduce of the 16-bit gradient, as the uncompressed exchange counts its float32 one.)
+        A reduce-scatter in 16 bits (each process receives every process's chunk of its share), its chunks summed
         in float32, scaled and rounded, then an all-gather in 16 bits."""
         (mine,) = tensors
         numel, processes = mine.numel(), self.count
@@ -53,7 +54,7 @@ class ProcessPeers:
         share = (received.view(processes, chunk).float().sum(0) * scale).to(dtype)
         gathered = torch.empty_like(padded)
         dist.all_gather_into_tensor(gathered, share)
-        self.sent_bytes += (padded.numel() + share.numel()) * padded.element_size()
+        self.sent_bytes += numel * padded.element_size()  # as an all-reduce of the 16-bit gradient counts it
         return gathered[:numel].float()
 
 

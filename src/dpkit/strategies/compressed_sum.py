@@ -100,7 +100,9 @@ class CompressedSum:
         qs = {i: self._q(names[i], inputs[0][i].shape[1], first[i].device) for i in matrices}
         # one collective: the whole tensors and every P = M Q
         packed = [
-            torch.cat([*(mine[i].reshape(-1).float() for i in whole), *((inputs[p][i] @ qs[i]).reshape(-1) for i in matrices)])
+            torch.cat(
+                [*(mine[i].reshape(-1).float() for i in whole), *((inputs[p][i] @ qs[i]).reshape(-1) for i in matrices)]
+            )
             if whole or matrices
             else torch.zeros(0)
             for p, mine in enumerate(gradients)
@@ -152,12 +154,17 @@ class CompressedSum:
     def state_dict(self) -> dict[str, Any]:
         return {
             "compression": str(self.compression),
+            "warmup_steps": self.compression.warmup_steps,
             "steps": self.steps,
             "q": {name: q.detach().cpu().clone() for name, q in self.q.items()},
             "error": {name: [e.detach().cpu().clone() for e in errors] for name, errors in self.error.items()},
         }
 
     def load_state_dict(self, state: dict[str, Any], device: torch.device) -> None:
+        """The saved exchange's state; a resumed run compresses from the step the saved one did (its warm-up)."""
+        warmup = state.get("warmup_steps")
+        if isinstance(warmup, int) and warmup != self.compression.warmup_steps:
+            self.compression = Compression(self.compression.kind, self.compression.rank, warmup)
         self.steps = int(state["steps"])
         self.q = {name: q.to(device) for name, q in state.get("q", {}).items()}
         self.error = {name: [e.to(device) for e in errors] for name, errors in state.get("error", {}).items()}
@@ -185,14 +192,17 @@ class ReplicaPeers:
     def __init__(self, count: int, device: torch.device):
         self.count = count
         self.device = device
+        self.sent_bytes = 0  # what one replica would send into the exchange, were its devices linked
 
     def sum(self, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+        self.sent_bytes += tensors[0].numel() * tensors[0].element_size()
         total = tensors[0].to(self.device, copy=True)
         for tensor in tensors[1:]:
             total += tensor.to(self.device)
         return total
 
     def sum_rounded(self, tensors: Sequence[torch.Tensor], dtype: torch.dtype, scale: float) -> torch.Tensor:
+        self.sent_bytes += tensors[0].numel() * torch.empty(0, dtype=dtype).element_size()
         total = tensors[0].to(self.device).to(dtype).float()
         for tensor in tensors[1:]:
             total += tensor.to(self.device).to(dtype).float()

@@ -175,7 +175,13 @@ class DDP(PerDeviceStrategy):
         self._got_gradient.clear()
         # a first bucket whose ranks' marks differ raises CollectiveMismatch, naming every rank's place; the
         # buckets' collectives get this call site (on a GPU the hook runs in autograd's thread)
-        with self.group.marks.checked_in_backward(), skip_sync, hooks.phase("backward", self.device), RECORD.pinned():
+        with (
+            self.group.marks.checked_in_backward(),
+            skip_sync,
+            hooks.phase("backward", self.device),
+            RECORD.pinned(),
+            RECORD.exchanging_gradients(),
+        ):
             (loss * scale if scale != 1.0 else loss).backward()  # waits for the last buckets' all-reduce
         if sync and self._trainable:
             # only the synchronizing backward counts: DDP's reducer waits on the parameters of that one

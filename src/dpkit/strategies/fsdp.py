@@ -39,6 +39,7 @@ from torch.distributed.tensor import DTensor
 
 from dpkit.checks import check_int
 from dpkit.compilation import CompileFn, compile_forward
+from dpkit.observe.collectives import RECORD
 from dpkit.parallel import hooks
 from dpkit.strategies.base import (
     FOR_THE_STEP,
@@ -287,7 +288,8 @@ class FSDP(PerDeviceStrategy):
         if isinstance(self.model, FSDPModule):  # (once wrapped)
             self.model.set_requires_gradient_sync(sync)
             self.model.set_reshard_after_backward(sync)
-        with hooks.phase("backward", self.device):  # includes the gathers and reduce-scatters it waits for
+        # (includes the gathers and reduce-scatters it waits for)
+        with hooks.phase("backward", self.device), RECORD.exchanging_gradients():
             (loss * scale if scale != 1.0 else loss).backward()
         self._tell_gathered_bytes()
 

@@ -35,6 +35,7 @@ from torch import nn
 
 from dpkit.checks import check_int
 from dpkit.devices import cpu_threads_per_device, keep_freed_host_memory
+from dpkit.observe.collectives import RECORD
 from dpkit.parallel import hooks, sync_batchnorm
 from dpkit.parallel.apply import run_replicas
 from dpkit.parallel.concurrency import THREADS, Concurrency, site_choices, site_policies
@@ -179,6 +180,7 @@ class Replicated(Strategy):
             exchange=self._compressed_sum if self.exchange is not None else None,
         )
         self.names = [name for name, _ in model.named_parameters()]
+        self._exchanged_bytes = 0
         return ReplicatedModule(self, model)
 
     def _compressed_sum(self, positions: list[int], grads: list[list[torch.Tensor]]) -> list[torch.Tensor]:
@@ -186,6 +188,7 @@ class Replicated(Strategy):
         assert self.exchange is not None  # (GradientSum is given this only with an exchange)
         peers = ReplicaPeers(len(self.replicas), self.root_device)
         means = self.exchange([self.names[p] for p in positions], grads, peers)
+        self._exchanged_bytes = peers.sent_bytes
         return [mean * peers.count for mean in means]  # GradientSum sums; the loss weights made the sum the mean
 
     def process_state(self) -> dict[str, Any] | None:
@@ -357,6 +360,16 @@ class Replicated(Strategy):
             gradients.sum_now()
         if sync and self.exchange is not None:
             self.exchange.step_done()
+        if sync and len(self.replicas) > 1:
+            RECORD.count_bytes(self._sent_bytes(), gradients=True)
+
+    def _sent_bytes(self) -> int:
+        """What one replica would send into the gradients' exchange this step, were its devices linked by a
+        collective (what `communication_bytes` and `gradient_bytes_per_step` count for replicated)."""
+        if self.exchange is not None:
+            sent, self._exchanged_bytes = self._exchanged_bytes, 0
+            return sent
+        return sum(p.grad.numel() * p.grad.element_size() for p in self.params[0] if p.grad is not None)
 
     def reduce_gradients(self) -> None:
         """Every replica's gradient becomes the sum over replicas."""
