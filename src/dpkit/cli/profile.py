@@ -12,6 +12,7 @@ from dpkit.cli.vocabulary import (
     add_accelerator,
     add_batch_size,
     add_compile,
+    add_compress,
     add_devices,
     add_lr,
     add_model_source,
@@ -59,6 +60,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     add_devices(parser)
     add_precision(parser, PRECISIONS)
     add_compile(parser)
+    add_compress(parser)
     add_steps(parser, 3, "observed steps")
     add_warmup(parser, 3, "unobserved steps first: optimizer state is created, dp-balanced calibrates")
     add_batch_size(

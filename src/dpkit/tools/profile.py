@@ -39,7 +39,8 @@ from dpkit.precision import PRECISIONS as ENGINE_PRECISIONS
 from dpkit.recipe.config import TrainConfig
 from dpkit.recipe.optimization import build_optimizer
 from dpkit.recipe.sources import criterion_for, model_source
-from dpkit.strategies import strategy_class
+from dpkit.strategies import checked_compression, strategy_class
+from dpkit.strategies.compression import parse_compression
 
 # the Engine's precisions, and "64": the model and data in float64 (for comparisons exact to rounding)
 PRECISIONS = (*ENGINE_PRECISIONS, "64")
@@ -73,6 +74,8 @@ class ProfileSpec:
     seed: int = 0
     # torch.compile the model's forward: True, a backend's name or torch.compile's options (the Engine's compile=)
     compile: bool | str | dict[str, Any] | None = None
+    # gradient compression (the Engine's compress=); PowerSGD compresses from the first observed step
+    compress: str = "none"
     json: str | None = None
     png: str | None = None
     trace: str | None = None
@@ -93,6 +96,8 @@ class ProfileSpec:
         if str(self.precision) not in PRECISIONS:
             raise ValueError(f"precision: expected one of {', '.join(PRECISIONS)}, got {self.precision!r}")
         check_compile(compile_options(self.compile))
+        if parse_compression(self.compress).compresses:
+            checked_compression(self.strategy, {"compress": self.compress})
         if self.batch_size_per_device is not None:
             check_int(self.batch_size_per_device, "batch_size_per_device")
         calibration = CALIBRATION_CALLS["memory"]
@@ -159,6 +164,7 @@ def profile(spec: ProfileSpec) -> tuple[Report | None, float]:
     devices = checked_devices(spec)
     spec = replace(spec, batch_size=global_batch_size(spec, len(devices)), batch_size_per_device=None)
     model, x, y = _model_and_data(spec)
+    whole_gradient_bytes = sum(p.numel() * 4 for p in model.parameters() if p.requires_grad)
     momentum = 0.9 if spec.optimizer == "sgd" else 0.0
     optimizer = build_optimizer(spec.optimizer, model.parameters(), spec.lr, momentum, weight_decay=0.0)
     # the layout a strategy has on GPUs, also on virtual CPU devices (replicated would share one copy there)
@@ -169,6 +175,8 @@ def profile(spec: ProfileSpec) -> tuple[Report | None, float]:
         precision="32" if str(spec.precision) == "64" else str(spec.precision),
         progress=spec.progress,
         compile=compile_options(spec.compile),
+        compress=spec.compress,
+        compress_warmup_steps=spec.warmup if parse_compression(spec.compress).compresses else None,
         **cls.profile_options(),
     )
     before_warm_up = compile_counts()
@@ -184,7 +192,7 @@ def profile(spec: ProfileSpec) -> tuple[Report | None, float]:
         engine.close()
     if not writes:
         return None, last_loss
-    report = _merged_report(spec, devices, reports, last_loss, compiled, kept)
+    report = _merged_report(spec, devices, reports, last_loss, compiled, kept, whole_gradient_bytes)
     if notes:
         report.meta["balance_note"] = " ".join(notes)
     return report, last_loss
@@ -250,13 +258,16 @@ def _observed_steps(
             bar.update()
         after_warm_up = compile_counts()
         # every collective of the observed steps is kept for the trace, not only the ring's last RING_SIZE
+        gradient_bytes_before = RECORD.gradient_bytes
         with RECORD.keeping(PROFILE_RING_SIZE) as before:
             with Observer(engine.device, models=engine.model_copies(), optimizers=[optimizer]) as observer:
                 for _ in range(spec.steps):
                     last_loss = step()
                     bar.update()
             issued, dropped = RECORD.since(before), RECORD.sequence - before
+        gradient_bytes = (RECORD.gradient_bytes - gradient_bytes_before) / spec.steps
         here = observer.report()
+        here.meta["gradient_bytes_per_step"] = gradient_bytes
         here.collectives = collective_spans(issued, observer.home or str(engine.device), observer.clock.origin)
         dropped -= len(issued)  # beyond PROFILE_RING_SIZE: the first ones are not in the trace
         # the step's split between the calling thread and the replica threads, timed again without memory
@@ -286,6 +297,7 @@ def _merged_report(
     last_loss: float,
     compiled: dict[str, Any] | None,
     kept: list[Any] | None,
+    gradient_bytes_uncompressed: int = 0,
 ) -> Report:
     """Every process's report as one (on rank 0), with what was profiled and how in its meta."""
     report = Report.merged(reports) if len(reports) > 1 else reports[0]
@@ -301,6 +313,11 @@ def _merged_report(
         "warmup_steps": spec.warmup,
         "seed": spec.seed,
         "last_loss": last_loss,
+        "compress": str(parse_compression(spec.compress)),
+        # the bytes of gradient exchange this process (rank 0) issued per observed step, from the collective
+        # record (replicated: what would cross between its devices); and what the whole gradient is in float32
+        "gradient_bytes_per_step": reports[0].meta.get("gradient_bytes_per_step", 0.0),
+        "gradient_bytes_uncompressed": gradient_bytes_uncompressed,
     }
     if compiled is not None:
         report.meta["compile"] = compiled
@@ -354,6 +371,19 @@ def sharding_line(report: Report) -> str | None:
     )
 
 
+def gradient_bytes_line(report: Report) -> str | None:
+    """How many bytes of gradient crossed per step, and the compression's ratio against the float32 gradient."""
+    sent, whole = report.meta.get("gradient_bytes_per_step") or 0, report.meta.get("gradient_bytes_uncompressed") or 0
+    if not sent or not whole:
+        return None
+    compress = report.meta.get("compress", "none")
+    ratio = f"{whole / sent:.1f}x fewer than" if compress != "none" else f"{sent / whole:.2f}x"
+    return (
+        f"gradient exchange: {sent / 2**20:.2f} MiB per step from this process ({compress}; {ratio} the float32 "
+        f"gradient's {whole / 2**20:.2f} MiB)"
+    )
+
+
 def compile_options(value: bool | str | Mapping[str, Any] | None) -> bool | Mapping[str, Any] | None:
     """ProfileSpec.compile as the Engine's compile=: a backend's name (`dpkit profile --compile aot_eager`) as
     {"backend": name}."""
@@ -404,6 +434,9 @@ def run(spec: ProfileSpec) -> Report | None:
     compiled = report.meta.get("compile")
     if compiled is not None:
         print(compile_line(compiled, spec.warmup))
+    line = gradient_bytes_line(report)
+    if line:
+        print(line)
     print(f"last loss: {last_loss:.6f}")
     if spec.json:
         print(f"wrote {report.save_json(spec.json)}")
