@@ -13,6 +13,7 @@ from dpkit.cli.flags import from_args
 from dpkit.cli.vocabulary import (
     add_accelerator,
     add_batch_size,
+    add_compress,
     add_device_counts,
     add_lr,
     add_model_source,
@@ -27,6 +28,7 @@ from dpkit.cli.vocabulary import (
     add_warmup,
 )
 from dpkit.recipe.optimization import OPTIMIZERS
+from dpkit.strategies.compression import parse_compression
 from dpkit.tools.bench.run import run_bench
 from dpkit.tools.bench.spec import BenchSpec
 
@@ -59,6 +61,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     add_device_counts(parser, "1,2,3")
     add_accelerator(parser)
     add_precision(parser)
+    add_compress(parser)
     add_batch_size(parser, "64 per device")
     add_steps(parser, 10, "measured steps per configuration")
     add_warmup(parser, 3, "unmeasured steps first")
@@ -103,6 +106,14 @@ def run(args: argparse.Namespace) -> int:
         f"({machine['cores']} cores, load average {machine.get('load_average') or 0:.1f})"
     )
     print(result.format_table())
+    spec = result.spec
+    if parse_compression(spec.compress).compresses:
+        compressed = [name for name in spec.strategies if spec.compresses(name)]
+        plain = [name for name in spec.strategies if not spec.compresses(name)]
+        print(
+            f"compressed with {spec.compress}: {', '.join(compressed)}"
+            + (f"; as they are (they take no {spec.compress}): {', '.join(plain)}" if plain else "")
+        )
     if args.json:
         print(f"wrote {result.save_json(args.json)}")
     if args.png:

@@ -64,6 +64,8 @@ class Contender:
         self.traits = strategy_class(strategy).traits
         if self.threads and spec.accelerator == "cpu" and "threads_per_device" in strategy_class(strategy).options:
             options["threads_per_device"] = self.threads
+        if spec.compresses(strategy):
+            options.update(compress=spec.compress, compress_warmup_steps=spec.warmup)
         self.engine = Engine(
             strategy=strategy,
             accelerator=spec.accelerator,

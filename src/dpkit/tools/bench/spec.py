@@ -12,6 +12,7 @@ from dpkit.parallel.balance import CALIBRATION_CALLS
 from dpkit.precision import PRECISIONS
 from dpkit.recipe.optimization import OPTIMIZERS
 from dpkit.strategies import available_strategies, strategy_class
+from dpkit.strategies.compression import parse_compression
 
 log = logging.getLogger("dpkit")
 
@@ -38,7 +39,15 @@ class BenchSpec:
     lr: float = 1e-3
     seed: int = 0
     threads_per_device: int = 1  # intra-op threads per virtual CPU device; 0: dpkit's fair share of the cores
+    # gradient compression for the strategies that take it (the others run as they are); PowerSGD compresses from
+    # the first measured step
+    compress: str = "none"
     progress: bool = True
+
+    def compresses(self, strategy: str) -> bool:
+        """Whether `strategy`'s contender runs compressed: --compress given and the strategy takes it."""
+        compression = parse_compression(self.compress)
+        return compression.compresses and compression.kind in strategy_class(strategy).traits.compressions
 
     def check(self) -> None:
         for name in self.strategies:
@@ -54,6 +63,15 @@ class BenchSpec:
             ("threads_per_device", 0),
         ):
             check_int(getattr(self, name), name, minimum=low)
+        compression = parse_compression(self.compress)
+        if compression.compresses and not any(self.compresses(name) for name in self.strategies):
+            takers = [
+                name for name in available_strategies() if compression.kind in strategy_class(name).traits.compressions
+            ]
+            raise ValueError(
+                f"compress: none of the strategies benched ({', '.join(self.strategies)}) takes {str(compression)!r}; "
+                f"it goes with {', '.join(takers)}"
+            )
         if self.model is None and self.example is None:
             raise ValueError("model/example: give a built-in example or a model factory")
         if self.model and not (self.data or self.input_shape):
