@@ -77,6 +77,18 @@ class EngineModule(nn.Module):
             forward_ran(output)
         return output
 
+    def register_comm_hook(self, state: object, hook: Callable[..., Any]) -> None:
+        """torch DDP's register_comm_hook, on the model engine.setup returned: the strategy runs the hook for every
+        gradient bucket (ddp, zero stage 1: dpkit's slot composes it with the collective record); a strategy without
+        DDP's buckets refuses it in one line."""
+        register = getattr(self.strategy, "register_comm_hook", None)
+        if register is None:
+            raise ValueError(
+                f"register_comm_hook: strategy '{self.strategy.name}' has no DDP gradient buckets to run a "
+                "communication hook on; it goes with ddp and zero stage 1 (compress= reaches the other strategies)"
+            )
+        register(state, hook)
+
     def _run(self, *args: Any, **kwargs: Any) -> Any:
         decide = self.__dict__.get("decide")
         if decide is not None:  # strategy="auto" on several devices: chosen from the first batch

@@ -191,9 +191,10 @@ class CollectiveRecord:
             self._pinned = before
 
     @contextlib.contextmanager
-    def issuing(self, op: str, size_bytes: int = 0) -> Iterator[Collective | None]:
+    def issuing(self, op: str, size_bytes: int | None = 0) -> Iterator[Collective | None]:
         """Record one collective around its call (when it returns, how long it took); collectives called inside
-        it are part of it."""
+        it are part of it. size_bytes=None: its size is what the collectives called inside it in this thread
+        contribute (a user's DDP comm hook, which decides what crosses)."""
         if not self.enabled:
             yield None
             return
@@ -203,7 +204,10 @@ class CollectiveRecord:
         entry = None
         try:
             if depth == 0:
-                entry = inside.entry = self.add(op, size_bytes)
+                entry = inside.entry = self.add(op, size_bytes or 0)
+                inside.sized_by_inner = size_bytes is None
+            elif getattr(inside, "sized_by_inner", False) and inside.entry is not None:
+                inside.entry.size_bytes += size_bytes or 0
             yield entry
         finally:
             inside.depth = depth

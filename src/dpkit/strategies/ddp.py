@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from typing import Any
 
@@ -47,11 +47,14 @@ from dpkit.strategies.per_device import PerDeviceStrategy
 from dpkit.strategies.single import one_device_forward
 from dpkit.strategies.step_marks import IN_FIRST_BUCKET
 
+# torch's DDP communication hook: hook(state, bucket) -> a Future of the bucket's reduced buffer
+CommHook = Callable[[Any, Any], torch.futures.Future]
+
 
 class DDP(PerDeviceStrategy):
     name = "ddp"
     traits = Traits(processes=PER_DEVICE, loss=ON_ROOT, replicas=PERSISTENT)
-    options = PerDeviceStrategy.options + ("static_graph",)
+    options = PerDeviceStrategy.options + ("static_graph", "bucket_cap_mb", "ddp_comm_hook")
     wrapped: nn.parallel.DistributedDataParallel | None
     # names shown in the unused-parameter line before "and N more"
     UNUSED_NAMES_SHOWN = 3
@@ -61,6 +64,8 @@ class DDP(PerDeviceStrategy):
         devices: Sequence[torch.device],
         *,
         static_graph: bool = False,
+        bucket_cap_mb: float | None = None,
+        ddp_comm_hook: CommHook | tuple[object, CommHook] | None = None,
         precision: str = "32",
         **group_options: Any,
     ):
@@ -72,6 +77,17 @@ class DDP(PerDeviceStrategy):
         # the step marks ride in the first gradient bucket (_all_reduce_bucket)
         super().__init__(devices, IN_FIRST_BUCKET, precision=precision, **group_options)
         self.static_graph = static_graph
+        if bucket_cap_mb is not None and (isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float))
+                                          or bucket_cap_mb <= 0):  # fmt: skip
+            raise ValueError(
+                f"bucket_cap_mb: expected a positive size in MiB (torch's default 25), got {bucket_cap_mb!r}"
+            )
+        self.bucket_cap_mb = bucket_cap_mb
+        # a user's communication hook (torch's register_comm_hook(state, hook)), run in dpkit's slot
+        self.user_hook: tuple[object, CommHook] | None = None
+        if ddp_comm_hook is not None:
+            state, hook = ddp_comm_hook if isinstance(ddp_comm_hook, tuple) else (None, ddp_comm_hook)
+            self.register_comm_hook(state, hook)
         # the trainable parameters the reducer waits for, by name, and those that got a gradient this backward
         self._trainable: dict[str, nn.Parameter] = {}
         self._got_gradient: set[str] = set()
@@ -87,6 +103,7 @@ class DDP(PerDeviceStrategy):
             device_ids=device_ids,
             find_unused_parameters=self.group.options.find_unused_parameters,
             static_graph=self.static_graph,
+            **({"bucket_cap_mb": self.bucket_cap_mb} if self.bucket_cap_mb is not None else {}),
         )
         if not (self.group.options.find_unused_parameters or self.static_graph):
             self._watch_gradients(model)
@@ -119,17 +136,39 @@ class DDP(PerDeviceStrategy):
             "(requires_grad_(False)) before engine.setup"
         )
 
+    def register_comm_hook(self, state: object, hook: CommHook) -> None:
+        """A user's DDP communication hook (torch's `register_comm_hook(state, hook)`, e.g. fp16_compress_hook): DDP's
+        one slot is dpkit's, which runs the user's hook for every bucket, recorded (its size: what the hook's own
+        collectives put in) and with the step marks in an all-reduce of their own before the first bucket's."""
+        if not callable(hook):
+            raise TypeError(
+                f"ddp_comm_hook: expected a hook(state, bucket) -> Future or a (state, hook) pair, got {hook!r}"
+            )
+        if self.group.options.compression.compresses:
+            raise ValueError(
+                f"ddp_comm_hook: the gradients already cross compressed (compress={self.group.options.compress!r}); "
+                "give compress= or your own communication hook, not both"
+            )
+        self.user_hook = (state, hook)
+
     def _all_reduce_bucket(self, state, bucket):  # unannotated: torch checks annotations against its own classes
         if self.compressed is not None:
             return self.compressed.submit(bucket, timed=hooks.listening())
         buffer = bucket.buffer()
-        with RECORD.issuing(
-            f"all_reduce of gradient bucket {bucket.index()}", buffer.numel() * buffer.element_size()
-        ) as entry:
+        if self.user_hook is not None:
             if self.group.marks.due_in_bucket(bucket.index()):
-                reduced = self.group.marks.all_reduce_with_marks(buffer, entry)
-            else:
-                reduced = allreduce_hook(state, bucket)
+                self.group.marks.all_reduce_marks_alone()
+            user_state, user_hook = self.user_hook
+            with RECORD.issuing(f"all_reduce of gradient bucket {bucket.index()} (your comm hook)", None) as entry:
+                reduced = user_hook(user_state, bucket)
+        else:
+            with RECORD.issuing(
+                f"all_reduce of gradient bucket {bucket.index()}", buffer.numel() * buffer.element_size()
+            ) as entry:
+                if self.group.marks.due_in_bucket(bucket.index()):
+                    reduced = self.group.marks.all_reduce_with_marks(buffer, entry)
+                else:
+                    reduced = allreduce_hook(state, bucket)
         if not hooks.listening():
             return reduced
         started = time.perf_counter()
