@@ -172,6 +172,8 @@ class Engine(AmongProcesses):
                 f"precision: '16-mixed' is not supported with strategy '{placement.strategy}' yet; use "
                 f"precision='bf16-mixed' or one of the strategies {able}"
             )
+        # a strategy whose forward decides whether backward exchanges gradients (ddp) asks the accumulation window
+        strategy.next_backward_syncs = lambda: self._accumulation.next_syncs()
         strategy.setup_environment()
         return strategy
 

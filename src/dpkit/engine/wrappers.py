@@ -201,6 +201,11 @@ class Accumulation:
         self.micro_batches += 1
         return self.micro_batches == self.every
 
+    def next_syncs(self) -> bool:
+        """Whether the next backward will complete its window (a forward before it may prepare the exchange)."""
+        done = 0 if self.micro_batches >= self.every else self.micro_batches
+        return done + 1 == self.every
+
     @property
     def complete(self) -> bool:
         return self.micro_batches >= self.every

@@ -294,6 +294,12 @@ class Strategy:
         """Gradients of `loss * scale`; `sync` is False on the micro-batches of an accumulation."""
         (loss * scale if scale != 1.0 else loss).backward()
 
+    @staticmethod
+    def next_backward_syncs() -> bool:
+        """Whether the backward after the next forward ends its accumulation window (the Engine replaces this with
+        its window's answer); ddp's forward leaves the gradient exchange unprepared when it will not."""
+        return True
+
     def forward_context(self, args: tuple, kwargs: dict) -> AbstractContextManager:
         """Entered around the model's forward in the user's loop. Strategies whose forward announces its
         own phases through dpkit.parallel.hooks (DataParallel's scatter/forward/gather) leave it empty."""

@@ -204,7 +204,18 @@ class DDP(PerDeviceStrategy):
             hooks.span("all_reduce", self.device, started, reduced - started, hidden)
 
     def forward_context(self, args: tuple, kwargs: dict) -> AbstractContextManager:
-        return one_device_forward(self.wrapped.module if self.wrapped is not None else None, self.device, args, kwargs)
+        forward = one_device_forward(
+            self.wrapped.module if self.wrapped is not None else None, self.device, args, kwargs
+        )
+        if self.wrapped is None or self.next_backward_syncs():
+            return forward
+        # a micro-batch inside an accumulation window: DDP decides in forward whether its reducer waits for
+        # gradients to all-reduce, so no_sync goes around the forward too (around backward alone it all-reduces
+        # every micro-batch: the same sum, with the window's communication and compression work paid each time)
+        stack = contextlib.ExitStack()
+        stack.enter_context(self.wrapped.no_sync())
+        stack.enter_context(forward)
+        return stack
 
     def backward(self, loss: torch.Tensor, *, scale: float, sync: bool) -> None:
         # `scale` includes this process's loss weight (its rows * world / global rows, from the batch's record)

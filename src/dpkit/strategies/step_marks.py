@@ -97,6 +97,8 @@ class StepMarks:
         publish_soon()
         marks = step_marks(RECORD, GRADIENTS, self.rank, self.world_size, torch.float32, self.device)
         with RECORD.issuing("all_reduce of the step marks", marks.numel() * marks.element_size()) as entry:
+            if entry is not None:
+                entry.gradients = False  # (issued in backward, but not the gradients' exchange)
             dist.all_reduce(marks)
         carried = read_marks(marks, self.world_size)
         if any(mark != carried[0] for mark in carried):
