@@ -9,26 +9,17 @@ train` runs it), so no test starts processes of its own.
 
 from __future__ import annotations
 
-import contextlib
-import io
 import shlex
 from pathlib import Path
 
 import pytest
+from recipe_runs import train_here
 
 from dpkit.cli.main import main as dpkit_main
 from dpkit.engine.placement import resolve_placement
 from dpkit.launch.environment import ProcessPlace
 
 DDP = ["--strategy", "ddp", "--devices", "2", "--accelerator", "cpu", "--no-progress", "--checkpoint-every", "2"]
-
-
-def train_here(argv: list[str]) -> tuple[int, str]:
-    """In each launched process: `dpkit train argv` as a launched worker runs it; (exit code, what it printed)."""
-    said = io.StringIO()
-    with contextlib.redirect_stderr(said), contextlib.redirect_stdout(said):
-        code = dpkit_main(["train", *argv])
-    return code, said.getvalue()
 
 
 def damage(path: Path) -> None:

@@ -1,0 +1,16 @@
+"""`dpkit train` run in each process of a shared launched group, as `dpkit launch -m dpkit train` runs it."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+
+
+def train_here(argv: list[str]) -> tuple[int, str]:
+    """In each launched process: `dpkit train argv` as a launched worker runs it; (exit code, what it printed)."""
+    from dpkit.cli.main import main as dpkit_main
+
+    said = io.StringIO()
+    with contextlib.redirect_stderr(said), contextlib.redirect_stdout(said):
+        code = dpkit_main(["train", *argv])
+    return code, said.getvalue()
