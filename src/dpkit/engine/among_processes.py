@@ -25,6 +25,12 @@ class AmongProcesses:
     strategy: Strategy
     show_progress: bool
 
+    @property
+    def in_shadow_step(self) -> bool:
+        """Whether this process sits out the step in hand: its per-process stream ran out while others' did not
+        (uneven="join"); its batch is its last one again, weighing nothing, and reduce and gather leave it out."""
+        return False
+
     # --- where we are ------------------------------------------------------------------------------
     @property
     def devices(self) -> list[torch.device]:
@@ -55,6 +61,9 @@ class AmongProcesses:
         if op not in ("mean", "sum"):
             raise ValueError(f"op: expected 'mean' or 'sum', got {op!r}")
         tensor = torch.as_tensor(value.detach() if isinstance(value, torch.Tensor) else value, dtype=torch.float64)
+        if self.in_shadow_step:  # a rank sitting out a step (uneven="join") adds nothing to a sum or weighted mean
+            tensor = torch.zeros_like(tensor)
+            weight = None if weight is None else 0.0
         if weight is not None:
             if op != "mean":
                 raise ValueError("weight: only op='mean' takes a weight")
@@ -66,6 +75,8 @@ class AmongProcesses:
         """Rows from every process in global-batch order; with engine.setup_dataloader each sample once."""
         if not isinstance(tensor, torch.Tensor) or tensor.dim() == 0:
             raise TypeError("tensor: expected a tensor with a batch dimension (rows) to gather")
+        if self.in_shadow_step:  # a rank sitting out a step (uneven="join") gives no rows
+            tensor = tensor[:0]
         return self.strategy.all_gather_rows(tensor)
 
     def barrier(self) -> None:

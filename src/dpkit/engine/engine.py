@@ -31,7 +31,6 @@ from typing import TYPE_CHECKING, Any, overload
 
 import torch
 from torch import nn
-from torch.utils.data import DataLoader
 
 from dpkit.checkpoint.model_files import unwrap_model
 from dpkit.checkpoint.state import read_state_directory
@@ -44,7 +43,8 @@ from dpkit.engine.forward_batches import ForwardBatches
 from dpkit.engine.item_weighting import ItemCount, check_items
 from dpkit.engine.loop_checks import LossCheck, check_loss, check_setup
 from dpkit.engine.placement import Placement, is_choice, resolve_placement
-from dpkit.engine.resumable_loader import ResumableLoader, resumable
+from dpkit.engine.process_streams import ProcessStream, check_uneven
+from dpkit.engine.resumable_loader import BatchRecord, ResumableLoader, resumable
 from dpkit.engine.resume.load import LoaderPosition, load_training_state
 from dpkit.engine.resume.save import save_training_state
 from dpkit.engine.together import agreed
@@ -98,6 +98,9 @@ class Engine(AmongProcesses):
         compress: gradient compression, "none", "bf16", "fp16", "powersgd" or "powersgd:R" (docs/compression.md):
             16-bit under ddp, zero, fsdp, hsdp and replicated; PowerSGD (rank R, default 2) under ddp, zero stage 1
             and replicated, after compress_warmup_steps synchronized steps uncompressed (default 1,000).
+        uneven: with per-process streams (setup_dataloader), what a rank that runs out of batches does: "join" (sit
+            out the others' remaining steps with zero weight; the run finishes, rows weighted as one device on each
+            step's present batches) or "stop" (every rank stops with one line naming it).
         **strategy_options: passed to the strategy, e.g. timeout_seconds= and seed= for ddp.
 
     Where it runs is resolved once (engine/placement.py) into `engine.placement`, a frozen value the
@@ -116,9 +119,11 @@ class Engine(AmongProcesses):
         compile: bool | Mapping[str, Any] | None = None,
         compress: str = "none",
         compress_warmup_steps: int | None = None,
+        uneven: str = "join",
         **strategy_options: Any,
     ):
         check_int(accumulate, "accumulate", meaning="micro-batches per optimizer step")
+        self.uneven = check_uneven(uneven)
         compression = parse_compression(compress, compress_warmup_steps)  # one line on a bad value, first
         if compression.compresses:
             if strategy == "auto" or is_choice(strategy):
@@ -157,6 +162,7 @@ class Engine(AmongProcesses):
         # (stopped when the last lease goes) and the intra-op thread count a loaded state set
         self._workers = hold_workers()
         self._threads_before_load: int | None = None
+        self._streams = False  # a per-process stream was set up (its position is not saved: said once)
         if self.is_global_zero:
             log.debug("engine: %s, accumulate %d", self.placement, accumulate)
 
@@ -251,19 +257,21 @@ class Engine(AmongProcesses):
         return engine_criterion
 
     def setup_dataloader(self, loader: Iterable) -> Iterable:
-        """The loader to iterate: its batches are global; under ddp each process gets its share.
+        """The loader to iterate.
 
-        A torch DataLoader over a map-style dataset comes back as a loader whose position (epoch, next
-        batch) is part of engine.save_state; other iterables come back unchanged and are not tracked.
+        A torch DataLoader over a map-style dataset yields global batches (under a strategy with a process per
+        device, each process gets its share of each) and comes back as a loader whose position (epoch, next batch)
+        is part of engine.save_state. Under a strategy with a process per device any other iterable (a DataLoader
+        over an IterableDataset, a shard of files) is this process's own stream: each step's global batch is the
+        union of what the processes yield, rows weighted, and uneven ends are handled as `uneven=` says
+        (engine/process_streams.py); its position is its own to resume. Under the one-process strategies other
+        iterables come back unchanged, their batches global, not tracked.
         """
         if resumable(loader):
             loader = ResumableLoader(loader, self.strategy, on_batch=self._batches.batch_yielded)
         elif self.strategy.traits.processes == PER_DEVICE:
-            raise TypeError(
-                f"loader: strategy '{self.strategy.name}' gives each process its share of every global batch, which "
-                "needs a torch DataLoader over a map-style dataset with batch_size= or batch_sampler=, got "
-                f"{type(loader).__name__}{' over an IterableDataset' if isinstance(loader, DataLoader) else ''}"
-            )
+            loader = ProcessStream(loader, self.strategy, self.uneven, on_batch=self._batches.batch_yielded)
+            self._streams = True
         if isinstance(loader, ResumableLoader):
             index = len(self._loaders)
             self._loaders.append(loader)
@@ -288,18 +296,40 @@ class Engine(AmongProcesses):
         window = self._accumulation.micro_batches % self.accumulate + 1  # this backward's place in its window
         self._loss_check(loss, self.strategy, step=self.step + 1, micro_batch=window, accumulate=self.accumulate)
         counted = None if items is None else check_items(items)
-        # the weight of the batch the loss came from, whatever the loop fetched since (checked before counting)
-        weight = self._batches.loss_weight(loss) if counted is None else 1.0
-        self._items.add(counted)
-        sync = self._accumulation.add_micro_batch()
-        if counted is None:
-            scale = weight / self.accumulate
-        else:  # a sum: the step divides by the whole count; a strategy that runs the loss in replicas adds theirs
-            scale = self.strategy.sum_weight()
-            self.strategy.loss_is_sum()
+        # the batch the loss came from, whatever the loop fetched since (checked before counting)
+        record = self._batches.loss_record(loss)
+        if record is not None and record.from_stream:
+            scale, counted = self._stream_weight(record, counted)
+            sync = self._accumulation.add_micro_batch()
+        else:
+            weight = record.loss_weight if record is not None and counted is None else 1.0
+            self._items.add(counted)
+            sync = self._accumulation.add_micro_batch()
+            if counted is None:
+                scale = weight / self.accumulate
+            else:  # a sum: the step divides by the whole count; a strategy that runs the loss in replicas adds theirs
+                scale = self.strategy.sum_weight()
+                self.strategy.loss_is_sum()
         self.strategy.backward(self.precision.scale_loss(loss), scale=scale, sync=sync)
         if sync and self._model is not None:
             self._items.finish(self.strategy, self._model, self.accumulate)
+
+    @property
+    def in_shadow_step(self) -> bool:
+        return self._batches.in_shadow
+
+    def _stream_weight(self, record: BatchRecord, items: float | None) -> tuple[float, float]:
+        """(the loss's scale, the items it counts) for a per-process stream's batch (engine/process_streams.py): a
+        mean loss counts as a sum over the batch's rows, whose totals the rows exchange already gave; a shadow
+        (a rank sitting out) weighs nothing, with or without items=."""
+        if record.rows == 0:
+            self._items.add(0.0, known_total=None if items is not None else float(record.global_rows))
+            return 0.0, 0.0
+        if items is None:  # the step divides by the window's rows over every process, known from the exchanges
+            self._items.add(float(record.rows), known_total=float(record.global_rows))
+            return self.strategy.sum_weight() * record.rows, float(record.rows)
+        self._items.add(items)
+        return self.strategy.sum_weight(), items
 
     @property
     def step(self) -> int:
@@ -351,6 +381,12 @@ class Engine(AmongProcesses):
         Returns the step directory written.
         """
         set_up = self._set_up("engine.save_state")
+        if self._streams and self.is_global_zero:
+            log.warning(
+                "engine.save_state: a per-process stream's position is not part of the state; a resume starts your "
+                "iterable where you make it start (skip what was used, or use a loader that saves its own position)"
+            )
+            self._streams = False  # said once
         with busy("saving the training state"):  # a slow save is progress, not a hang (dpkit.launch.busy)
             return save_training_state(set_up, directory, keep=keep, extra=extra)
 

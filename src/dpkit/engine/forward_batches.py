@@ -48,6 +48,16 @@ class ForwardBatches:
 
     def loss_weight(self, loss: torch.Tensor) -> float:
         """The loss weight of the batch `loss` was computed on (1 without an Engine loader)."""
+        record = self.loss_record(loss)
+        return record.loss_weight if record is not None else 1.0
+
+    @property
+    def in_shadow(self) -> bool:
+        """Whether the batch in hand is a shadow: a per-process stream's rank that ran out, sitting out a step."""
+        return self.yielded is not None and self.yielded.from_stream and self.yielded.rows == 0
+
+    def loss_record(self, loss: torch.Tensor) -> BatchRecord | None:
+        """The record of the batch `loss` was computed on (None without an Engine loader)."""
         if self.marking and loss.grad_fn is not None:
             records = sorted(_marks_above(loss.grad_fn), key=lambda r: (r.epoch, r.index))
             weights = {record.loss_weight for record in records}
@@ -58,8 +68,8 @@ class ForwardBatches:
                     "; the step's weight belongs to one batch: call engine.backward on each batch's loss"
                 )
             if records:
-                return records[0].loss_weight
-        return self.yielded.loss_weight if self.yielded is not None else 1.0
+                return records[0]
+        return self.yielded
 
 
 def _metadata(node: torch.autograd.graph.Node) -> dict[str, Any]:

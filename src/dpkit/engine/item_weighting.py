@@ -36,13 +36,17 @@ class ItemCount:
         self.items = 0.0
         self.micro_batches = 0  # backwards of the window given items=
         self.plain = 0  # backwards of the window without items=
+        # the window's items over every process, when every micro-batch's total is known already (a per-process
+        # stream's rows, exchanged before each batch): no reduction at the step then; None once one is not
+        self.known: float | None = 0.0
 
-    def add(self, items: float | None) -> None:
+    def add(self, items: float | None, known_total: float | None = None) -> None:
         if items is None:
             self.plain += 1
         else:
             self.items += items
             self.micro_batches += 1
+            self.known = None if self.known is None or known_total is None else self.known + known_total
         if self.plain and self.micro_batches:
             self.reset()
             raise ValueError(
@@ -51,15 +55,18 @@ class ItemCount:
             )
 
     def reset(self) -> None:
-        self.items, self.micro_batches, self.plain = 0.0, 0, 0
+        self.items, self.micro_batches, self.plain, self.known = 0.0, 0, 0, 0.0
 
     def finish(self, strategy: Strategy, model: nn.Module, window: int) -> None:
         """At the window's last backward: divide the gradients by the step's item count over every process."""
-        counted, self.items = self.items, 0.0
+        counted, known, self.items, self.known = self.items, self.known, 0.0, 0.0
         summed, self.micro_batches, self.plain = self.micro_batches, 0, 0
         if not summed:
             return
-        total = float(strategy.all_reduce(torch.tensor(counted, dtype=torch.float64), "sum"))
+        if known is not None:  # every micro-batch's total came with it: the same number on every process
+            total = known
+        else:
+            total = float(strategy.all_reduce(torch.tensor(counted, dtype=torch.float64), "sum"))
         if total <= 0:
             raise ValueError(
                 f"items: the step's {window} micro-batch{'es' if window > 1 else ''} hold 0 items on every "

@@ -33,6 +33,9 @@ class BatchRecord:
     rows: int  # rows this process received
     global_rows: int  # rows of the global batch
     loss_weight: float  # turns this process's mean loss into its part of an average over processes
+    # a per-process stream's batch (engine/process_streams.py): its mean loss counts as a sum over its `rows`
+    # (loss_weight = rows; 0 for a shadow), and the step divides by the window's rows over every process
+    from_stream: bool = False
 
 
 class GlobalBatches(Sampler[list[int]]):
