@@ -255,6 +255,22 @@ def test_the_hang_rule_names_only_a_rank_left_behind_for_the_timeout():
     )  # finished ranks are not compared
 
 
+def test_a_hang_after_a_busy_block_reports_the_time_the_rank_really_waited():
+    """A rank left behind inside busy() (a save after its loop ended, while the others still train) is named once
+    the block's allowance is spent; its report says how long it really waited, not the time past the allowance."""
+    from dpkit.launch.hang_watch import HangWatch
+
+    watch = HangWatch("127.0.0.1", 1, world_size=2, node_rank=1, hang_timeout_seconds=10)
+    progress = {}
+    watch._check(progress, {0: (5, 100, 0), 1: (5, 101, 0)}, now=0)
+    watch._check(progress, {0: (6, 100, 0), 1: (5, 101, 0, 1, 100.0, "saving")}, now=1)  # busy for up to 100 s
+    watch._check(progress, {0: (6, 100, 0), 1: (5, 101, 0, 1, 100.0, "saving")}, now=105)
+    assert watch.hung == {}  # 100 s of busy count as progress: 4 s past them
+    watch._check(progress, {0: (6, 100, 0), 1: (5, 101, 0, 1, 100.0, "saving")}, now=112)
+    assert "worker rank 1 (pid 101, node 0) made no progress for 111 s (hang_timeout_seconds=10)" in watch.hung[1]
+    assert "busy (saving) for 111 s, past the 100 s a busy block counts as progress" in watch.hung[1]
+
+
 def _child_failed(*records, timestamp=1_000):
     """A torchrun ChildFailedError of (rank, pid, exitcode) records, all at the same whole-second timestamp."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure

@@ -40,6 +40,10 @@ class _RankProgress:
     busy_since: float = 0.0  # when the launcher first saw it in that block
     busy_limit: float = 0.0  # how long that block counts as progress
     busy_reason: str = ""
+    moved: float = 0.0  # when its count last changed or a busy block ended (what a report's "for N s" counts from)
+
+    def __post_init__(self) -> None:
+        self.moved = self.moved or self.since
 
 
 class HangWatch:
@@ -123,10 +127,10 @@ class HangWatch:
             if seen is None or seen.pid != pid:
                 seen = progress[rank] = _RankProgress(count, pid, node, now)
             elif seen.count != count:
-                seen.count, seen.since = count, now
+                seen.count, seen.since, seen.moved = count, now, now
             if block != seen.busy_block:
                 if seen.busy_block:
-                    seen.since = now  # a busy block ended: that is progress
+                    seen.since = seen.moved = now  # a busy block ended: that is progress
                 seen.busy_block, seen.busy_since, seen.busy_reason = block, now, reason
                 seen.busy_limit = limit if limit > 0 else BUSY_LIMIT_FACTOR * self.hang_timeout_seconds
             if seen.busy_block:
@@ -148,8 +152,10 @@ class HangWatch:
             if stalled < self.hang_timeout_seconds or rank in self.hung:
                 continue
             waiting = sorted(r for r, q in live.items() if q.count > p.count)
+            # the time it really waited: since it last moved, or since the others got ahead, whichever is later
+            waited = now - max(p.moved, p.behind_since)
             message = (
-                f"worker rank {rank} (pid {p.pid}, node {p.node}) made no progress for {stalled:.0f} s "
+                f"worker rank {rank} (pid {p.pid}, node {p.node}) made no progress for {waited:.0f} s "
                 f"(hang_timeout_seconds={self.hang_timeout_seconds:g}): it is at collective {p.count} while rank(s) "
                 f"{', '.join(map(str, waiting))} waited at collective {ahead}"
             )
@@ -180,10 +186,11 @@ class HangWatch:
             stalled = min(now - live[r].since for r in ranks)
             if stalled < self.hang_timeout_seconds:
                 continue
+            waited = min(now - live[r].moved for r in ranks)  # the time they really waited (busy blocks included)
             names = ", ".join(f"rank {r} in {describe_collective(self.collectives[r])}" for r in sorted(ranks))
             message = (
                 f"worker ranks {', '.join(map(str, sorted(ranks)))} wait in different collectives at the same place "
-                f"of their records, for {stalled:.0f} s (hang_timeout_seconds={self.hang_timeout_seconds:g}): "
+                f"of their records, for {waited:.0f} s (hang_timeout_seconds={self.hang_timeout_seconds:g}): "
                 f"{names}; a rank ran out of batches or skipped a collective the others made"
             )
             message += self._where_ranks_are(live, with_collectives=False)
