@@ -137,3 +137,31 @@ def test_uneven_stop_stops_every_rank_at_once_naming_the_one_that_ran_out(groups
 def test_uneven_takes_join_or_stop():
     with pytest.raises(ValueError, match="uneven: expected 'join' .* or 'stop' .*, got 'pad'"):
         Engine(accelerator="cpu", devices=1, uneven="pad")
+
+
+def evaluate_streams(strategy: str) -> tuple[float, float]:
+    """In each process: an evaluation of its own stream adding up its sums and counts, reduced once at the end."""
+    engine = Engine(strategy=strategy, accelerator="cpu", devices=2, progress=False)
+    x, y, _ = data()
+    net = model()
+    wrapped = engine.setup(net)
+    wrapped.eval()
+    loss_sum, rows = torch.zeros((), dtype=torch.float64), 0
+    with torch.no_grad():
+        for bx, by in engine.setup_dataloader([(x[a:b], y[a:b]) for a, b in PLANS[engine.rank]]):
+            loss_sum += nn.functional.cross_entropy(wrapped(bx), by, reduction="sum").double()
+            rows += len(by)
+    totals = float(engine.reduce(loss_sum, "sum")), float(engine.reduce(rows, "sum"))
+    engine.close()
+    return totals
+
+
+def test_an_evaluation_over_uneven_streams_counts_every_sample_once(groups):
+    x, y, _ = data()
+    rows = torch.cat([torch.arange(a, b) for plan in PLANS.values() for a, b in plan])
+    with torch.no_grad():
+        expected = float(nn.functional.cross_entropy(model()(x[rows]), y[rows], reduction="sum"))
+    for strategy in ("ddp", "fsdp"):
+        for loss_sum, counted in groups(2).run(evaluate_streams, strategy):
+            assert counted == len(rows)  # the rank that ran out sat out with zero rows, never its last batch again
+            assert abs(loss_sum - expected) <= 1e-5 * abs(expected)

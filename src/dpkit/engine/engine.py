@@ -270,7 +270,14 @@ class Engine(AmongProcesses):
         if resumable(loader):
             loader = ResumableLoader(loader, self.strategy, on_batch=self._batches.batch_yielded)
         elif self.strategy.traits.processes == PER_DEVICE:
-            loader = ProcessStream(loader, self.strategy, self.uneven, on_batch=self._batches.batch_yielded)
+            loader = ProcessStream(
+                loader,
+                self.strategy,
+                self.uneven,
+                on_batch=self._batches.batch_yielded,
+                training=self._training,
+                on_end=self._batches.stream_ended,
+            )
             self._streams = True
         if isinstance(loader, ResumableLoader):
             index = len(self._loaders)
@@ -313,6 +320,10 @@ class Engine(AmongProcesses):
         self.strategy.backward(self.precision.scale_loss(loss), scale=scale, sync=sync)
         if sync and self._model is not None:
             self._items.finish(self.strategy, self._model, self.accumulate)
+
+    def _training(self) -> bool:
+        """Whether the model set up trains now (train mode), for a stream's shadow batches."""
+        return self._model is None or self._model.training
 
     @property
     def in_shadow_step(self) -> bool:

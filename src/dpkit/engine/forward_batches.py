@@ -36,6 +36,11 @@ class ForwardBatches:
     def batch_yielded(self, record: BatchRecord) -> None:
         self.yielded = record
 
+    def stream_ended(self) -> None:
+        """A per-process stream's pass ended on every rank: the code after the loop is nobody's shadow step."""
+        if self.yielded is not None and self.yielded.from_stream and self.yielded.rows == 0:
+            self.yielded = None
+
     def forward_ran(self, output: Any) -> None:
         """Mark the nodes that produced `output`'s tensors with the batch in hand (a forward that records a graph)."""
         record = self.yielded

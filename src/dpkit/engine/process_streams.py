@@ -9,10 +9,13 @@ numbers: every rank learns every rank's rows). That gives two things:
   step divides the gradients by the window's rows over every process, known from the exchanges: each row of the
   step's union weighs the same, with accumulation too (engine.backward; engine/item_weighting.py).
 - The ends. When every rank is out, every loop ends at the same batch. When some are out and others are not,
-  `uneven="join"` (the default) keeps the ones that are out in the step: their loop sees their last batch again as
-  a shadow that weighs nothing (zero rows, zero items: no gradient), so every collective of the step still has
-  every rank, and the weights are those of one device trained on each step's present batches; rank 0 says at the
-  end of the pass how the counts differed. `uneven="stop"` stops every rank at once with one line naming the rank
+  `uneven="join"` (the default) keeps the ones that are out in the step: their loop sees a shadow batch that weighs
+  nothing (zero rows, zero items: no gradient), so every collective of the step still has every rank, and the
+  weights are those of one device trained on each step's present batches; rank 0 says at the end of the pass how
+  the counts differed. In training the shadow is the rank's last batch again (a forward and backward of real
+  rows, scaled by zero: an empty batch's mean loss would be NaN); with the model in eval mode it is that batch
+  cut to zero rows, so an evaluation that adds up its own sums and counts counts every sample once.
+  `uneven="stop"` stops every rank at once with one line naming the rank
   that ran out.
 
 The exchange must come before the loop body: a rank that is out learns here whether to run a shadow step or end
@@ -29,6 +32,7 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch.utils._pytree import tree_map
 
 from dpkit.engine.resumable_loader import BatchRecord
 from dpkit.parallel.scatter import common_batch_size
@@ -61,6 +65,11 @@ def rows_of(batch: Any) -> int:
     return rows
 
 
+def _no_rows(batch: Any) -> Any:
+    """`batch` with every tensor cut to zero rows (its structure kept)."""
+    return tree_map(lambda value: value[:0] if isinstance(value, torch.Tensor) and value.dim() > 0 else value, batch)
+
+
 class StreamEnded(RuntimeError):
     """uneven="stop": a rank ran out of batches while others had more."""
 
@@ -72,7 +81,13 @@ class ProcessStream:
     a shadow has 0 rows)."""
 
     def __init__(
-        self, source: Iterable, strategy: Strategy, uneven: str, on_batch: Callable[[BatchRecord], None] | None = None
+        self,
+        source: Iterable,
+        strategy: Strategy,
+        uneven: str,
+        on_batch: Callable[[BatchRecord], None] | None = None,
+        training: Callable[[], bool] = lambda: True,
+        on_end: Callable[[], None] | None = None,
     ):
         if isinstance(source, (torch.Tensor, str, bytes)) or not isinstance(source, Iterable):
             raise TypeError(f"loader: expected an iterable of this process's batches, got {type(source).__name__}")
@@ -80,6 +95,8 @@ class ProcessStream:
         self.strategy = strategy
         self.uneven = check_uneven(uneven)
         self.on_batch = on_batch
+        self.training = training  # whether the model trains now (a shadow replays its last batch) or evaluates
+        self.on_end = on_end  # told when a pass ends: what follows the loop is nobody's shadow
         self.epoch = 0
         self.last_batch: BatchRecord | None = None
         self.batches_seen: list[int] = []  # the last pass: how many batches each rank held
@@ -111,7 +128,7 @@ class ProcessStream:
                         f"loader: rank {self.strategy.rank}'s stream yielded no batch at all while the others did; "
                         "give every process at least one batch (its shadow steps replay its last one)"
                     )
-                batch = last
+                batch = last if self.training() else _no_rows(last)
             rows = counts[self.strategy.rank]
             # the mean loss of the batch becomes a sum over its rows (engine.backward): a weight of `rows`
             self.last_batch = BatchRecord(self.epoch, index, rows, sum(counts), float(rows), from_stream=True)
@@ -119,6 +136,8 @@ class ProcessStream:
                 self.on_batch(self.last_batch)
             last, index = batch, index + 1
             yield batch
+        if self.on_end is not None:
+            self.on_end()
         self._say_the_ends(index)
         self.epoch += 1
 
