@@ -36,20 +36,22 @@ def evaluate(
     asked after every batch (every process at the same batch); a True ends the evaluation with None scores."""
     model.eval()
     loader = engine.setup_dataloader(DataLoader(TensorDataset(x, y), batch_size=EVAL_BATCH))
-    losses: list[torch.Tensor] = []
-    correct: list[torch.Tensor] = []
+    # this process's sums and count, reduced once at the end: every sample counted once, by the process that
+    # loaded it (a share of each global batch; a per-process stream's rank that ran out sits out with zero rows)
+    totals = torch.zeros(3, dtype=torch.float64)  # loss sum, correct, samples
     try:
         with torch.no_grad():
             for inputs, targets in loader:
                 output = model(inputs).float()
-                losses.append(engine.gather(F.cross_entropy(output, targets, reduction="none")))
-                correct.append(engine.gather(output.argmax(dim=1) == targets))
+                totals[0] += F.cross_entropy(output, targets, reduction="sum").double().cpu()
+                totals[1] += (output.argmax(dim=1) == targets).sum().double().cpu()
+                totals[2] += len(targets)
                 if stop():
                     return None
     finally:
         model.train()
-    all_losses, all_correct = torch.cat(losses).double(), torch.cat(correct)
-    return Scores(float(all_losses.mean()), float(all_correct.float().mean()), int(all_correct.numel()))
+    loss_sum, correct, samples = engine.reduce(totals, "sum").tolist()
+    return Scores(loss_sum / samples, correct / samples, int(samples))
 
 
 class Best:
