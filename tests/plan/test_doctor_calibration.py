@@ -106,18 +106,21 @@ def test_a_cpu_doctor_report_replaces_the_link_between_processes_of_a_cpu_bench(
 
 
 @pytest.mark.parametrize(
-    ("files", "words"),
+    ("files", "gpu", "words"),
     [
-        (["cpu.json"], "a dpkit doctor JSON measures the links only"),
-        (["neither.json"], "is neither a dpkit bench JSON"),
-        (["missing.json"], "no such file 'missing.json'"),
+        (["cpu.json"], [], "a dpkit doctor JSON measures the links only"),
+        (["cpu.json"], ["--gpu", "h100-sxm"], "measured gloo between CPU processes, which says nothing of h100-sxm"),
+        (["unknown-gpu.json"], [], "the GPUs dpkit doctor measured are not in the catalogue"),
+        (["neither.json"], [], "is neither a dpkit bench JSON"),
+        (["missing.json"], [], "no such file 'missing.json'"),
     ],
 )
-def test_a_calibration_the_plan_cannot_use_is_one_line(tmp_path, monkeypatch, capsys, files, words):
+def test_a_calibration_the_plan_cannot_use_is_one_line(tmp_path, monkeypatch, capsys, files, gpu, words):
     monkeypatch.chdir(tmp_path)
     write(tmp_path, "cpu.json", doctor_report(1e-5, 1e9, processes=2, accelerator="cpu"))
+    write(tmp_path, "unknown-gpu.json", doctor_report(1e-5, 1e9, gpu=None))
     write(tmp_path, "neither.json", {"results": []})
-    args = ["plan", "--params", "1e8", "--batch-size-per-device", "8"]
+    args = ["plan", "--params", "1e8", "--batch-size-per-device", "8", *gpu]
     assert main([*args, *(flag for name in files for flag in ("--calibration", name))]) == 2
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("dpkit plan: error: --calibration: ") and words in lines[0], lines

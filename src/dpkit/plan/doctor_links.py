@@ -125,6 +125,30 @@ def doctor_gpu(report: dict[str, Any]) -> str | None:
     return devices[0].get("catalogue_gpu") if devices else None
 
 
+def check_measured_machine(report: dict[str, Any], gpu: str | None, bench_given: bool) -> str | None:
+    """The GPU to plan on (`gpu`, the --gpu given, or the one a CUDA report found), once the report is known to
+    describe the machine planned: GPUs measured by NCCL, or CPU processes beside a bench of their machine."""
+    if report.get("accelerator") == "cuda":
+        found = gpu or doctor_gpu(report)
+        if found is None:
+            raise ValueError(
+                "--calibration: the GPUs dpkit doctor measured are not in the catalogue; name them with --gpu (add "
+                "one with --catalogue)"
+            )
+        return found
+    if gpu:
+        raise ValueError(
+            f"--calibration: the dpkit doctor report measured gloo between CPU processes, which says nothing of "
+            f"{gpu}'s link; run dpkit doctor on the GPUs, or leave --gpu out to plan the CPU machine"
+        )
+    if not bench_given:
+        raise ValueError(
+            "--calibration: a dpkit doctor JSON measures the links only; name the GPUs with --gpu, or add a dpkit "
+            "bench JSON of this machine for its compute"
+        )
+    return None
+
+
 def with_measured_link(hardware: Hardware, report: dict[str, Any], link: Link) -> Hardware:
     """The hardware with the doctor's measured link: between the GPUs of a node (NCCL), or between the processes of
     virtual CPU devices (gloo); one line where the report measured the other kind of machine."""
