@@ -53,7 +53,7 @@ def test_the_measured_all_reduce_gives_back_the_links_latency_and_bandwidth():
     report["collectives"] = report["collectives"][-2:]
     assert measured_link(report, "one.json").achieved_bytes_per_second == pytest.approx(2e9)
     one_process = {**doctor_report(1e-5, 1e9), "world_size": 1, "collectives": []}
-    with pytest.raises(ValueError, match="--calibration: 'lone.json' has no all-reduce measured"):
+    with pytest.raises(ValueError, match="calibration: 'lone.json' has no all-reduce measured"):
         measured_link(one_process, "lone.json")
 
 
