@@ -67,6 +67,11 @@ def test_with_compress_the_recommendation_says_what_it_changes():
     uncompressed = predict(given_profile(1e9), TWO_NODES_10GBE, "ddp", 8, 8)
     line = next(reason for reason in rec.reasons if reason.startswith("powersgd:4 sends rank-4 factors"))
     assert f"of a {milliseconds(uncompressed.step_seconds)} step" in line and "after its warm-up" in line
+    # on a fast link, compute-bound, PowerSGD's own work costs more than the bytes it saves (epfml/powersgd#17)
+    nvlinked = Hardware(CATALOGUE.gpu("h100-sxm"), CATALOGUE.link("nvlink4"))
+    fast = plan_of(builtin_profile("resnet50"), nvlinked, 128, ["single", "ddp"], (1, 8), compression="powersgd:4")
+    line = next(reason for reason in fast.recommendation.reasons if reason.startswith("powersgd:4 sends"))
+    assert chosen(fast).breakdown["compress"] > 0 and line.endswith("; it costs more than it saves here")
     # a recommended strategy that does not take the compression asked says so
     hsdp_only = plan_of(given_profile(1e9), TWO_NODES_10GBE, 8, ["single", "hsdp"], compression="powersgd")
     assert hsdp_only.recommendation.compress is None
