@@ -248,8 +248,8 @@ def test_nothing_fitting_suggests_the_lightest_sharding_that_would(registry):
 # ---- plan/ predicts from traits and imports no strategy --------------------------------------------------------
 
 PLAN = Path(dpkit.__file__).parent / "plan"
-# what plan/ may import of strategies/: the registry and the traits, and the rule of the units a sharded strategy
-# gathers (a helper of the sharding strategies, not one of them)
+# what plan/ may import of strategies/: the registry and the traits, the rule of the units a sharded strategy
+# gathers (a helper of the sharding strategies, not one of them), and the compression value (what --compress names)
 ALLOWED = {"dpkit.strategies", "dpkit.strategies.base", "dpkit.strategies.units", "dpkit.strategies.compression"}
 
 
