@@ -179,7 +179,7 @@ class Engine(AmongProcesses):
                 f"precision='bf16-mixed' or one of the strategies {able}"
             )
         # a strategy whose forward decides whether backward exchanges gradients (ddp) asks the accumulation window
-        strategy.next_backward_syncs = lambda: self._accumulation.next_syncs()
+        strategy.next_backward_syncs = lambda: self._accumulation.next_syncs()  # type: ignore[method-assign]
         strategy.setup_environment()
         return strategy
 

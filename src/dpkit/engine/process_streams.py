@@ -28,8 +28,8 @@ own business.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable, Iterator
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterable, Iterator, Sized
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch.utils._pytree import tree_map
@@ -169,7 +169,7 @@ class ProcessStream:
         )
 
     def __len__(self) -> int:
-        return len(self.source)  # type: ignore[arg-type]  (a sized source only)
+        return len(cast(Sized, self.source))  # (a sized source only)
 
     def __getattr__(self, name: str) -> Any:  # dataset, batch_size, …
         if name in ("source", "strategy"):

@@ -10,7 +10,7 @@ command prints it once (rank 0) and every process exits with the same code.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, TypeVar, cast
 
 from dpkit.checkpoint.errors import CheckpointCorruptError, CheckpointMismatchError, CheckpointRefusedError
 from dpkit.errors import DpkitError, said_by_every_rank
@@ -37,23 +37,23 @@ _KINDS: dict[str, type[Exception]] = {
 def agreed(strategy: Strategy, check: Callable[[], T]) -> T:
     """`check()`'s result when it succeeded in every process of `strategy`'s group; else the first failure's
     error (by rank), raised in every process and marked said_by_every_rank. One process: check() as it is."""
-    try:
-        result, failure = check(), None
-    except Exception as error:
-        result, failure = None, error
     if strategy.world_size == 1:
-        if failure is not None:
-            raise failure
-        return result  # type: ignore[return-value]  (no failure: check() returned it)
+        return check()
+    failure: Exception | None = None
+    try:
+        result = check()
+    except Exception as raised:
+        failure = raised
     found = strategy.all_gather_object(None if failure is None else (type(failure).__name__, str(failure)))
     first = next(((rank, said) for rank, said in enumerate(found) if said is not None), None)
-    if first is None:
-        return result  # type: ignore[return-value]
+    if first is None and failure is None:
+        return result
+    if first is None:  # (every process gathers what each met: a failure here is in the list)
+        raise said_by_every_rank(cast(Exception, failure))
     rank, (kind, message) = first
     if rank == strategy.rank and failure is not None:
         raise said_by_every_rank(failure)
-    if kind in _KINDS:
-        error: Exception = _KINDS[kind](message)
-    else:  # not a refusal: a failure of that process, which the others name
-        error = DpkitError(f"rank {rank} failed ({kind}: {message})")
-    raise said_by_every_rank(error) from None
+    named: Exception = (
+        _KINDS[kind](message) if kind in _KINDS else DpkitError(f"rank {rank} failed ({kind}: {message})")
+    )  # a refusal rebuilt; else a failure of that process, which the others name
+    raise said_by_every_rank(named) from None

@@ -297,8 +297,8 @@ def _size_bytes(name: str, args: tuple, kwargs: dict) -> int:
     """The bytes of the tensor (or list of tensors) this rank contributes: the first among the arguments, or the
     input of a collective that takes its output first."""
     if name.lstrip("_") in _OUTPUT_FIRST:
-        given = kwargs.get("input", kwargs.get("input_tensor", args[1] if len(args) > 1 else None))
-        if hasattr(given, "element_size") and hasattr(given, "numel"):
+        given: Any = kwargs.get("input", kwargs.get("input_tensor", args[1] if len(args) > 1 else None))
+        if given is not None and hasattr(given, "element_size") and hasattr(given, "numel"):
             return int(given.numel() * given.element_size())
     for value in (*args, *kwargs.values()):
         if hasattr(value, "element_size") and hasattr(value, "numel"):

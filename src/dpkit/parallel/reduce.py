@@ -43,6 +43,7 @@ import collections
 import threading
 import time
 from collections.abc import Callable, Sequence
+from typing import cast
 
 import torch
 from torch.utils.hooks import RemovableHandle
@@ -386,12 +387,13 @@ class GradientSum:
             fill_missing_grads(group)
         positions = [position for position, group in enumerate(self.groups) if group[0].grad is not None]
         with hooks.phase("all_reduce", self.devices[0]), torch.no_grad():
-            grads = [[replica_params[p].grad for p in positions] for replica_params in self.params]
-            sums = exchange(positions, grads)  # type: ignore[arg-type]  (filled: every one is a tensor)
+            # (filled above: every replica has a gradient of each of these positions)
+            grads = [[cast(torch.Tensor, replica_params[p].grad) for p in positions] for replica_params in self.params]
+            sums = exchange(positions, grads)
             for position, total in zip(positions, sums):
                 group = self.groups[position]
                 for p in group if self.everywhere else group[:1]:
-                    p.grad.copy_(total.to(p.device))  # type: ignore[union-attr]
+                    cast(torch.Tensor, p.grad).copy_(total.to(p.device))
         if self.on_cpu:
             self._release_others()
         else:

@@ -103,7 +103,7 @@ class DDP(PerDeviceStrategy):
             device_ids=device_ids,
             find_unused_parameters=self.group.options.find_unused_parameters,
             static_graph=self.static_graph,
-            **({"bucket_cap_mb": self.bucket_cap_mb} if self.bucket_cap_mb is not None else {}),
+            bucket_cap_mb=self.bucket_cap_mb,  # (None: torch's default, 25 MiB)
         )
         if not (self.group.options.find_unused_parameters or self.static_graph):
             self._watch_gradients(model)
