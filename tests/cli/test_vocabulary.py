@@ -38,6 +38,10 @@ SAMPLES = {
     "--catalogue": "mine.toml",
     "--max-restarts": "2",
     "--hang-timeout": "30",
+    "--compress": "POWERSGD:4",  # (parsed to its one spelling, powersgd:4, in every verb)
+    "--accumulate": "4",
+    "--zero-stage": "2",
+    "--shard-size": "2",
 }
 
 
