@@ -305,6 +305,8 @@ class Engine(AmongProcesses):
         counted = None if items is None else check_items(items)
         # the batch the loss came from, whatever the loop fetched since (checked before counting)
         record = self._batches.loss_record(loss)
+        if record is not None:
+            self.strategy.rows_trained(record.rows)
         if record is not None and record.from_stream:
             scale, counted = self._stream_weight(record, counted)
             sync = self._accumulation.add_micro_batch()

@@ -76,6 +76,8 @@ STRATEGIES: dict[str, str] = {
     "fsdp": "dpkit.strategies.fsdp:FSDP",
     "zero": "dpkit.strategies.zero:Zero",
     "hsdp": "dpkit.strategies.hsdp:HSDP",
+    "localsgd": "dpkit.strategies.localsgd:LocalSGD",
+    "diloco": "dpkit.strategies.diloco:DiLoCo",
 }
 
 

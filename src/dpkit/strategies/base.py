@@ -83,6 +83,10 @@ class Traits:
     balances: bool = False
     shares_host_weights: bool = False
     grad_scaler: bool = True
+    # optimizer steps between the replicas' meetings: 1 for every strategy that exchanges gradients each step;
+    # localsgd and diloco train each replica alone and average every `sync_every` steps (auto never picks them:
+    # they change the optimization)
+    sync_every: int = 1
 
     def __post_init__(self) -> None:
         for part in ("weights", "gradients", "optimizer_state"):
@@ -345,6 +349,15 @@ class Strategy:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what state_dict() returned."""
+
+    def rows_trained(self, rows: int) -> None:
+        """The Engine's backward of a batch of `rows` rows of this process (localsgd and diloco weight their
+        meetings by them)."""
+
+    def run_metrics(self) -> dict[str, Any]:
+        """What a run's metrics.json records of the strategy (localsgd, diloco: the replicas' spread at each
+        meeting); empty when nothing."""
+        return {}
 
     def process_state(self) -> dict[str, Any] | None:
         """What this process's strategy keeps of its own between steps, saved in its rank-R.pt (the compressed
