@@ -264,7 +264,13 @@ def _flops(flops: float) -> str:
 
 
 # a strategy setting's flag -> the strategy option it gives (the strategies that take it plan with it)
-SETTINGS = {"zero_stage": "stage", "shard_size": "shard_size"}
+SETTINGS = {
+    "zero_stage": "stage",
+    "shard_size": "shard_size",
+    "sync_every": "sync_every",
+    "outer_lr": "outer_lr",
+    "outer_momentum": "outer_momentum",
+}
 
 
 def options_from_settings(args: argparse.Namespace) -> dict[str, dict[str, int]]:

@@ -30,6 +30,9 @@ VOCABULARY = {
     "--compress": "gradient compression: none, bf16, fp16, powersgd or powersgd:R (rank R; powersgd is rank 2); "
     "bf16/fp16 under ddp, zero, fsdp, hsdp and replicated, powersgd where whole gradients are all-reduced (ddp, zero "
     "stage 1, replicated)",
+    "--sync-every": "localsgd, diloco: optimizer steps between the replicas' meetings (default: 8)",
+    "--outer-lr": "diloco: the outer optimizer's learning rate (default: 0.7, the paper's)",
+    "--outer-momentum": "diloco: the outer optimizer's Nesterov momentum (default: 0.9, the paper's)",
     "--zero-stage": "zero: 1 shards the optimizer state (ddp's model), 2 the gradients too (default: 1)",
     "--shard-size": "hsdp: processes per shard group, the rest replicate (default: the processes of one node)",
     "--batch-size": "samples per forward over all devices, split across them (with --accumulate K a step takes K "
@@ -199,7 +202,8 @@ def add_compress(parser: ParserOrGroup) -> None:
 
 
 def add_strategy_settings(parser: ParserOrGroup) -> None:
-    """--zero-stage and --shard-size: the options of zero and hsdp (a run's or a plan's)."""
+    """--zero-stage, --shard-size, --sync-every, --outer-lr and --outer-momentum: the options of zero, hsdp,
+    localsgd and diloco (a run's or a plan's)."""
     _tag(
         parser.add_argument("--zero-stage", type=int, choices=(1, 2), default=None, help=VOCABULARY["--zero-stage"]),
         "--zero-stage",
@@ -209,6 +213,17 @@ def add_strategy_settings(parser: ParserOrGroup) -> None:
             "--shard-size", type=positive_int, default=None, metavar="N", help=VOCABULARY["--shard-size"]
         ),
         "--shard-size",
+    )
+    _tag(
+        parser.add_argument(
+            "--sync-every", type=positive_int, default=None, metavar="H", help=VOCABULARY["--sync-every"]
+        ),
+        "--sync-every",
+    )
+    _tag(parser.add_argument("--outer-lr", type=float, default=None, help=VOCABULARY["--outer-lr"]), "--outer-lr")
+    _tag(
+        parser.add_argument("--outer-momentum", type=float, default=None, help=VOCABULARY["--outer-momentum"]),
+        "--outer-momentum",
     )
 
 

@@ -44,7 +44,14 @@ RESUME_MUST_MATCH = (
 # with a constant schedule and needs saying with a cosine one (it moves the curve)
 CHANGEABLE = ("lr", "schedule", "lr_warmup_steps", "clip_grad_norm", "steps")
 # settings that are one strategy option each: setting -> the option (a strategy without it refuses the setting)
-STRATEGY_SETTINGS = {"zero_stage": "stage", "shard_size": "shard_size"}
+STRATEGY_SETTINGS = {
+    "zero_stage": "stage",
+    "shard_size": "shard_size",
+    "sync_every": "sync_every",
+    "outer_lr": "outer_lr",
+    "outer_momentum": "outer_momentum",
+}
+WHOLE_SETTINGS = ("zero_stage", "shard_size", "sync_every")  # counts; the others are rates
 # what keep_best keeps the best model by: metric -> whether larger is better
 BEST_BY = {"accuracy": True, "loss": False}
 DIVERGED_EXIT_CODE = 3
@@ -90,6 +97,9 @@ class TrainConfig:
     compress_warmup_steps: int | None = None
     zero_stage: int | None = None  # zero: 1 (optimizer state sharded) or 2 (gradients too); None: zero's default
     shard_size: int | None = None  # hsdp: processes per shard group (the rest replicate); None: one node's
+    sync_every: int | None = None  # localsgd, diloco: optimizer steps between the replicas' meetings
+    outer_lr: float | None = None  # diloco: the outer optimizer's learning rate (None: the paper's 0.7)
+    outer_momentum: float | None = None  # diloco: its Nesterov momentum (None: the paper's 0.9)
     out: str = "runs/train"
     checkpoint_every: int | None = None
     keep: int = 2
@@ -234,7 +244,14 @@ def check_strategy_settings(config: TrainConfig, processes: int) -> None:
                 f"{setting}: strategy '{config.strategy}' has no {option.replace('_', ' ')}; "
                 f"it is an option of strategy {', '.join(repr(name) for name in taking)} (or leave it out)"
             )
-        check_int(value, setting)
+        if setting in WHOLE_SETTINGS:
+            check_int(value, setting)
+        elif setting == "outer_lr":
+            check_number(value, setting, positive=True)
+        else:
+            check_number(value, setting)
+            if value >= 1:
+                raise ValueError(f"{setting}: expected a momentum in [0, 1), got {value!r}")
     strategy_class(config.strategy).traits_for(**config.strategy_options())  # each strategy's own range checks
     if config.shard_size is not None:
         mesh_shape(processes, config.shard_size)

@@ -145,6 +145,7 @@ def write_summary(
         "best": best.record() if best is not None else None,
         "compress": str(parse_compression(config.compress)),
         "communication_bytes": communication_bytes,
+        **engine.strategy.run_metrics(),  # (localsgd, diloco: the replicas' spread at each meeting)
         "resumed": plan.resume,
         "changes": list(plan.changes),
     }
