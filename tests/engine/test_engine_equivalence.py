@@ -95,7 +95,12 @@ def single_runs():
     return get
 
 
-MULTI_DEVICE = [name for name in available_strategies() if strategy_class(name).traits.max_devices != 1]
+# (localsgd and diloco, which meet every few steps and change the optimization: tests/strategies/test_periodic.py)
+MULTI_DEVICE = [
+    name
+    for name in available_strategies()
+    if strategy_class(name).traits.max_devices != 1 and strategy_class(name).traits.sync_every == 1
+]
 
 
 @pytest.mark.parametrize("devices,batch_size", [(2, 64), (3, 67)], ids=["2-even", "3-uneven"])

@@ -166,11 +166,21 @@ def run(strategy: str, devices: int, options: dict, folder: Path, groups) -> lis
         # here, where no other dispatch mode is active, it stops cleanly
         gc.collect()
         return [found]
-    return groups(2).run(findings, strategy, 2, str(folder))
+    return groups(2).run(findings, strategy, 2, str(folder), options)
+
+
+def single_step_options(name: str) -> dict:
+    """Options under which one step is the single device's: localsgd and diloco meeting after every step, diloco's
+    outer step the plain average."""
+    options = strategy_class(name).options
+    return {
+        **({"sync_every": 1} if "sync_every" in options else {}),
+        **({"outer_lr": 1.0, "outer_momentum": 0.0} if "outer_lr" in options else {}),
+    }
 
 
 PER_DEVICE_CASES = [
-    pytest.param(name, 2, {}, id=name)
+    pytest.param(name, 2, single_step_options(name), id=name)
     for name in available_strategies()
     if strategy_class(name).traits.processes == PER_DEVICE
 ]

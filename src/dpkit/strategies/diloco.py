@@ -52,6 +52,10 @@ class DiLoCo(PeriodicStrategy):
         self.outer = torch.optim.SGD(self.shared, lr=self.outer_lr, momentum=self.outer_momentum, nesterov=nesterov)
         return wrapped
 
+    def anchor_moved(self) -> None:
+        for shared, anchor in zip(self.shared, self.anchor):
+            shared.data.copy_(anchor)
+
     def meet(self, mean_move: list[torch.Tensor]) -> list[torch.Tensor]:
         assert self.outer is not None  # (made with the model)
         for shared, anchor, move in zip(self.shared, self.anchor, mean_move):

@@ -106,6 +106,16 @@ class PeriodicStrategy(PerDeviceStrategy):
         self.wrapped = self.model  # (what engine.close's teardown keeps: nothing holds the process group)
         return self.model
 
+    def weights_loaded(self) -> None:
+        """Weights loaded into the model (the same in every process): the replicas meet there, a new period."""
+        if self.model is not None:
+            self.anchor = [p.detach().clone() for p in self.model.parameters()]
+            self.steps_in_period = self.rows_in_period = 0
+            self.anchor_moved()
+
+    def anchor_moved(self) -> None:
+        """The anchor was set anew (diloco's shared weights follow)."""
+
     def wrap_optimizer(self, optimizer: torch.optim.Optimizer) -> PeriodicOptimizer:
         self.optimizer = optimizer
         return PeriodicOptimizer(optimizer, self)
