@@ -66,7 +66,7 @@ class ItemCount:
         if known is not None:  # every micro-batch's total came with it: the same number on every process
             total = known
         else:
-            total = float(strategy.all_reduce(torch.tensor(counted, dtype=torch.float64), "sum"))
+            total = strategy.items_in_step(counted)
         if total <= 0:
             raise ValueError(
                 f"items: the step's {window} micro-batch{'es' if window > 1 else ''} hold 0 items on every "

@@ -350,6 +350,11 @@ class Strategy:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what state_dict() returned."""
 
+    def items_in_step(self, items: float) -> float:
+        """The items a step's gradient divides by, given this process's: summed over the processes whose gradients
+        the step combines (every one; localsgd and diloco: this replica's own)."""
+        return float(self.all_reduce(torch.tensor(items, dtype=torch.float64), "sum"))
+
     def rows_trained(self, rows: int) -> None:
         """The Engine's backward of a batch of `rows` rows of this process (localsgd and diloco weight their
         meetings by them)."""

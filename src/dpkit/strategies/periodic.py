@@ -130,6 +130,9 @@ class PeriodicStrategy(PerDeviceStrategy):
     def rows_trained(self, rows: int) -> None:
         self.rows_in_period += rows
 
+    def items_in_step(self, items: float) -> float:
+        return items  # each replica steps on its own items
+
     def sum_weight(self) -> float:
         return 1.0
 
