@@ -35,6 +35,7 @@ PHASE_CATEGORY = {
     "all_gather": "gathered_parameters",
     "reduce_scatter": "gradients",
     "optimizer": "optimizer_state",
+    "average": "parameters",  # localsgd, diloco: the moves, the shared weights and diloco's outer step
 }
 
 

@@ -27,6 +27,7 @@ PHASES = (
     "all_gather",  # a sharded strategy gathering a unit's parameters (inside forward or backward)
     "reduce_scatter",  # and reducing a unit's gradients to each process's shard (inside backward)
     "optimizer",
+    "average",  # localsgd and diloco: the replicas' meeting every few steps (after the optimizer's step)
 )
 
 # consecutive spans of one device and phase closer than this are drawn as one (backward runs node by node)
