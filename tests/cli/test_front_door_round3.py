@@ -3,6 +3,8 @@ strategies, and `dpkit profile --strategies` comparing strategies side by side."
 
 from __future__ import annotations
 
+import pytest
+
 from dpkit.cli.main import main
 from dpkit.strategies import available_strategies
 
@@ -12,3 +14,93 @@ def test_the_overview_names_every_strategy_train_offers(capsys):
     overview = " ".join(capsys.readouterr().out.split())
     assert f"{len(available_strategies())} strategies behind one training loop" in overview
     assert f"({', '.join(available_strategies())})" in overview
+
+
+# --- torchrun's spellings at `dpkit launch` ---------------------------------------------------------------------
+@pytest.fixture
+def launches(monkeypatch):
+    """What `dpkit launch` passes to the launcher, without starting a process: one dict of arguments per launch."""
+    import dpkit.cli.launch
+
+    calls: list[dict] = []
+    monkeypatch.setattr(dpkit.cli.launch, "launch", lambda script, args, **kwargs: calls.append(kwargs))
+    return calls
+
+
+def launched_with(launches, argv):
+    assert main(["launch", *argv, "train.py", "-t", "3", "--lr=1"]) == 0
+    return launches.pop()
+
+
+@pytest.mark.parametrize(
+    ("torchrun", "dpkit"),
+    [
+        (["--standalone", "--nproc_per_node=2"], ["--nproc-per-node", "2", "--nnodes", "1", "--node-rank", "0"]),
+        (
+            ["--nnodes=2", "--node_rank=1", "--master_addr=10.0.0.1", "--master_port=29500", "--nproc_per_node=4"],
+            ["--nnodes", "2", "--node-rank", "1", "--master-addr", "10.0.0.1", "--master-port", "29500"]
+            + ["--nproc-per-node", "4"],
+        ),
+        (  # pytorch/examples' multinode command: an id and c10d at an endpoint, with the node's rank
+            ["--nnodes=2:2", "--node_rank=0", "--rdzv_id=456", "--rdzv_backend=c10d"]
+            + ["--rdzv_endpoint=10.0.0.1:29603"],
+            ["--nnodes", "2", "--node-rank", "0", "--master-addr", "10.0.0.1", "--master-port", "29603"],
+        ),
+        (
+            ["--rdzv-endpoint", "node0", "--rdzv-backend", "static"],
+            ["--master-addr", "node0", "--master-port", "29400"],
+        ),
+        (["--max_restarts=3", "--log_dir", "logs"], ["--max-restarts", "3", "--log-dir", "logs"]),
+    ],
+)
+def test_torchruns_spellings_launch_what_dpkits_own_flags_do(launches, torchrun, dpkit):
+    given = launched_with(launches, torchrun)
+    own = launched_with(launches, dpkit)
+    if "--standalone" in torchrun:  # this node alone, whatever a SLURM job around it says
+        assert given.pop("slurm") is False and own.pop("slurm") is True
+    assert given == own
+
+
+def test_the_scripts_own_flags_stay_the_scripts_and_the_monitor_interval_reaches_the_launcher(launches, monkeypatch):
+    import dpkit.cli.launch
+
+    scripts: list = []
+    monkeypatch.setattr(
+        dpkit.cli.launch, "launch", lambda script, args, **kwargs: scripts.append((script, args, kwargs))
+    )
+    assert main(["launch", "--standalone", "--monitor_interval=0.5", "train.py", "-t", "3", "--standalone"]) == 0
+    script, args, kwargs = scripts.pop()
+    assert (script, args) == ("train.py", ["-t", "3", "--standalone"])
+    assert kwargs["monitor_interval_seconds"] == 0.5 and kwargs["nnodes"] == 1
+
+
+@pytest.mark.parametrize(
+    ("argv", "line"),
+    [
+        (["--tee", "3"], "--tee: torchrun's flag has no meaning at dpkit launch; use --log-dir DIR: every worker's"),
+        (["-r", "3"], "-r: torchrun's flag has no meaning at dpkit launch; use --log-dir DIR"),
+        (["--no_python"], "--no_python: torchrun's flag has no meaning at dpkit launch; the script is Python"),
+        (
+            ["--local_ranks_filter=0"],
+            "--local_ranks_filter: torchrun's flag has no meaning at dpkit launch; use --show",
+        ),
+        (["--nproc_per_node", "gpu"], "--nproc_per_node: expected a positive count of processes or auto, got 'gpu'"),
+        (["--nnodes", "1:4"], "--nnodes: expected a node count such as 2 (torchrun's 2:2 too; a range of nodes is"),
+        (["--rdzv_backend", "etcd"], "--rdzv_backend: expected static or c10d (dpkit's nodes meet at node 0 with"),
+        (["--standalone", "--nnodes", "2"], "--standalone: runs this node alone, meeting at a free port on this"),
+        (["--rdzv-endpoint", "a:1", "--master-addr", "b"], "--rdzv-endpoint: a:1 says a, but --master-addr says b;"),
+        (["--rdzv_endpoint", "a:x"], "--rdzv-endpoint: expected HOST or HOST:PORT, node 0's address, got 'a:x'"),
+        (["--rdzv_backend=c10d", "--nnodes=2"], "--rdzv-backend: c10d would hand out node ranks, but dpkit's nodes"),
+    ],
+)
+def test_a_torchrun_flag_without_a_meaning_here_is_one_line_before_anything_starts(launches, capsys, argv, line):
+    assert main(["launch", *argv, "train.py"]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"dpkit launch: error: {line}"), lines
+    assert not launches
+
+
+def test_a_library_error_names_dpkits_spelling_of_the_flag(capsys, tmp_path):
+    assert main(["launch", "--nproc_per_node", "999", str(tmp_path / "train.py")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("dpkit launch: error: --nproc-per-node: ") and "--force" in err, err
