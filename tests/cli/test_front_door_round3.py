@@ -3,10 +3,14 @@ strategies, and `dpkit profile --strategies` comparing strategies side by side."
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from dpkit.cli.main import main
 from dpkit.strategies import available_strategies
+
+CPU2 = ["--accelerator", "cpu", "--devices", "2"]
 
 
 def test_the_overview_names_every_strategy_train_offers(capsys):
@@ -104,3 +108,96 @@ def test_a_library_error_names_dpkits_spelling_of_the_flag(capsys, tmp_path):
     assert main(["launch", "--nproc_per_node", "999", str(tmp_path / "train.py")]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("dpkit launch: error: --nproc-per-node: ") and "--force" in err, err
+
+
+# --- dpkit profile --strategies ----------------------------------------------------------------------------------
+@pytest.fixture
+def kept_figures(monkeypatch):
+    """The figures a command draws, kept open for the test to read."""
+    import matplotlib.pyplot as plt
+
+    kept: list = []
+    monkeypatch.setattr(plt, "close", lambda figure=None: kept.append(figure))
+    yield kept
+    for figure in kept:
+        figure.clf()
+
+
+def test_profile_runs_each_strategy_in_the_order_given_and_shows_them_side_by_side(tmp_path, capsys, kept_figures):
+    out, png, trace = tmp_path / "both.json", tmp_path / "both.png", tmp_path / "trace.json"
+    argv = ["profile", "--example", "digits", "--strategies", "replicated,dp", *CPU2, "--steps", "2", "--warmup", "1"]
+    assert main([*argv, "--no-progress", "--json", str(out), "--png", str(png), "--trace", str(trace)]) == 0
+    printed = capsys.readouterr().out.splitlines()
+    data = json.loads(out.read_text())
+    assert data["strategies"] == ["replicated", "dp"]
+    runs = data["runs"]
+    assert [run["strategy"] for run in runs] == ["replicated", "dp"]
+    assert all([d["device"] for d in run["devices"]] == ["cpu:0", "cpu:1"] for run in runs)
+    assert runs[0]["last_loss"] == pytest.approx(runs[1]["last_loss"], rel=1e-5)  # the same model, batches, steps
+    # one table: a row per device, a column pair per strategy, the JSON's numbers
+    header = next(i for i, line in enumerate(printed) if line.split()[:1] == ["device"])
+    assert printed[header].split() == [
+        "device",
+        "replicated",
+        "peak",
+        "MiB",
+        "replicated",
+        "ms",
+        "dp",
+        "peak",
+        "MiB",
+        "dp",
+        "ms",
+    ]
+    for line, device in zip(printed[header + 1 : header + 3], ("cpu:0", "cpu:1")):
+        cells = line.split()
+        assert cells[0] == device
+        for run, peak in zip(runs, (cells[1], cells[3])):
+            measured = next(d for d in run["devices"] if d["device"] == device)["peak_bytes"]
+            assert float(peak) == pytest.approx(measured / 2**20, abs=0.005)
+    imbalance = printed[header + 3].split()
+    assert imbalance[0] == "imbalance" and [float(x) for x in imbalance[1:]] == pytest.approx(
+        [run["imbalance"] for run in runs], abs=0.005
+    )
+    assert printed[header + 4].split()[0] == "step" and len(printed[header + 4].split()) == 3
+    assert f"last loss: replicated {runs[0]['last_loss']:.6f}, dp {runs[1]['last_loss']:.6f}" in printed
+    # the figure: a column per strategy, memory above and time below, each device a bar
+    figure = kept_figures[-1]
+    top = [axes for axes in figure.axes if axes.get_subplotspec().rowspan.start == 0]
+    assert [axes.get_title().splitlines()[0] for axes in top] == ["replicated", "dp"]
+    assert all({tick.get_text() for tick in axes.get_xticklabels()} == {"cpu:0", "cpu:1"} for axes in figure.axes)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    for strategy in ("replicated", "dp"):  # a trace per strategy, each with both devices' tracks
+        events = json.loads((tmp_path / f"trace-{strategy}.json").read_text())["traceEvents"]
+        assert {e["args"]["name"] for e in events if e["name"] == "thread_name"} == {"cpu:0", "cpu:1"}
+
+
+@pytest.mark.parametrize(
+    ("argv", "line"),
+    [
+        (["--strategies", "dp,nonesuch"], "--strategies: expected strategies from single, dp,"),
+        (["--strategy", "ddp", "--strategies", "dp,ddp"], "--strategies: not allowed with argument --strategy"),
+        (["--strategies", "dp,dp"], "--strategies: dp given twice; name each strategy once"),
+        (["--strategies", "dp,single", "--devices", "2"], "--devices: strategy 'single' runs on 1 device(s), got 2"),
+    ],
+)
+def test_a_bad_list_of_strategies_is_one_line_before_any_runs(capsys, argv, line):
+    assert main(["profile", "--example", "digits", "--accelerator", "cpu", *argv, "--no-progress"]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"dpkit profile: error: {line}"), lines
+
+
+def test_a_device_one_strategy_has_not_is_a_dash_in_its_columns():
+    from dpkit.observe.report import DeviceReport, Report
+    from dpkit.observe.side_by_side import side_by_side_table
+
+    one = Report([DeviceReport("cpu:0", 8, 2**20, {}, {"forward": 0.002})], steps=2)
+    two = Report([DeviceReport(f"cpu:{i}", 4, (2 - i) * 2**20, {}, {"forward": 0.004}) for i in (0, 1)], steps=2)
+    two.threads = {"step_seconds": 0.003, "steps": 2}
+    rows = [line.split() for line in side_by_side_table([one, two], ["single", "dp"]).splitlines()[:5]]
+    assert rows[1:] == [
+        ["cpu:0", "1.00", "1.00", "2.00", "2.00"],
+        ["cpu:1", "-", "-", "1.00", "2.00"],
+        ["imbalance", "1.00", "1.33"],
+        ["step", "-", "3.00"],
+    ]
