@@ -201,3 +201,10 @@ def test_a_device_one_strategy_has_not_is_a_dash_in_its_columns():
         ["imbalance", "1.00", "1.33"],
         ["step", "-", "3.00"],
     ]
+
+
+def test_the_demo_on_one_device_says_where_to_see_dp_against_ddp(tmp_path, capsys):
+    argv = ["demo", "--accelerator", "cpu", "--devices", "1", "--epochs", "1", "--no-progress", "--out", str(tmp_path)]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "the lesson's end, dp against ddp, needs two devices or more: `dpkit demo --accelerator cpu`" in out

@@ -47,6 +47,7 @@ from dpkit.engine.placement import Placement, is_choice, resolve_placement
 from dpkit.engine.resumable_loader import ResumableLoader, resumable
 from dpkit.engine.resume.load import LoaderPosition, load_training_state
 from dpkit.engine.resume.save import save_training_state
+from dpkit.engine.run_time_notes import PrintedLossNote
 from dpkit.engine.whole_model import load_whole_model, save_whole_model
 from dpkit.engine.wrappers import (
     Accumulation,
@@ -131,6 +132,7 @@ class Engine(AmongProcesses):
         self._model: EngineModule | None = None
         self._bare_model: nn.Module | None = None  # the user's model object (replica 0 / the DDP module)
         self._criteria: list[EngineCriterion] = []
+        self._printed_loss = PrintedLossNote()  # engine.print of a process's own loss, said once
         # what the Engine changes for its lifetime, put back by close(): the replica runner's worker threads
         # (stopped when the last lease goes) and the intra-op thread count a loaded state set
         self._workers = hold_workers()
@@ -259,6 +261,7 @@ class Engine(AmongProcesses):
         the step's gradient is then that of all such sums over every device and micro-batch of the step divided
         by their total count (engine/item_weighting.py). Give it on every backward of a step or on none."""
         check_loss(loss)
+        self._printed_loss.backward(loss)
         # off by default: the check reads the loss's value each step (a device sync, and a collective across
         # processes so that every process stops at the same step)
         window = self._accumulation.micro_batches % self.accumulate + 1  # this backward's place in its window
@@ -276,6 +279,13 @@ class Engine(AmongProcesses):
         self.strategy.backward(self.precision.scale_loss(loss), scale=scale, sync=sync)
         if sync and self._model is not None:
             self._items.finish(self.strategy, self._model, self.accumulate)
+
+    def print(self, *args: object, **kwargs: Any) -> None:
+        """print(), on rank 0 only; a loss printed under a strategy with a process per device is said, once, to be
+        this process's (engine/run_time_notes.py)."""
+        if self.is_global_zero:
+            self._printed_loss.printing(self.strategy, self.world_size, args)
+        super().print(*args, **kwargs)
 
     @property
     def step(self) -> int:

@@ -86,6 +86,11 @@ def demo(
         )
     if compare and len(device_list) > 1:
         _compare_dp_and_ddp(device_list, batch_size=batch_size, lr=lr, seed=seed)
+    elif compare:
+        print(
+            "the lesson's end, dp against ddp, needs two devices or more: `dpkit demo --accelerator cpu` shows it on "
+            "2 virtual CPU devices"
+        )
     return same
 
 
