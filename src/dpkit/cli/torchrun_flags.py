@@ -46,7 +46,7 @@ REFUSED = {
     "--local-addr": (True, "the nodes meet at --master-addr"),
     "--logs-specs": (True, "use --log-dir DIR, in torchrun's layout"),
     "--numa-binding": (True, "dpkit binds no worker to CPUs"),
-    "--signals-to-handle": (True, "dpkit passes SIGINT, SIGTERM and SIGHUP to the workers"),
+    "--signals-to-handle": (True, "Ctrl-C and SIGTERM to dpkit launch stop the workers (docs/faults.md)"),
     "--shutdown-timeout": (True, "dpkit stops the workers itself"),
     "--virtual-local-rank": (False, "each worker sees its own device index"),
     "--rdzv-conf": (True, "dpkit's rendezvous has no settings to give"),
