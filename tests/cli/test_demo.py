@@ -1,5 +1,6 @@
 import re
 
+import pytest
 import torch
 
 from dpkit.cli.main import main
@@ -19,6 +20,19 @@ def test_demo_trains_reports_and_saves_a_clean_checkpoint(tmp_path, capsys):
     assert "time per step" in out
     state = torch.load(tmp_path / "model.pt", weights_only=True)
     DigitsMLP().load_state_dict(state)  # strict: clean keys
+    # the lesson's end: the same model under dp and ddp, each device's peak and the step, measured here
+    ending = out[out.index("the lesson's end") :].splitlines()
+    header = ending.index("  strategy   cpu:0 MiB  cpu:1 MiB   step ms")
+    dp, ddp = (ending[header + 1].split(), ending[header + 2].split())
+    assert dp[0] == "dp" and ddp[0] == "ddp"
+    assert float(dp[1]) > 1.5 * float(dp[2])  # dp's first device carries the optimizer state and the sum
+    assert float(ddp[1]) == float(ddp[2]) > 0  # ddp: every device the same
+    assert float(dp[3]) > 0 and float(ddp[3]) > 0
+    said = " ".join(ending[header + 3 :])
+    ratio = float(re.search(r"here ddp's step took ([0-9.]+)x dp's", said).group(1))
+    assert ratio == pytest.approx(float(ddp[3]) / float(dp[3]), abs=0.01)
+    assert "prefer it when a model fills a device" in said
+    assert "`dpkit profile --model pkg.module:factory --strategies dp,ddp`" in said and "`dpkit plan --model" in said
 
 
 def test_demo_rejects_bad_arguments(capsys):

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import argparse
 
+from dpkit.cli.torchrun_flags import ALIASES, add_torchrun_spellings, node_count, resolve_torchrun_meaning
 from dpkit.cli.vocabulary import add_nproc_per_node, add_restarts, add_verb, comma_ints
 from dpkit.launch import launch
 
-# library arguments this command spells differently
-SPELLED = {"hang_timeout_seconds": "--hang-timeout"}
+# library arguments this command spells differently; and dpkit's spelling, not torchrun's, names an argument that
+# both set (`--nproc-per-node`, not `--nproc_per_node`)
+SPELLED = {"hang_timeout_seconds": "--hang-timeout", **{flag[2:].replace("-", "_"): flag for flag in ALIASES.values()}}
 
 DESCRIPTION = """\
 Start --nproc-per-node processes of `python script.py args…` (or `python -m module` with -m) on this node,
@@ -16,13 +18,15 @@ on torch.distributed.run. With --nnodes > 1, start the same command on every nod
 and the same --master-addr/--master-port; inside a SLURM job, `srun` one task per node and these come from
 SLURM. With more than one process, each line a worker writes starts with its rank ([rank1]: ...) on the
 console; --log-dir keeps every worker's output in files, --show-ranks picks whose the console shows. The
-script is checked before any process starts."""
+script is checked before any process starts. torchrun's spellings work too (--standalone, --nproc_per_node,
+--rdzv-endpoint, ...; docs/from-torchrun.md lists them), so a torchrun command line runs as it is."""
 
 EXAMPLES = (
     "dpkit launch --nproc-per-node auto train.py --lr 0.1      # every GPU here, else 2 CPU processes",
     "dpkit launch --nnodes 2 --node-rank 0 --nproc-per-node 4 --master-addr 10.0.0.1 --master-port 29500 train.py",
     "srun --ntasks-per-node=1 dpkit launch --nproc-per-node auto train.py   # in an sbatch script: nodes from SLURM",
     "dpkit launch --nproc-per-node 4 --log-dir logs --show-ranks 0 train.py  # all ranks in logs/, rank 0 on screen",
+    "dpkit launch --standalone --nproc_per_node=2 train.py    # torchrun's spellings: the same as --nproc-per-node 2",
 )
 
 
@@ -41,7 +45,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     )
     add_nproc_per_node(parser, 1)
     nodes = parser.add_argument_group("nodes (inside a SLURM job these come from SLURM)")
-    nodes.add_argument("--nnodes", type=int, default=None, help="number of nodes (default: 1, or the srun step's)")
+    nodes.add_argument(
+        "--nnodes", type=node_count, default=None, help="number of nodes (default: 1, or the srun step's)"
+    )
     nodes.add_argument(
         "--node-rank", type=int, default=None, help="this node's rank, 0 … nnodes-1 (default: 0, or SLURM_NODEID)"
     )
@@ -90,12 +96,14 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         "exiting with 2 (bad input) or 3 (training diverged) is not retried: the launch exits with its code",
     )
     parser.add_argument("-m", "--module", action="store_true", help="run `python -m script` instead of a file")
+    add_torchrun_spellings(parser)
     parser.add_argument("script", help="the training script (or module with -m)")
     parser.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
     return parser
 
 
 def run(args: argparse.Namespace) -> int:
+    torchrun_only = resolve_torchrun_meaning(args)
     launch(
         args.script,
         args.script_args,
@@ -112,5 +120,6 @@ def run(args: argparse.Namespace) -> int:
         rank_prefix=args.rank_prefix,
         show_ranks=args.show_ranks,
         slurm=not args.no_slurm,
+        **torchrun_only,
     )
     return 0

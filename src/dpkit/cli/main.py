@@ -8,6 +8,7 @@ import importlib
 import importlib.metadata
 import logging
 import sys
+import textwrap
 
 import torch
 
@@ -19,6 +20,7 @@ from dpkit.launch import StoppedBySignal, launched
 from dpkit.launch.environment import process_place
 from dpkit.launch.worker import exit_worker
 from dpkit.recipe.sources import UserCodeError, first_line, raised_in_your_code, your_frames
+from dpkit.strategies import available_strategies
 
 # subcommand name -> module under dpkit.cli; each module defines add_parser(subparsers) and run(args) -> int, and
 # may name the library arguments it spells differently from its flags' dests (SPELLED)
@@ -34,11 +36,14 @@ COMMANDS = {
     "catalogue": "dpkit.cli.catalogue",
 }
 
-OVERVIEW = """\
-Data-parallel training for PyTorch on GPUs and on virtual CPU devices (cpu:0, cpu:1, ...): six strategies
-behind one training loop (single, dp, dp-balanced, replicated, ddp, fsdp), measured per device and per phase,
-planned before you buy, and checkpoints that resume exactly. Every verb has --help with examples; a flag
-means the same in every verb that has it (docs/cli.md)."""
+# the strategies named from the registry, so that the overview never counts fewer than `dpkit train` offers
+OVERVIEW = textwrap.fill(
+    "Data-parallel training for PyTorch on GPUs and on virtual CPU devices (cpu:0, cpu:1, ...): "
+    f"{len(available_strategies())} strategies behind one training loop ({', '.join(available_strategies())}), "
+    "measured per device and per phase, planned before you buy, and checkpoints that resume exactly. Every verb "
+    "has --help with examples; a flag means the same in every verb that has it (docs/cli.md).",
+    width=106,
+)
 
 FIRST_STEPS = """\
 first steps:

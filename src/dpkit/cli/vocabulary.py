@@ -237,13 +237,15 @@ def strategy_list(text: str) -> list[str]:
     return names
 
 
-def add_strategies(parser: ParserOrGroup) -> None:
+def add_strategies(parser: ParserOrGroup, *, every_by_default: bool = True, help_more: str = "") -> None:
+    """--strategies: several of the registry's, comma-separated; by default every one, else none (the verb's
+    --strategy then says which runs)."""
     _tag(
         parser.add_argument(
             "--strategies",
-            default=",".join(available_strategies()),
+            default=",".join(available_strategies()) if every_by_default else None,
             type=strategy_list,
-            help=VOCABULARY["--strategies"],
+            help=VOCABULARY["--strategies"] + help_more,
         ),
         "--strategies",
     )

@@ -47,6 +47,7 @@ from dpkit.engine.process_streams import ProcessStream, check_uneven
 from dpkit.engine.resumable_loader import BatchRecord, ResumableLoader, resumable
 from dpkit.engine.resume.load import LoaderPosition, load_training_state
 from dpkit.engine.resume.save import save_training_state
+from dpkit.engine.run_time_notes import PrintedLossNote
 from dpkit.engine.together import agreed
 from dpkit.engine.whole_model import load_whole_model, save_whole_model
 from dpkit.engine.wrappers import (
@@ -158,6 +159,7 @@ class Engine(AmongProcesses):
         self._model: EngineModule | None = None
         self._bare_model: nn.Module | None = None  # the user's model object (replica 0 / the DDP module)
         self._criteria: list[EngineCriterion] = []
+        self._printed_loss = PrintedLossNote()  # engine.print of a process's own loss, said once
         # what the Engine changes for its lifetime, put back by close(): the replica runner's worker threads
         # (stopped when the last lease goes) and the intra-op thread count a loaded state set
         self._workers = hold_workers()
@@ -298,6 +300,7 @@ class Engine(AmongProcesses):
         the step's gradient is then that of all such sums over every device and micro-batch of the step divided
         by their total count (engine/item_weighting.py). Give it on every backward of a step or on none."""
         check_loss(loss)
+        self._printed_loss.backward(loss)
         # off by default: the check reads the loss's value each step (a device sync, and a collective across
         # processes so that every process stops at the same step)
         window = self._accumulation.micro_batches % self.accumulate + 1  # this backward's place in its window
@@ -343,6 +346,13 @@ class Engine(AmongProcesses):
             return self.strategy.sum_weight() * record.rows, float(record.rows)
         self._items.add(items)
         return self.strategy.sum_weight(), items
+
+    def print(self, *args: object, **kwargs: Any) -> None:
+        """print(), on rank 0 only; a loss printed under a strategy with a process per device is said, once, to be
+        this process's (engine/run_time_notes.py)."""
+        if self.is_global_zero:
+            self._printed_loss.printing(self.strategy, self.world_size, args)
+        super().print(*args, **kwargs)
 
     @property
     def step(self) -> int:

@@ -21,6 +21,7 @@ from torch import nn
 from dpkit.checks import check_number
 from dpkit.compilation import has_compiled_forward
 from dpkit.engine.resumable_loader import ResumableLoader
+from dpkit.engine.run_time_notes import note_own_loss
 from dpkit.parallel import hooks
 from dpkit.parallel.nested import map_leaves
 from dpkit.precision import Precision
@@ -69,7 +70,7 @@ class EngineModule(nn.Module):
             # compiled after setup under a sharded strategy: FSDP2's hooks around the root break dynamo's graph and
             # it gives up on the model's forward (measured: no graph, flat or in blocks), so say how to compile it
             torch.compiler.disable(_say_sharded_model_runs_eager)(self)
-        output = self._run(*args, **kwargs)
+        output = note_own_loss(self, self._run(*args, **kwargs))  # said once: a loss the model computes itself
         forward_ran = self.__dict__.get("forward_ran")
         if forward_ran is not None:  # the Engine ties the output to the batch in hand (engine/forward_batches.py)
             if torch.compiler.is_compiling():  # (the wrapper compiled after setup: marks are set outside the graph)

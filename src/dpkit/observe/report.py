@@ -80,7 +80,7 @@ def thread_lines(threads: dict[str, Any] | None) -> list[str]:
     return lines
 
 
-def _aligned(rows: list[list[str]]) -> list[str]:
+def aligned_columns(rows: list[list[str]]) -> list[str]:
     """Right-aligned columns, two spaces apart; the first row is the header."""
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     return ["  ".join(cell.rjust(width) for cell, width in zip(row, widths)) for row in rows]
@@ -278,13 +278,13 @@ class Report:
                 + [f"{d.seconds_by_phase.get(p, 0.0) * per_step * 1e3:.2f}" for p in used_phases]
                 + [f"{d.hidden_seconds_by_phase.get(p, 0.0) * per_step * 1e3:.2f}" for p in hidden_phases]
             )
-        out = _aligned(memory)
+        out = aligned_columns(memory)
         out.append(f"imbalance (max/mean of per-device peaks): {self.imbalance:.3f}   steps observed: {self.steps}")
         if self.meta.get("balance_note"):  # why a memory balance left the peaks uneven, and the batch that evens them
             out.append(str(self.meta["balance_note"]))
         if used_phases:
             out.append(f"time by phase, ms per step (the mean of the {self.steps} observed step(s)):")
-            out += _aligned(time)
+            out += aligned_columns(time)
         out += thread_lines(self.threads)
         line = self.collectives_line()
         if line:

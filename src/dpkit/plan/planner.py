@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dpkit.observe.plots import save_scaling_figure
+from dpkit.observe.plots import PhaseBar, save_scaling_figure
 from dpkit.observe.report import write_json
 from dpkit.plan.advisor import Recommendation, recommend
 from dpkit.plan.catalogue import Link
@@ -203,7 +203,7 @@ class Plan:
     def save_png(self, path: str | Path) -> Path:
         """Left: predicted samples/s against devices per strategy, for the configurations that fit (all of them
         when none does), each strategy in a line style of its own, equal lines named in the title; right: the
-        step broken into phases, a "!" on the configurations that do not fit."""
+        step broken into phases, pale and hatched where a configuration does not fit or cannot run."""
         import matplotlib
         from cycler import cycler
 
@@ -224,10 +224,7 @@ class Plan:
             return save_scaling_figure(
                 path,
                 throughput,
-                [
-                    (f"{p.strategy}\n{p.total_devices}" + ("" if p.fits and p.runs else " !"), p.breakdown)
-                    for p in self.predictions
-                ],
+                [PhaseBar(p.strategy, p.total_devices, p.breakdown, p.fits, p.runs) for p in self.predictions],
                 PHASE_ORDER,
                 title=title,
                 throughput_label="samples/s (predicted)",

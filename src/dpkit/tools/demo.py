@@ -1,8 +1,11 @@
 """The demo behind `make demo` / `dpkit demo`: train an MLP on scikit-learn's bundled digits with
-dpkit.DataParallel (every GPU, else two virtual CPU devices), print the report, save and reload the model."""
+dpkit.DataParallel (every GPU, else two virtual CPU devices), print the report, save and reload the model; then the
+lesson's end: the same model under dp and under ddp (dpkit.tools.profile_strategies), memory per device and time
+per step measured here, and when ddp is the one to prefer."""
 
 from __future__ import annotations
 
+import textwrap
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -15,10 +18,16 @@ from dpkit.checkpoint.model_files import load_model, save_model
 from dpkit.checks import check_batch_split, check_int, check_output_folder
 from dpkit.devices import DeviceLike, resolve_devices
 from dpkit.examples.digits import DigitsMLP, load_digits
-from dpkit.observe import Observer
+from dpkit.observe import Observer, Report
+from dpkit.observe.side_by_side import step_seconds
 from dpkit.parallel import DataParallel
+from dpkit.tools.profile import ProfileSpec
+from dpkit.tools.profile_strategies import profile_strategies
 
 LEARNED_ACCURACY = 0.95  # what the default settings reach on the held-out digits
+# the comparison's steps under each strategy: enough for a mean step that one hiccup of a shared machine cannot
+# swamp, few enough that ddp's processes starting up stay the most of its cost
+COMPARED_WARMUP, COMPARED_STEPS = 3, 10
 
 
 def demo(
@@ -30,9 +39,11 @@ def demo(
     seed: int = 0,
     out: str = "runs/demo",
     progress: bool = True,
+    compare: bool = True,
 ) -> bool:
-    """Train, report and round-trip the checkpoint; whether the reloaded model reproduces the trained one
-    (a note says when held-out accuracy stays below LEARNED_ACCURACY, which is not a failure)."""
+    """Train, report and round-trip the checkpoint, then (with `compare`, on two devices or more) the same model
+    under dp and ddp; whether the reloaded model reproduces the trained one (a note says when held-out accuracy
+    stays below LEARNED_ACCURACY, which is not a failure)."""
     check_int(epochs, "epochs")
     check_int(batch_size, "batch_size")
     check_output_folder(out, "out")  # before training: the checkpoint goes there
@@ -72,6 +83,13 @@ def demo(
         print(
             f"note: held-out accuracy {accuracy:.4f} is below {LEARNED_ACCURACY}, which the default 20 epochs reach; "
             "train longer (--epochs) to get there"
+        )
+    if compare and len(device_list) > 1:
+        _compare_dp_and_ddp(device_list, batch_size=batch_size, lr=lr, seed=seed)
+    elif compare:
+        print(
+            "the lesson's end, dp against ddp, needs two devices or more: `dpkit demo --accelerator cpu` shows it on "
+            "2 virtual CPU devices"
         )
     return same
 
@@ -149,3 +167,55 @@ def _save_and_reload(dp: DataParallel, model: torch.nn.Module, out: str, x_test:
         same = torch.equal(reloaded(x_test[:8]), model.cpu()(x_test[:8]))
     print(f"reloaded model reproduces the trained one: {same}")
     return same
+
+
+def _compare_dp_and_ddp(device_list: list[torch.device], *, batch_size: int, lr: float, seed: int) -> None:
+    """The same model, batch and devices under dp and under ddp (in processes of its own): each device's peak
+    memory and the step's time, measured here, and when ddp is the one to prefer."""
+    spec = ProfileSpec(
+        example="digits",
+        accelerator=device_list[0].type,
+        devices=[str(device) for device in device_list],
+        steps=COMPARED_STEPS,
+        warmup=COMPARED_WARMUP,
+        batch_size=batch_size,
+        lr=lr,
+        seed=seed,
+        progress=False,
+    )
+    print("\nthe lesson's end: the same model under dp and under ddp (a process per device), measured here")
+    print(f"({COMPARED_STEPS} steps after {COMPARED_WARMUP} of warm-up, batch {batch_size}; peak memory per device):")
+    dp, ddp = profile_strategies(spec, ["dp", "ddp"])
+    names = [str(device) for device in device_list]
+    print(f"  {'strategy':9s}" + "".join(f"{name + ' MiB':>11s}" for name in names) + f"{'step ms':>10s}")
+    for strategy, report in (("dp", dp), ("ddp", ddp)):
+        peaks = "".join(f"{report.device(name).peak_bytes / 2**20:11.2f}" for name in names)
+        print(f"  {strategy:9s}{peaks}{_step_ms(report):10.2f}")
+    for line in _lesson(dp, ddp, device_list[0].type):
+        print(line)
+
+
+def _step_ms(report: Report) -> float:
+    seconds = step_seconds(report)
+    return float("nan") if seconds is None else seconds * 1e3
+
+
+def _lesson(dp: Report, ddp: Report, device_type: str) -> list[str]:
+    """When ddp is the one to prefer, with what was measured here; where to measure or predict one's own model."""
+    first, *others = [d.peak_bytes for d in dp.devices]
+    ratio = _step_ms(ddp) / _step_ms(dp)
+    here = f"here ddp's step took {ratio:.2f}x dp's"
+    if ratio > 1:
+        where = "virtual CPU devices" if device_type == "cpu" else "GPUs"
+        here += f": on {where}, for a model this small, its processes and exchanges cost more than the work they share"
+    sentence = (
+        f"dp keeps the one copy of the weights, the gradients' sum and the optimizer state on the first device "
+        f"({first / max(others):.1f}x what any other holds here) and copies the weights out at every step; ddp gives "
+        f"every device the same load, in a process of its own, and exchanges the gradients during the backward, so "
+        f"prefer it when a model fills a device, on many GPUs and across machines ({here})."
+    )
+    return [
+        *textwrap.wrap(sentence, width=110),
+        "your own model: `dpkit profile --model pkg.module:factory --strategies dp,ddp` measures both here;",
+        "`dpkit plan --model pkg.module:factory --input-shape 64 --gpu h100-sxm` predicts them on GPUs.",
+    ]

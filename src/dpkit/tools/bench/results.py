@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from dpkit.devices import resolve_devices
-from dpkit.observe.plots import save_scaling_figure
+from dpkit.observe.plots import PhaseBar, save_scaling_figure
 from dpkit.observe.report import write_json
 from dpkit.observe.timing import PHASES
 from dpkit.strategies import reference
@@ -112,7 +112,7 @@ class BenchResult:
         return save_scaling_figure(
             path,
             throughput,
-            [(f"{r.strategy}\n{r.devices}", r.phase_seconds) for r in self.results],
+            [PhaseBar(r.strategy, r.devices, r.phase_seconds) for r in self.results],
             [p for p in SHOWN_PHASES if not p.endswith("_hidden")],  # hidden time is inside another phase
             title=f"throughput, {self.spec.batch_description()}",
             throughput_label="samples/s (median step)",
