@@ -30,7 +30,9 @@ def test_demo_trains_reports_and_saves_a_clean_checkpoint(tmp_path, capsys):
     assert float(dp[3]) > 0 and float(ddp[3]) > 0
     said = " ".join(ending[header + 3 :])
     ratio = float(re.search(r"here ddp's step took ([0-9.]+)x dp's", said).group(1))
-    assert ratio == pytest.approx(float(ddp[3]) / float(dp[3]), abs=0.01)
+    # the line's ratio is of the measured times, the table's figures rounded to 0.1 ms: within that rounding
+    rounding = ratio * (0.05 / float(ddp[3]) + 0.05 / float(dp[3])) + 0.005
+    assert ratio == pytest.approx(float(ddp[3]) / float(dp[3]), abs=rounding)
     assert "prefer it when a model fills a device" in said
     assert "`dpkit profile --model pkg.module:factory --strategies dp,ddp`" in said and "`dpkit plan --model" in said
 

@@ -52,7 +52,7 @@ def prefetching_run(strategy: str, devices: int, options: dict | None = None) ->
 PER_DEVICE_CASES = [
     pytest.param(name, options, id=name + "".join(f"-{k}{v}" for k, v in options.items()))
     for name in available_strategies()
-    if strategy_class(name).traits.processes == PER_DEVICE
+    if strategy_class(name).traits.processes == PER_DEVICE and strategy_class(name).traits.sync_every == 1
     for options in ([{}, {"stage": 2}] if name == "zero" else [{}])
 ]
 
