@@ -379,3 +379,60 @@ def test_every_registered_strategy_and_variant_gets_its_memory_by_category(tmp_p
     out = capsys.readouterr().out
     table = out.split("memory per device by category")[1].split("recommendation:")[0]
     assert all(name in table for name in available_strategies())
+
+
+# ---- localsgd and diloco (issue 47): their settings, and the option beside the recommendation ----------------------
+
+SLOW = ["--model", "gpt2-124m", "--gpu", "h100-sxm", "--nodes", "4", "--network", "eth-10g", "--device-counts", "8"]
+SLOW += ["--batch-size-per-device", "1"]
+
+
+@pytest.mark.parametrize(
+    "settings, message",
+    [
+        (["--strategies", "ddp,fsdp", "--sync-every", "4"], "--sync-every: an option of strategy localsgd, diloco"),
+        (["--strategies", "ddp,localsgd", "--outer-lr", "0.5"], "--outer-lr: an option of strategy diloco"),
+        (["--strategies", "ddp,diloco", "--outer-lr", "-1"], "--outer-lr: expected a learning rate > 0, got -1"),
+        (["--strategies", "diloco", "--outer-momentum", "1"], "--outer-momentum: expected a momentum in [0, 1), got 1"),
+        (["--strategies", "localsgd", "--sync-every", "0"], "--sync-every: expected a positive int, got 0"),
+    ],
+)
+def test_their_settings_out_of_place_or_range_get_one_line(settings, message, capsys):
+    assert main(["plan", *SLOW, *settings]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0], err
+
+
+def test_sync_every_sets_the_period_the_meeting_is_spread_over(tmp_path):
+    def meeting_share(*settings):
+        data = plan(tmp_path, *SLOW, "--strategies", "ddp,localsgd,diloco", *settings)
+        periodic = {p["strategy"]: p for p in data["predictions"] if p["strategy"] != "ddp"}
+        return {name: (p["options"], p["breakdown"]["all_reduce"]) for name, p in periodic.items()}
+
+    default, every_four = meeting_share(), meeting_share("--sync-every", "4", "--outer-lr", "0.5")
+    assert default["localsgd"][0] == {} and every_four["localsgd"][0] == {"sync_every": 4}
+    assert every_four["diloco"][0] == {"sync_every": 4, "outer_lr": 0.5}
+    for name in ("localsgd", "diloco"):  # the default period is 8: every 4 steps, each step carries twice as much
+        assert every_four[name][1] == pytest.approx(2 * default[name][1])
+
+
+def test_on_a_slow_link_the_plan_lists_them_as_an_option_and_on_a_fast_one_says_nothing_of_them(tmp_path, capsys):
+    data = plan(tmp_path, *SLOW)
+    out = capsys.readouterr().out
+    rec = data["recommendation"]
+    assert rec["strategy"] not in ("localsgd", "diloco")
+    assert rec["periodic"]["strategies"] == ["localsgd", "diloco"] and rec["periodic"]["changes_optimization"]
+    assert "  - localsgd/diloco every 8 steps would take the step from" in out
+    assert "compare the quality on your model first\n    (docs/strategies.md)" in out
+    assert max(map(len, out.splitlines())) <= 100
+    fast = plan(tmp_path, "--model", "gpt2-124m", "--gpu", "h100-sxm", "--batch-size-per-device", "8")
+    out = capsys.readouterr().out
+    assert fast["recommendation"]["periodic"] is None
+    assert "localsgd/diloco" not in out and "change the optimization" not in out
+
+
+def test_a_plan_of_them_alone_names_no_strategy_and_says_why(tmp_path, capsys):
+    data = plan(tmp_path, *SLOW, "--strategy", "localsgd")
+    out = capsys.readouterr().out
+    assert data["recommendation"]["strategy"] is None and data["recommendation"]["would_fit"] is None
+    assert "recommendation: none\n  - localsgd changes the optimization" in out and "nothing fits" not in out

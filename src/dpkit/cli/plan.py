@@ -9,6 +9,7 @@ JSON, say what would: the device count on which the sharded strategy fits, CPU o
 from __future__ import annotations
 
 import argparse
+import math
 from dataclasses import replace
 from typing import Any
 
@@ -273,14 +274,16 @@ SETTINGS = {
 }
 
 
-def options_from_settings(args: argparse.Namespace) -> dict[str, dict[str, int]]:
-    """--zero-stage and --shard-size as the options of the planned strategies that take them; one line when no
-    planned strategy takes a setting given."""
-    options: dict[str, dict[str, int]] = {}
+def options_from_settings(args: argparse.Namespace) -> dict[str, dict[str, float]]:
+    """--zero-stage, --shard-size, --sync-every, --outer-lr and --outer-momentum as the options of the planned
+    strategies that take them; one line when no planned strategy takes a setting given, or its value is out of
+    range (the counts are checked by argparse)."""
+    options: dict[str, dict[str, float]] = {}
     for setting, option in SETTINGS.items():
         value = getattr(args, setting)
         if value is None:
             continue
+        check_rate(setting, value)
         taking = [name for name in args.strategies if option in strategy_class(name).options]
         if not taking:
             flag = "--" + setting.replace("_", "-")
@@ -294,7 +297,16 @@ def options_from_settings(args: argparse.Namespace) -> dict[str, dict[str, int]]
     return options
 
 
-def check_compression(args: argparse.Namespace, strategy_options: dict[str, dict[str, int]]) -> None:
+def check_rate(setting: str, value: float) -> None:
+    """--outer-lr above 0, --outer-momentum in [0, 1), as `dpkit train` takes them."""
+    flag = "--" + setting.replace("_", "-")
+    if setting == "outer_lr" and not (math.isfinite(value) and value > 0):
+        raise ValueError(f"{flag}: expected a learning rate > 0, got {value:g}")
+    if setting == "outer_momentum" and not (math.isfinite(value) and 0 <= value < 1):
+        raise ValueError(f"{flag}: expected a momentum in [0, 1), got {value:g}")
+
+
+def check_compression(args: argparse.Namespace, strategy_options: dict[str, dict[str, float]]) -> None:
     """--compress that no planned strategy takes: one line naming those that do."""
     compression = parse_compression(args.compress)
     if not compression.compresses:

@@ -18,6 +18,7 @@ PHASE_WORDS = {
     "launch": "GIL-serialised kernel launches",
     "overhead": "per-step Python and threads",
     "optimizer": "optimizer step",
+    "meeting": "replicas' meeting's own work",
     "forward": "forward",
     "backward": "backward",
 }
@@ -51,3 +52,14 @@ def milliseconds(seconds: float) -> str:
     """Seconds in milliseconds with the unit, as the phase table shows them: 6,407 ms, 22.7 ms, 1.42 ms."""
     ms = seconds * 1e3
     return f"{ms:,.0f} ms" if ms >= 100 else f"{ms:.1f} ms" if ms >= 10 else f"{ms:.2f} ms"
+
+
+def only_periodic_words(strategies: list[str]) -> str:
+    """Why a plan of strategies whose replicas meet every H steps, and nothing else, recommends none of them."""
+    names = list(dict.fromkeys(strategies))
+    return (
+        f"{', '.join(names)} {'changes' if len(names) == 1 else 'change'} the optimization (each replica trains alone "
+        f"between meetings): the recommendation never names {'it' if len(names) == 1 else 'one'}; plan "
+        f"{'it' if len(names) == 1 else 'them'} beside a strategy that synchronizes every step, e.g. --strategies "
+        f"ddp,{','.join(names)}"
+    )

@@ -6,7 +6,9 @@ sharded, then the smallest shard group), a more sharded one only where it is cle
 the strategies it speaks of by their traits (dpkit.strategies), never by name nor by the registry's order, and
 among strategies alike takes the fastest. It never recommends a configuration that does not
 fit in memory or cannot run at the precision asked: when none can, the recommendation names no strategy
-(`strategy` None, JSON null) and its reasons say what would fit (would_fit.py).
+(`strategy` None, JSON null) and its reasons say what would fit (would_fit.py). Nor does it recommend replicas
+trained alone that meet every H steps (localsgd, diloco): they change the optimization, so they are only ever an
+option beside the recommendation, where the link is slow enough (periodic_advice.py).
 """
 
 from __future__ import annotations
@@ -15,10 +17,19 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from dpkit.plan.advice_words import PHASE_WORDS, devices_words, gib, milliseconds, phase_words, shards_words
+from dpkit.plan.advice_words import (
+    PHASE_WORDS,
+    devices_words,
+    gib,
+    milliseconds,
+    only_periodic_words,
+    phase_words,
+    shards_words,
+)
 from dpkit.plan.cost_model import Prediction
 from dpkit.plan.lightest_sharding import lightest_sharding, lightest_worthwhile
 from dpkit.plan.memory import Sizing
+from dpkit.plan.periodic_sync import meets_periodically
 from dpkit.plan.would_fit import nothing_fits
 from dpkit.strategies import ON_ROOT, ONE_PROCESS, PER_DEVICE, PER_STEP, Traits, reference, strategy_class
 
@@ -32,19 +43,25 @@ LAUNCH_BOUND_SHARE = 0.5  # a step whose launches and per-step Python are this s
 class Recommendation:
     """A strategy and its devices (in all, across nodes), or, when nothing fits, no strategy (None) and no
     devices; then `would_fit` says what would: the sharded strategy's device count, CPU offload, a batch.
-    `compress`: the gradient compression it names (compression_advice.py), None where none pays or applies."""
+    `compress`: the gradient compression it names (compression_advice.py), None where none pays or applies.
+    `periodic`: synchronizing every H steps as an option beside it, with its figures (periodic_advice.py), None
+    where every-step synchronization does not dominate the step. `nothing_fits`: no strategy named because none fits
+    or runs (not because only strategies it never names were planned)."""
 
     strategy: str | None
     devices: int | None
     reasons: list[str] = field(default_factory=list)
     would_fit: dict[str, Any] | None = None
     compress: str | None = None
+    periodic: dict[str, Any] | None = None
+    nothing_fits: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "strategy": self.strategy,
             "devices": self.devices,
             "compress": self.compress,
+            "periodic": dict(self.periodic) if self.periodic is not None else None,
             "reasons": list(self.reasons),
             "would_fit": dict(self.would_fit) if self.would_fit is not None else None,
         }
@@ -80,6 +97,12 @@ def shards(strategy: str) -> bool:
 def usable(prediction: Prediction) -> bool:
     """Fits in memory and runs at the precision asked: the only predictions the advisor may recommend."""
     return prediction.fits and prediction.runs
+
+
+def every_step(predictions: Sequence[Prediction]) -> list[Prediction]:
+    """The predictions of strategies that synchronize at every step: the only ones the advisor weighs (replicas
+    trained alone, meeting every H steps, change the optimization)."""
+    return [p for p in predictions if not meets_periodically(p.strategy)]
 
 
 def _losses(prediction: Prediction) -> str:
@@ -121,11 +144,16 @@ def recommend(
     """`what_if(change, devices)` may re-run the plan with each of CHANGES for the last reasons;
     `sizing` answers what the predictions do not when little or nothing fits (on how many devices the
     sharded strategy fits, CPU offload, a smaller batch); `payoff(strategy, devices)` gives the batch from which
-    a strategy on that many devices outruns one device, in words (plan/payoff.py), for when DP does not."""
+    a strategy on that many devices outruns one device, in words (plan/payoff.py), for when DP does not. Strategies
+    whose replicas meet every H steps are left out (every_step)."""
+    weighed = every_step(predictions)
+    if predictions and not weighed:
+        return Recommendation(None, None, [only_periodic_words([p.strategy for p in predictions])])
+    predictions = weighed
     fits = [p for p in predictions if usable(p)]
     if not fits:
         reasons, would_fit = nothing_fits(predictions, sizing)
-        return Recommendation(None, None, reasons, would_fit)
+        return Recommendation(None, None, reasons, would_fit, nothing_fits=True)
     multi = [p for p in fits if p.total_devices > 1]
     if not multi:
         alone = next((p for p in fits if p.strategy == reference()), fits[0])
@@ -316,7 +344,7 @@ def _what_would_change(what_if: WhatIf | None, largest: int, per_node: int, dp_n
         if answer is None:
             continue
         words, predictions = answer
-        changed = [p for p in predictions if usable(p) and p.total_devices == largest]
+        changed = [p for p in every_step(predictions) if usable(p) and p.total_devices == largest]
         if not changed:
             continue
         best_changed = max(changed, key=lambda p: p.samples_per_second)

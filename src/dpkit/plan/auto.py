@@ -14,7 +14,8 @@ choose, in this order:
    virtual CPU devices, which share the host's memory, the devices' peaks together within 90% of it) or that
    cannot run at the precision asked (16-mixed needs a GradScaler).
 3. A strategy with a process per device (ddp, fsdp) only when `can_launch` (the caller can start or has
-   started the processes; on virtual CPU devices, at most 4 processes per core).
+   started the processes; on virtual CPU devices, at most 4 processes per core). Never one whose replicas train
+   alone and meet every H steps (localsgd, diloco): they change the optimization (shown among the candidates, out).
 4. The lightest sharding that fits (Traits: fewer parts of the state sharded, then a shard group of one node before
    every process; unsharded first): a more sharded strategy only when it is predicted at least 10% faster than
    every lighter one that fits (ddp before zero, zero before fsdp), or when nothing lighter fits.
@@ -52,6 +53,7 @@ from dpkit.plan.auto_candidates import Candidate, make_candidate, model_profile,
 from dpkit.plan.auto_machine import CalibrationSource, machine_for
 from dpkit.plan.configuration import BatchSize, Hardware
 from dpkit.plan.lightest_sharding import lightest_sharding, lightest_worthwhile
+from dpkit.plan.periodic_sync import meets_periodically
 from dpkit.plan.profiles import ModelProfile
 from dpkit.strategies import ONE_PROCESS, PER_DEVICE, Traits, available_strategies, reference, strategy_class
 
@@ -194,7 +196,12 @@ def decide(candidates: list[Candidate], on_gpu: bool) -> tuple[Candidate, str]:
     held_back = [
         c.strategy
         for c in candidates
-        if c.fits and c.runs and not c.allowed and c.step_seconds < chosen.step_seconds and c.strategy != one_device
+        if c.fits
+        and c.runs
+        and not c.allowed
+        and c.step_seconds < chosen.step_seconds
+        and c.strategy != one_device
+        and not meets_periodically(c.strategy)
     ]
     if held_back:
         notes.append(f"{held_back[0]} would be faster but needs a process per device (can_launch=False)")

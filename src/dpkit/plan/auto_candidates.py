@@ -17,10 +17,13 @@ from dpkit.plan.configuration import BatchSize, Hardware, Setup, runs_at
 from dpkit.plan.constants import OPTIMIZER_STATE_BYTES_PER_PARAMETER, CostConstants
 from dpkit.plan.cost_model import Prediction, predict_setup
 from dpkit.plan.memory import memory_per_device
+from dpkit.plan.periodic_sync import meets_periodically
 from dpkit.plan.profiles import ModelProfile, measure_model
 from dpkit.strategies import PER_DEVICE, strategy_class
 
 USABLE_SHARE = 0.9  # of a GPU's memory, or of the host's for virtual CPU devices together
+# why auto never picks a strategy whose replicas train alone and meet every H steps (localsgd, diloco)
+CHANGES_THE_OPTIMIZATION = "changes the optimization (replicas trained alone, meeting every H steps): never chosen"
 
 
 @dataclass
@@ -79,6 +82,8 @@ def make_candidate(
         allowed, note = False, "needs a process per device (can_launch=False)"
     if traits.processes == PER_DEVICE and machine.shared_compute and devices > PROCESSES_PER_CORE * available_cores():
         allowed, note = False, f"{devices} processes on {available_cores()} cores"
+    if meets_periodically(name):
+        allowed, note = False, CHANGES_THE_OPTIMIZATION
     setup = Setup(profile, machine, name, devices, batch.share(devices), precision, constants, optimizer)
     prediction = predict_setup(setup, global_batch=batch.samples if devices > 1 else None)
     peak, usable, fits = _memory(setup, prediction)

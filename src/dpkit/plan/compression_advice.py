@@ -19,7 +19,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from dpkit.plan.advice_words import PHASE_WORDS, milliseconds
-from dpkit.plan.advisor import Recommendation, usable
+from dpkit.plan.advisor import Recommendation, every_step, usable
 from dpkit.plan.cost_model import Prediction
 from dpkit.strategies import strategy_traits
 from dpkit.strategies.compression import Compression, parse_compression
@@ -70,8 +70,8 @@ def advise_compression(
                 f"the exposed communication only {milliseconds(exposed)}"
             ],
         )
-    tried = _tried(chosen, rerun)
-    pick = _most_faithful_that_pays(chosen, tried)
+    tried = compressed_variants(chosen, rerun)
+    pick = most_faithful_that_pays(chosen, tried)
     if pick is None:
         return CompressionAdvice(None, [_none_pays(chosen, tried)] + _rival_lines(chosen, chosen, rerun, rivals))
     compressed = tried[pick]
@@ -99,13 +99,13 @@ def _part_words(part: str) -> str:
     return "forward and backward take" if part == "computing" else f"the {PHASE_WORDS.get(part, part)} takes"
 
 
-def _tried(prediction: Prediction, rerun: Rerun) -> dict[str, Prediction]:
-    """The configuration predicted with each of CANDIDATES its strategy takes."""
+def compressed_variants(prediction: Prediction, rerun: Rerun) -> dict[str, Prediction]:
+    """The configuration predicted with each of CANDIDATES its strategy takes, by the compression's name."""
     takes = strategy_traits(prediction.strategy, **prediction.options).compressions
     return {kind: rerun(prediction, parse_compression(kind)) for kind in CANDIDATES if kind.split(":")[0] in takes}
 
 
-def _most_faithful_that_pays(chosen: Prediction, tried: dict[str, Prediction]) -> str | None:
+def most_faithful_that_pays(chosen: Prediction, tried: dict[str, Prediction]) -> str | None:
     """Of the compressions tried (most faithful first), the first that pays, or a lossier one where it is clearly
     faster still."""
     pick: str | None = None
@@ -171,8 +171,8 @@ def _rival_lines(chosen: Prediction, chosen_best: Prediction, rerun: Rerun, riva
     for rival in rivals:
         if rival.strategy == chosen.strategy or rival.total_devices <= 1:
             continue
-        tried = _tried(rival, rerun)
-        pick = _most_faithful_that_pays(rival, tried)
+        tried = compressed_variants(rival, rerun)
+        pick = most_faithful_that_pays(rival, tried)
         if pick is not None and (best is None or tried[pick].step_seconds < best[2].step_seconds):
             best = (pick, rival, tried[pick])
     if best is None:
@@ -215,7 +215,9 @@ def add_compression_advice(
     recommendation: Recommendation, predictions: Sequence[Prediction], asked: Compression, rerun: Rerun
 ) -> None:
     """The advice for the recommended configuration in `recommendation`: its `compress`, and the lines after the
-    bottleneck link's (or last). Nothing when nothing is recommended."""
+    bottleneck link's (or last). Nothing when nothing is recommended. Strategies whose replicas meet every H steps
+    are no rivals (the advisor never names them; periodic_advice.py speaks of them)."""
+    predictions = every_step(predictions)
     if recommendation.strategy is None:
         return
     chosen = next(

@@ -18,6 +18,7 @@ from dpkit.plan.constants import (
     REDUCE_SCATTER_BYTES_PER_PARAMETER,
     CostConstants,
 )
+from dpkit.plan.periodic_sync import anchor_bytes, meeting_buffer_bytes, meets_periodically, outer_optimizer_bytes
 from dpkit.plan.profiles import FP32_BYTES, ModelProfile
 from dpkit.strategies import ON_ROOT, PER_DEVICE, PER_STEP, PER_UNIT, SHARDED, WHOLE, strategy_class
 
@@ -33,9 +34,14 @@ MEMORY_CATEGORIES = (
     "gradient_buckets",  # DDP's buckets: a second copy of whole gradients, for the all-reduce
     "autocast_copies",  # mixed precision: autocast's 16-bit copy of each whole weight, kept for backward
     "compression_state",  # PowerSGD: its error feedback (a float32 copy of the gradients) and one bucket's copy
+    "anchor_weights",  # replicas trained alone (localsgd, diloco): the weights shared at the last meeting
+    "outer_optimizer",  # diloco: the outer optimizer's weights, the pseudo-gradient kept on them, its momentum
     "activations",  # saved for backward, and the outputs with their gradient: per sample
     "gathered_outputs",  # the replicas' outputs gathered on device 0 for the loss (dp): per sample
+    "meeting_buffers",  # what a meeting of replicas trained alone needs beyond the step's freed activations
 )
+# what the step holds only until its backward is done, and a meeting after the optimizer step finds freed
+STEP_TRANSIENTS = ("autocast_copies", "activations", "gathered_outputs")
 
 
 def state_bytes_per_parameter(optimizer: str) -> dict[str, int]:
@@ -63,7 +69,12 @@ def memory_by_category(setup: Setup) -> list[dict[str, int]]:
 
     On virtual CPU devices (`hardware.shared_compute`) a strategy that shares host weights (replicated) makes its
     replicas views of replica 0's weights, stepped once with one optimizer state: the other replicas hold only
-    their gradients until the sum."""
+    their gradients until the sum.
+
+    Replicas trained alone that meet every H steps (localsgd, diloco: periodic_sync.py) keep no DDP buckets but an
+    anchor (4P) and an outer optimizer's copies (diloco: 12P); their meeting, after the optimizer step, needs its
+    buffers where the step's activations were: `meeting_buffers` is what it needs beyond them (0 when the step's
+    own transients are larger), so the categories add up to the larger of the two peaks."""
     root, other = _root_and_other(setup)
     return [root] + [dict(other) for _ in range(setup.devices - 1)]
 
@@ -76,8 +87,9 @@ def _root_and_other(setup: Setup) -> tuple[dict[str, int], dict[str, int]]:
     # autocast's 16-bit copies of the whole weights, held from forward until backward used them (gathered units are
     # 16-bit already)
     autocast = AUTOCAST_COPY_BYTES_PER_PARAMETER * profile.parameters if mixed and traits.weights == WHOLE else 0
-    # DDP's gradient buckets are a second copy of the whole gradients in every process
+    # DDP's gradient buckets are a second copy of the whole gradients in every process (that exchanges them each step)
     whole_gradients = traits.processes == PER_DEVICE and traits.gradients == WHOLE and setup.processes > 1
+    whole_gradients = whole_gradients and not meets_periodically(setup.strategy)
     activation_scale = 0.5 if mixed else 1.0
     per_sample = profile.activation_bytes_per_sample * activation_scale + 2 * profile.output_bytes_per_sample
     batch = setup.batch_per_device
@@ -87,6 +99,8 @@ def _root_and_other(setup: Setup) -> tuple[dict[str, int], dict[str, int]]:
         "gradient_buckets": FP32_BYTES * profile.parameters if whole_gradients else 0,
         "autocast_copies": autocast,
         "compression_state": compression_state_bytes(setup),
+        "anchor_weights": anchor_bytes(setup),
+        "outer_optimizer": outer_optimizer_bytes(setup),
         "activations": per_sample * batch,
         "gathered_outputs": 0.0,
     }
@@ -98,6 +112,9 @@ def _root_and_other(setup: Setup) -> tuple[dict[str, int], dict[str, int]]:
             root["gathered_outputs"] = 2 * profile.output_bytes_per_sample * setup.devices * batch
     elif traits.shares_host_weights and setup.hardware.shared_compute:
         other["parameters"] = other["optimizer_state"] = 0
+    meeting = meeting_buffer_bytes(setup)
+    for account in (root, other):
+        account["meeting_buffers"] = max(0.0, meeting - sum(account[name] for name in STEP_TRANSIENTS))
     return {name: int(root[name]) for name in MEMORY_CATEGORIES}, {name: int(other[name]) for name in MEMORY_CATEGORIES}
 
 
@@ -143,22 +160,38 @@ def gathered_bytes(setup: Setup) -> float:
     return gathered
 
 
+def _step_bytes(account: dict[str, int]) -> int:
+    """The step's own peak: every category but what a meeting needs beyond it."""
+    return sum(bytes_ for name, bytes_ in account.items() if name != "meeting_buffers")
+
+
 def memory_per_device(setup: Setup) -> tuple[list[int], list[float]]:
-    """(peak bytes per device, bytes per extra sample per device), device 0 first: memory_by_category added up."""
+    """(peak bytes per device, bytes per extra sample per device), device 0 first: memory_by_category added up.
+    The step's peak grows by the slope per sample; a meeting's (replicas trained alone) does not grow with the batch,
+    and the larger of the two is the peak."""
     # device 0 and one other stand for all: every device after the first holds the same
     at_zero = _root_and_other(setup.with_batch(0))
     at_one = _root_and_other(setup.with_batch(1))
-    slopes = [float(sum(one.values()) - sum(zero.values())) for zero, one in zip(at_zero, at_one)]
-    peaks = [int(sum(zero.values()) + slope * setup.batch_per_device) for zero, slope in zip(at_zero, slopes)]
+    slopes = [float(_step_bytes(one) - _step_bytes(zero)) for zero, one in zip(at_zero, at_one)]
+    peaks = [
+        int(max(_step_bytes(zero) + slope * setup.batch_per_device, sum(zero.values())))
+        for zero, slope in zip(at_zero, slopes)
+    ]
     others = setup.devices - 1
     return peaks[:1] + peaks[1:] * others, slopes[:1] + slopes[1:] * others
 
 
 def largest_batch_per_device(setup: Setup) -> int:
-    """The most samples per device that fit the usable memory."""
-    peaks_at_zero, slopes = memory_per_device(setup.with_batch(0))
+    """The most samples per device that fit the usable memory (none where a meeting alone outgrows it)."""
     usable = setup.hardware.gpu.memory_bytes * setup.constants.memory_headroom
-    fits = [int((usable - fixed) // slope) if slope > 0 else 10**9 for fixed, slope in zip(peaks_at_zero, slopes)]
+    _, slopes = memory_per_device(setup.with_batch(0))
+    root, other = _root_and_other(setup.with_batch(0))
+    at_zero = [root] + [other] * (setup.devices - 1)
+    if any(sum(account.values()) > usable for account in at_zero):
+        return 0
+    fits = [
+        int((usable - _step_bytes(account)) // slope) if slope > 0 else 10**9 for account, slope in zip(at_zero, slopes)
+    ]
     return max(0, min(fits))
 
 

@@ -27,10 +27,15 @@ MEMORY_COLUMNS = (
     ),
     (
         "copies",
-        ("gradient_buckets", "autocast_copies", "compression_state"),
-        "DDP's gradient buckets, autocast's 16-bit weights and PowerSGD's error feedback",
+        ("gradient_buckets", "autocast_copies", "compression_state", "anchor_weights", "outer_optimizer"),
+        "DDP's gradient buckets, autocast's 16-bit weights, PowerSGD's error feedback, and the weights of the last "
+        "meeting and an outer optimizer's state (localsgd, diloco)",
     ),
-    ("activ", ("activations", "gathered_outputs"), "activations, outputs, and outputs gathered on device 0"),
+    (
+        "activ",
+        ("activations", "gathered_outputs", "meeting_buffers"),
+        "activations, outputs, and outputs gathered on device 0, or a meeting's buffers where larger",
+    ),
 )
 
 

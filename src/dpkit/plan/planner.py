@@ -17,6 +17,7 @@ from dpkit.plan.constants import CostConstants
 from dpkit.plan.cost_model import Prediction
 from dpkit.plan.memory import Sizing
 from dpkit.plan.memory_rows import MEMORY_COLUMNS, MemoryRow, memory_rows
+from dpkit.plan.periodic_advice import add_periodic_option
 from dpkit.plan.profiles import ModelProfile
 from dpkit.plan.reruns import Reruns
 from dpkit.plan.step_time import PHASE_ORDER
@@ -169,7 +170,7 @@ class Plan:
     def recommendation_lines(self) -> list[str]:
         recommendation = self.recommendation
         if recommendation.strategy is None:
-            lines = ["recommendation: none (nothing fits; what would:)"]
+            lines = ["recommendation: none" + (" (nothing fits; what would:)" if recommendation.nothing_fits else "")]
         else:
             lines = [
                 f"recommendation: {recommendation.strategy}"
@@ -248,6 +249,7 @@ PHASE_HEADERS = {
     "all_gather": ("a-gat", "exposed parameter all-gathers"),
     "reduce_scatter": ("r-sct", "exposed gradient reduce-scatter"),
     "optimizer": ("opt", "optimizer step"),
+    "meeting": ("meet", "a meeting's own work every H steps (localsgd, diloco), per step"),
     "overhead": ("other", "Python per step and threads"),
 }
 LINE_STYLES = ["-", "--", "-.", ":", (0, (5, 1)), (0, (3, 1, 1, 1, 1, 1)), (0, (1, 3)), (0, (8, 2, 2, 2))]
@@ -320,7 +322,9 @@ def make_plan(
     """Every prediction and the recommendation. A plain number is a batch per device. `links` (the catalogue's)
     and `networks` let the advice re-run the plan with a faster link, among the links the GPU can have
     (`hardware.gpu.links`), and a faster network. `compression`: the gradients' on the link, where a strategy takes
-    it (without one, the recommendation says which pays); `accumulate`: micro-batches per optimizer step."""
+    it (without one, the recommendation says which pays); `accumulate`: micro-batches per optimizer step. The
+    recommendation never names a strategy whose replicas meet every H steps; where every-step synchronization
+    dominates even compressed, it lists them as an option (periodic_advice.py)."""
     batch = as_batch(batch_per_device)
     asked = Reruns(
         profile,
@@ -359,6 +363,7 @@ def make_plan(
         asked.payoff,
     )
     add_compression_advice(recommendation, predictions, asked.compression, asked.compressed)
+    add_periodic_option(recommendation, predictions, asked.compression, asked.compressed, strategy_options)
     return Plan(
         profile,
         hardware,

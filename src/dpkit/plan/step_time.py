@@ -11,7 +11,9 @@ step_breakdown adds them up. No term asks which strategy it is.
     loss            where Traits.loss runs it: device 0 over every replica's gathered outputs, or each replica
     exchange        how persistent replicas sum their gradients: collectives as the traits shard the state
                     (communication.py), or one sum in memory (Traits.shares_host_weights, virtual CPU devices);
-                    compressed (Setup.compression), fewer bytes and the compression's own work (compression_cost.py)
+                    compressed (Setup.compression), fewer bytes and the compression's own work (compression_cost.py);
+                    replicas trained alone instead meet every Traits.sync_every steps, and each step carries 1/H of
+                    the meeting: its all-reduce of the weights' moves and its own work (periodic_sync.py)
     optimizer       its memory passes over what this process steps (1/S where Traits.optimizer_state is SHARDED)
     overhead        the step's Python, and the hand-offs to one process's replica threads
     accumulation    K micro-batches per optimizer step (Setup.accumulate): everything K times but the gradient
@@ -26,6 +28,7 @@ from dpkit.plan.communication import exposed_collective_seconds
 from dpkit.plan.compression_cost import compression_seconds, wire_fraction
 from dpkit.plan.configuration import Setup, achieved_flops, kernel_launch_seconds, mixed_precision
 from dpkit.plan.constants import OPTIMIZER_TRAFFIC_BYTES_PER_PARAMETER, SHARDED_KERNELS_PER_COLLECTIVE
+from dpkit.plan.periodic_sync import meeting_seconds, meets_periodically
 from dpkit.plan.profiles import FP32_BYTES
 from dpkit.plan.transfers import root_fan_seconds, transfer_seconds
 from dpkit.strategies import IN_REPLICAS, ON_ROOT, ONE_PROCESS, PER_STEP, PER_UNIT, PERSISTENT, SHARDED
@@ -44,6 +47,7 @@ PHASE_ORDER = (
     "all_gather",
     "reduce_scatter",
     "optimizer",
+    "meeting",
     "overhead",
 )
 
@@ -66,8 +70,8 @@ def step_breakdown(setup: Setup) -> dict[str, float]:
 
 
 # what happens once per optimizer step, whatever the micro-batches: the gradient exchange (and its compression),
-# and the optimizer's step
-ONCE_PER_STEP = ("compress", "all_reduce", "reduce_scatter", "optimizer")
+# the optimizer's step, and the share of a meeting of replicas trained alone
+ONCE_PER_STEP = ("compress", "all_reduce", "reduce_scatter", "optimizer", "meeting")
 
 
 def accumulated(setup: Setup, phases: dict[str, float]) -> dict[str, float]:
@@ -254,7 +258,11 @@ def gradient_exchange_seconds(
     virtual CPU devices (Traits.shares_host_weights) sum into replica 0's weights in memory; persistent ones
     (Traits.replicas PERSISTENT) exchange it by collectives, as the traits shard the state, with what the
     computing cannot hide exposed (communication.py). Replicas re-made every step reduce into device 0 instead
-    (per_step_replica_seconds). A compression adds its own work on each device (compression_cost.py)."""
+    (per_step_replica_seconds). A compression adds its own work on each device (compression_cost.py). Replicas
+    trained alone exchange nothing in a step: each step carries 1/H of their meeting (periodic_sync.py), whose own
+    work runs on one process too."""
+    if meets_periodically(setup.strategy):
+        return meeting_seconds(setup, work.memory_rate, float32_flops_rate(setup, work), work.launch_seconds)
     if setup.processes <= 1:
         return {}
     phases: dict[str, float] = {}
@@ -266,9 +274,18 @@ def gradient_exchange_seconds(
     else:
         return phases
     if setup.compression.compresses:
-        flops_rate = achieved_flops(setup.hardware, "32", setup.constants) / work.crowding  # float32 gradients
-        phases["compress"] = compression_seconds(setup, work.memory_rate, flops_rate, work.launch_seconds)
+        phases["compress"] = compression_seconds(
+            setup, work.memory_rate, float32_flops_rate(setup, work), work.launch_seconds
+        )
     return phases
+
+
+def float32_flops_rate(setup: Setup, work: DeviceWork) -> float:
+    """One device's float32 rate, crowded: what a compression's products run at (the gradients are float32 under
+    every precision)."""
+    if not setup.compression.compresses:
+        return 0.0  # (unused: nothing to compress)
+    return achieved_flops(setup.hardware, "32", setup.constants) / work.crowding
 
 
 def optimizer_seconds(setup: Setup, work: DeviceWork) -> float:
