@@ -71,6 +71,7 @@ SLOWEST_FILES = [  # by wall time in `make test` (2026-12-03, summed over each f
     "tests/recipe/test_train_compressed.py",
     "tests/engine/test_process_streams.py",
     "tests/strategies/test_periodic.py",
+    "tests/recipe/test_train_streams.py",
     "tests/cli/test_strategy_settings.py",
     "tests/engine/test_prefetching_loop.py",
     "tests/cli/test_profile_balance.py",

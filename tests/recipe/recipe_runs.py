@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import logging
 
 
 def train_here(argv: list[str]) -> tuple[int, str]:
@@ -11,6 +12,12 @@ def train_here(argv: list[str]) -> tuple[int, str]:
     from dpkit.cli.main import main as dpkit_main
 
     said = io.StringIO()
-    with contextlib.redirect_stderr(said), contextlib.redirect_stdout(said):
-        code = dpkit_main(["train", *argv])
+    # dpkit's log lines too: the process's logging was set up by whichever job came first, onto its own stream
+    handler = logging.StreamHandler(said)
+    logging.getLogger("dpkit").addHandler(handler)
+    try:
+        with contextlib.redirect_stderr(said), contextlib.redirect_stdout(said):
+            code = dpkit_main(["train", *argv])
+    finally:
+        logging.getLogger("dpkit").removeHandler(handler)
     return code, said.getvalue()

@@ -47,7 +47,9 @@ VOCABULARY = {
     "(default inductor, which needs a C++ compiler on CPU; aot_eager needs none)",
     "--example": "a built-in example's model and data",
     "--model": "your model, as 'package.module:factory' (imported from the current folder first)",
-    "--data": "your data, as 'package.module:loader'; loader(seed) returns x_train, y_train, x_test, y_test",
+    "--data": "your data, as 'package.module:loader'; loader(seed) returns x_train, y_train, x_test, y_test (train: "
+    "or a per-process stream factory, streams(seed, rank, world_size) returning (train, test), two iterables of that "
+    "process's (x, y) batches, under a strategy with a process per device)",
     "--input-shape": "the per-sample input shape, comma-separated (3,32,32)",
     "--steps": "optimizer steps (train: in total, a resumed run's included; profile, bench: measured)",
     "--warmup": "unmeasured steps before the measured ones",

@@ -40,7 +40,10 @@ from dpkit.recipe.folder import (
 )
 from dpkit.recipe.metrics_log import METRICS_CSV
 from dpkit.recipe.sources import check_model_fits, model_source
+from dpkit.recipe.streams import Streams, is_stream_factory
+from dpkit.strategies import PER_DEVICE, available_strategies, strategy_class
 
+Tensors4 = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 log = logging.getLogger("dpkit")
 
 
@@ -62,7 +65,7 @@ class Prepared:
     in a process that leaves the folder to rank 0) and the folder's lock (held by one process of a run)."""
 
     model: nn.Module
-    data: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+    data: Tensors4 | Streams  # the tensors of a loader(seed), or a per-process stream factory
     plan: Plan | None
     lock: FolderLock | None = None
 
@@ -206,6 +209,16 @@ def check_folder(config: TrainConfig) -> None:
             lock.release()
 
 
+def check_streams_strategy(config: TrainConfig) -> None:
+    """A per-process stream factory goes with a strategy that runs a process per device (each its own stream)."""
+    if config.strategy == "auto" or strategy_class(config.strategy).traits.processes != PER_DEVICE:
+        takers = [name for name in available_strategies() if strategy_class(name).traits.processes == PER_DEVICE]
+        raise ValueError(
+            f"data: {config.data!r} is a per-process stream factory (seed, rank, world_size), which goes with a "
+            f"strategy that runs a process per device ({', '.join(takers)}); got strategy {config.strategy!r}"
+        )
+
+
 def prepare(config: TrainConfig) -> Prepared:
     """Check every setting, take the run folder's lock, decide what to do with the folder, build the model and
     load the data; raise one line on the first bad value (releasing the lock). The caller releases
@@ -223,9 +236,16 @@ def prepare(config: TrainConfig) -> Prepared:
         source = model_source(config.example, config.model, config.data)
         torch.manual_seed(config.seed)  # same initial weights in every process and for every strategy
         model = source.build_model()
-        data = source.load_classification_data(config.seed)
-        check_model_fits(model, data[0], data[1], "model" if config.model else "data")
-        check_batch_against_data(config, len(data[0]))
+        data: Tensors4 | Streams
+        if config.data is not None and is_stream_factory(source.loader):
+            check_streams_strategy(config)
+            data = Streams(source.loader, config.data)
+            x, y = data.first_batch(config.seed)
+            check_model_fits(model, x, y, "data")
+        else:
+            data = source.load_classification_data(config.seed)
+            check_model_fits(model, data[0], data[1], "model" if config.model else "data")
+            check_batch_against_data(config, len(data[0]))
     except BaseException:
         if lock is not None:
             lock.release()

@@ -40,7 +40,7 @@ import torch
 
 from dpkit.launch import LaunchError, StoppedBySignal, launched, relaunch
 from dpkit.plan.auto import choose_strategy
-from dpkit.recipe.checks import Prepared, check_folder, prepare
+from dpkit.recipe.checks import Prepared, check_folder, check_streams_strategy, prepare
 from dpkit.recipe.config import (
     BAD_INPUT_EXIT_CODE,
     DIVERGED_EXIT_CODE,
@@ -61,6 +61,7 @@ from dpkit.recipe.folder import (
 from dpkit.recipe.run import Run
 from dpkit.recipe.sources import model_source
 from dpkit.recipe.stop import stopped_message_after
+from dpkit.recipe.streams import is_stream_factory
 from dpkit.strategies import PER_DEVICE, available_strategies, strategy_class
 
 # the strategy strategy="auto" chose, for the processes the run starts
@@ -126,6 +127,8 @@ def resolve_auto(config: TrainConfig) -> TrainConfig:
         return chosen
     check_folder(config)
     source = model_source(config.example, config.model, config.data)
+    if config.data is not None and is_stream_factory(source.loader):
+        check_streams_strategy(config)  # (auto measures on a batch of a loader's tensors: not a stream's)
     torch.manual_seed(config.seed)
     model = source.build_model()
     x_train = source.load_classification_data(config.seed)[0]

@@ -13,6 +13,7 @@ import math
 import signal
 import time
 import warnings
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, cast
 
@@ -47,6 +48,7 @@ from dpkit.recipe.folder import (
 from dpkit.recipe.metrics import StepRecords, write_summary
 from dpkit.recipe.optimization import build_optimizer, schedule_at
 from dpkit.recipe.stop import StopRequest, stopped_message
+from dpkit.recipe.streams import Streams, evaluate_stream
 
 
 class Run:
@@ -122,7 +124,7 @@ class Run:
 
     def _set_up(self) -> None:
         config, engine = self.config, self.engine
-        model, (x_train, y_train, self.x_test, self.y_test) = self.prepared.model, self.prepared.data
+        model, data = self.prepared.model, self.prepared.data
         self.base_optimizer = build_optimizer(
             config.optimizer, model.parameters(), config.lr, config.momentum, config.weight_decay
         )
@@ -130,6 +132,12 @@ class Run:
         # a sum over each micro-batch's rows, weighted by engine.backward(loss, items=rows): the step's gradient is
         # that of the mean over all its rows, however they are split over devices, micro-batches and processes
         self.criterion = engine.setup_criterion(nn.CrossEntropyLoss(reduction="sum"))
+        self.test_stream: Iterable | None = None
+        if isinstance(data, Streams):  # this process's own streams (recipe/streams.py)
+            train_stream, self.test_stream = data.for_this_process(config.seed)
+            self.loader = engine.setup_dataloader(train_stream)
+            return
+        x_train, y_train, self.x_test, self.y_test = data
         train_data = TensorDataset(x_train, y_train)
         # the batch order comes from its own seeded generator: the same global batches for every strategy
         order = RandomSampler(train_data, generator=torch.Generator().manual_seed(config.seed))
@@ -296,7 +304,10 @@ class Run:
         """Loss and accuracy on the test data; a row in metrics.csv, and best.pt and best.json when it is the
         best so far. A non-finite figure is divergence, stopped before anything is written from it."""
         engine = self.engine
-        scores = evaluate(engine, self.model, self.x_test, self.y_test, self._stop_agreed)
+        if self.test_stream is not None:
+            scores: Scores | None = Scores(*evaluate_stream(engine, self.model, self.test_stream))
+        else:
+            scores = evaluate(engine, self.model, self.x_test, self.y_test, self._stop_agreed)
         if scores is None:
             raise self._stopped(during)
         if not (math.isfinite(scores.loss) and math.isfinite(scores.accuracy)):
