@@ -91,7 +91,7 @@ def printing_run() -> dict[str, list[str]]:
     heard: dict[str, list[str]] = {}
     try:
         engine = dpkit.Engine(strategy="ddp", accelerator="cpu", devices=2, progress=False)
-        torch.manual_seed(0)
+        torch.manual_seed(0)  # the same weights and data in every process: each rank's share differs from the other's
         model = nn.Linear(8, 3)
         model, optimizer = engine.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
         data = TensorDataset(torch.randn(32, 8), torch.randint(0, 3, (32,)))
