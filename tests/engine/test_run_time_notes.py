@@ -56,7 +56,7 @@ def test_a_model_that_returns_its_own_loss_under_replicated_is_told_once(caplog,
         steps("replicated", criterion=criterion, returns_loss=True, count=3)
     said = [r.getMessage() for r in caplog.records if OWN_LOSS in r.getMessage()]
     assert len(said) == 1, said
-    assert said[0].startswith(f"model(x) {OWN_LOSS} under strategy 'replicated': its other outputs (0.0 MiB")
+    assert said[0].startswith(f"model(x) {OWN_LOSS} under strategy 'replicated': its other outputs (2.0 KiB this step")
     assert "engine.setup_criterion(loss_fn)" in said[0] and "docs/from-torchrun.md" in said[0]
 
 
