@@ -26,8 +26,10 @@ def test_demo_trains_reports_and_saves_a_clean_checkpoint(tmp_path, capsys):
     dp, ddp = (ending[header + 1].split(), ending[header + 2].split())
     assert dp[0] == "dp" and ddp[0] == "ddp"
     assert float(dp[1]) > 1.5 * float(dp[2])  # dp's first device carries the optimizer state and the sum
-    # ddp: every device the same model, gradients and optimizer state (the gradient buckets' timing may differ)
-    assert float(ddp[1]) == pytest.approx(float(ddp[2]), rel=0.1) and float(ddp[1]) > float(dp[2])
+    # ddp: every device the same model, gradients and optimizer state; what its gradient buckets hold at a rank's
+    # peak depends on when their all-reduces complete (0.61 to 0.71 MiB on a busy machine), never dp's lopsidedness
+    peaks = [float(ddp[1]), float(ddp[2])]
+    assert max(peaks) < 1.5 * min(peaks) and min(peaks) > float(dp[2])
     assert float(dp[3]) > 0 and float(ddp[3]) > 0
     said = " ".join(ending[header + 3 :])
     ratio = float(re.search(r"here ddp's step took ([0-9.]+)x dp's", said).group(1))
