@@ -34,7 +34,7 @@ def test_demo_trains_reports_and_saves_a_clean_checkpoint(tmp_path, capsys):
     said = " ".join(ending[header + 3 :])
     ratio = float(re.search(r"here ddp's step took ([0-9.]+)x dp's", said).group(1))
     assert ratio == pytest.approx(float(ddp[3]) / float(dp[3]), rel=0.02)  # (from the rounded table)
-    assert "prefer it when a model fills a device" in said
+    assert "prefer it when dp's first device runs out of memory, on many GPUs and across machines" in said
     assert "`dpkit profile --model pkg.module:factory --strategies dp,ddp`" in said and "`dpkit plan --model" in said
 
 
