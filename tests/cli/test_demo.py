@@ -26,15 +26,15 @@ def test_demo_trains_reports_and_saves_a_clean_checkpoint(tmp_path, capsys):
     dp, ddp = (ending[header + 1].split(), ending[header + 2].split())
     assert dp[0] == "dp" and ddp[0] == "ddp"
     assert float(dp[1]) > 1.5 * float(dp[2])  # dp's first device carries the optimizer state and the sum
-    # ddp: every device the same, within the bucket copy an asynchronous all-reduce may still hold at a peak
-    assert float(ddp[1]) == pytest.approx(float(ddp[2]), rel=0.1) and float(ddp[2]) > 0
+    # ddp: every device the same model, gradients and optimizer state; what its gradient buckets hold at a rank's
+    # peak depends on when their all-reduces complete (0.61 to 0.71 MiB on a busy machine), never dp's lopsidedness
+    peaks = [float(ddp[1]), float(ddp[2])]
+    assert max(peaks) < 1.5 * min(peaks) and min(peaks) > float(dp[2])
     assert float(dp[3]) > 0 and float(ddp[3]) > 0
     said = " ".join(ending[header + 3 :])
     ratio = float(re.search(r"here ddp's step took ([0-9.]+)x dp's", said).group(1))
-    # the line's ratio is of the measured times, the table's figures rounded to 0.1 ms: within that rounding
-    rounding = ratio * (0.05 / float(ddp[3]) + 0.05 / float(dp[3])) + 0.005
-    assert ratio == pytest.approx(float(ddp[3]) / float(dp[3]), abs=rounding)
-    assert "prefer it when a model fills a device" in said
+    assert ratio == pytest.approx(float(ddp[3]) / float(dp[3]), rel=0.02)  # (from the rounded table)
+    assert "prefer it when dp's first device runs out of memory, on many GPUs and across machines" in said
     assert "`dpkit profile --model pkg.module:factory --strategies dp,ddp`" in said and "`dpkit plan --model" in said
 
 

@@ -56,7 +56,7 @@ def test_a_model_that_returns_its_own_loss_under_replicated_is_told_once(caplog,
         steps("replicated", criterion=criterion, returns_loss=True, count=3)
     said = [r.getMessage() for r in caplog.records if OWN_LOSS in r.getMessage()]
     assert len(said) == 1, said
-    assert said[0].startswith(f"model(x) {OWN_LOSS} under strategy 'replicated': its other outputs (0.0 MiB")
+    assert said[0].startswith(f"model(x) {OWN_LOSS} under strategy 'replicated': its other outputs (2.0 KiB this step")
     assert "engine.setup_criterion(loss_fn)" in said[0] and "docs/from-torchrun.md" in said[0]
 
 
@@ -91,7 +91,7 @@ def printing_run() -> dict[str, list[str]]:
     heard: dict[str, list[str]] = {}
     try:
         engine = dpkit.Engine(strategy="ddp", accelerator="cpu", devices=2, progress=False)
-        torch.manual_seed(0)
+        torch.manual_seed(0)  # the same weights and data in every process: each rank's share differs from the other's
         model = nn.Linear(8, 3)
         model, optimizer = engine.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
         data = TensorDataset(torch.randn(32, 8), torch.randint(0, 3, (32,)))

@@ -59,13 +59,13 @@ def _check_own_loss(model: EngineModule, output: Any) -> Any:
     if own_loss and gathered_bytes and not model.__dict__.get("said_own_loss"):
         model.__dict__["said_own_loss"] = True
         log.warning(
-            "model(x) returned a loss it computed itself under strategy '%s': its other outputs (%.1f MiB this step, "
+            "model(x) returned a loss it computed itself under strategy '%s': its other outputs (%s this step, "
             "the logits) are gathered on the first device at every step and the backward starts from there; return "
             "the outputs alone and compute the loss with criterion = engine.setup_criterion(loss_fn), "
             "criterion(model(x), y), so that each replica runs its loss and backward in its own thread "
             "(docs/from-torchrun.md)",
             model.strategy.name,
-            gathered_bytes / 2**20,
+            f"{gathered_bytes / 2**20:.1f} MiB" if gathered_bytes >= 2**20 else f"{gathered_bytes / 1024:.1f} KiB",
         )
     return output
 

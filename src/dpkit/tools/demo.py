@@ -210,9 +210,10 @@ def _lesson(dp: Report, ddp: Report, device_type: str) -> list[str]:
         here += f": on {where}, for a model this small, its processes and exchanges cost more than the work they share"
     sentence = (
         f"dp keeps the one copy of the weights, the gradients' sum and the optimizer state on the first device "
-        f"({first / max(others):.1f}x what any other holds here) and copies the weights out at every step; ddp gives "
-        f"every device the same load, in a process of its own, and exchanges the gradients during the backward, so "
-        f"prefer it when a model fills a device, on many GPUs and across machines ({here})."
+        f"({first / max(others):.1f}x what any other holds here) and copies the weights out at every step; ddp keeps "
+        f"the weights, their gradients and the optimizer state whole on every device, each in a process of its own, "
+        f"and exchanges the gradients during the backward, so prefer it when dp's first device runs out of memory, on "
+        f"many GPUs and across machines ({here})."
     )
     return [
         *textwrap.wrap(sentence, width=110),
