@@ -144,6 +144,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         help="save the resumable state in OUT/state every K steps, at the last step, and when stopped by "
         "SIGINT/SIGTERM/SIGHUP",
     )
+    outputs.add_argument(
+        "--sync-checkpoints",
+        action="store_true",
+        help="with --checkpoint-every: hold the loop while each state is written (default: written in the "
+        "background, all or nothing all the same; a stop's save and the last one hold it)",
+    )
     outputs.add_argument("--keep", type=positive_int, default=2, help="saved states to keep")
     outputs.add_argument(
         "--resume",

@@ -39,14 +39,15 @@ from dpkit.compilation import check_compile, check_cpp_compiler, take_compiled
 from dpkit.devices import DeviceLike, keep_freed_host_memory
 from dpkit.engine.among_processes import AmongProcesses
 from dpkit.engine.auto_choice import choose_from_batch, choose_from_state
+from dpkit.engine.background_save import BackgroundSaves, SaveHandle
 from dpkit.engine.forward_batches import ForwardBatches
 from dpkit.engine.item_weighting import ItemCount, check_items
 from dpkit.engine.loop_checks import LossCheck, check_loss, check_setup
 from dpkit.engine.placement import Placement, is_choice, resolve_placement
-from dpkit.engine.process_streams import ProcessStream, check_uneven
-from dpkit.engine.resumable_loader import BatchRecord, ResumableLoader, resumable
+from dpkit.engine.process_streams import ProcessStream, check_uneven, stream_weight
+from dpkit.engine.resumable_loader import ResumableLoader, resumable
 from dpkit.engine.resume.load import LoaderPosition, load_training_state
-from dpkit.engine.resume.save import save_training_state
+from dpkit.engine.resume.save import save_training_state, stage_training_state, write_staged_state
 from dpkit.engine.run_time_notes import PrintedLossNote
 from dpkit.engine.together import agreed
 from dpkit.engine.whole_model import load_whole_model, save_whole_model
@@ -165,6 +166,8 @@ class Engine(AmongProcesses):
         self._workers = hold_workers()
         self._threads_before_load: int | None = None
         self._streams = False  # a per-process stream was set up (its position is not saved: said once)
+        self._saves = BackgroundSaves()  # the save in flight, and what saves held the loop
+        self._said_sharded_blocks = False
         if self.is_global_zero:
             log.debug("engine: %s, accumulate %d", self.placement, accumulate)
 
@@ -311,7 +314,7 @@ class Engine(AmongProcesses):
         if record is not None:
             self.strategy.rows_trained(record.rows)
         if record is not None and record.from_stream:
-            scale, counted = self._stream_weight(record, counted)
+            scale, counted = stream_weight(record, counted, self._items, self.strategy)
             sync = self._accumulation.add_micro_batch()
         else:
             weight = record.loss_weight if record is not None and counted is None else 1.0
@@ -333,26 +336,6 @@ class Engine(AmongProcesses):
     @property
     def in_shadow_step(self) -> bool:
         return self._batches.in_shadow
-
-    def _stream_weight(self, record: BatchRecord, items: float | None) -> tuple[float, float]:
-        """(the loss's scale, the items it counts) for a per-process stream's batch (engine/process_streams.py): a
-        mean loss counts as a sum over the batch's rows, whose totals the rows exchange already gave; a shadow
-        (a rank sitting out) weighs nothing, with or without items=."""
-        if record.rows == 0:
-            self._items.add(0.0, known_total=None if items is not None else float(record.global_rows))
-            return 0.0, 0.0
-        if items is None:  # the step divides by the window's rows over every process, known from the exchanges
-            self._items.add(float(record.rows), known_total=float(record.global_rows))
-            return self.strategy.sum_weight() * record.rows, float(record.rows)
-        self._items.add(items)
-        return self.strategy.sum_weight(), items
-
-    def print(self, *args: object, **kwargs: Any) -> None:
-        """print(), on rank 0 only; a loss printed under a strategy with a process per device is said, once, to be
-        this process's (engine/run_time_notes.py)."""
-        if self.is_global_zero:
-            self._printed_loss.printing(self.strategy, self.world_size, args)
-        super().print(*args, **kwargs)
 
     @property
     def step(self) -> int:
@@ -394,15 +377,23 @@ class Engine(AmongProcesses):
         return self._model
 
     # --- resumable training state ------------------------------------------------------------------------
-    def save_state(self, directory: str | os.PathLike, *, keep: int | None = 3, **extra: Any) -> Path:
+    def save_state(
+        self, directory: str | os.PathLike, *, keep: int | None = 3, blocking: bool = True, **extra: Any
+    ) -> Path | SaveHandle:
         """Save everything a resumed run needs into `directory`/step-NNNNNNNN, and point `directory`/latest at it.
 
         Holds the model (clean keys), the optimizers, the GradScaler, engine.step, the position of every
         loader from engine.setup_dataloader, every process's generator states, and `extra` (plain values,
         tensors, or objects with state_dict(), such as an LR scheduler). Keeps the newest `keep` states.
         Every process must call it (under ddp it is a collective); call it between optimizer steps.
-        Returns the step directory written.
+        Returns the step directory written. With blocking=False the state is copied now and written in the
+        background (engine/background_save.py): it returns a SaveHandle (`.wait()` gives the step directory,
+        `.done()`), at most one save is in flight (the next save, load_state, close and the process's exit wait
+        for it), and a failed write is raised at the next of those; sharded states (fsdp, zero, hsdp) are written
+        before it returns for now.
         """
+        if not isinstance(blocking, bool):
+            raise TypeError(f"blocking: expected True (written before save_state returns) or False, got {blocking!r}")
         set_up = self._set_up("engine.save_state")
         if self._streams and self.is_global_zero:
             log.warning(
@@ -410,8 +401,35 @@ class Engine(AmongProcesses):
                 "iterable where you make it start (skip what was used, or use a loader that saves its own position)"
             )
             self._streams = False  # said once
+        saves = self._saves
+        if not blocking and set_up.strategy.traits.sharded:
+            if not self._said_sharded_blocks:
+                log.info("engine.save_state(blocking=False): a sharded state is written before it returns for now")
+                self._said_sharded_blocks = True
+            blocking = True
         with busy("saving the training state"):  # a slow save is progress, not a hang (dpkit.launch.busy)
-            return save_training_state(set_up, directory, keep=keep, extra=extra)
+            if blocking:
+                return saves.blocking(lambda: save_training_state(set_up, directory, keep=keep, extra=extra))
+            barrier, gather = set_up.strategy.background_collectives()
+            return saves.start(
+                lambda: stage_training_state(set_up, directory, keep=keep, extra=extra, copy=True),
+                lambda staged: write_staged_state(staged, barrier=barrier, gather=gather),
+            )
+
+    def wait_for_saves(self) -> Path | None:
+        """Wait for the background save in flight, if any (its step directory; its error raised here)."""
+        with busy("waiting for the training state's save"):
+            return self._saves.finish()
+
+    @property
+    def saves(self) -> int:
+        """The training states saved so far (background and blocking)."""
+        return self._saves.saves
+
+    @property
+    def save_blocking_seconds(self) -> float:
+        """How long saves held the loop so far: staging the background ones, writing the blocking ones, waiting."""
+        return self._saves.blocking_seconds
 
     def load_state(self, directory: str | os.PathLike, **objects: Any) -> dict[str, Any]:
         """Restore what save_state saved (from `directory`/latest, or a step directory); returns the extras.
@@ -425,6 +443,7 @@ class Engine(AmongProcesses):
         After it, iterating the Engine's loaders continues the saved epoch from the saved batch.
         FileNotFoundError means that `directory` holds no state; a damaged one is a CheckpointCorruptError.
         """
+        self.wait_for_saves()  # (a state being written is read once it is whole)
         with busy("loading the training state"):
             return self._load_state(directory, **objects)
 
@@ -458,7 +477,14 @@ class Engine(AmongProcesses):
 
     def close(self) -> None:
         """Release the strategy's resources (the process group under ddp) and what the Engine held in the process:
-        its lease on the replica runner's worker threads, the intra-op thread count a loaded state set."""
+        its lease on the replica runner's worker threads, the intra-op thread count a loaded state set. A save in
+        flight is written first (its error raised after the rest is released)."""
+        try:
+            self.wait_for_saves()
+        finally:
+            self._close()
+
+    def _close(self) -> None:
         self.strategy.teardown()
         self._workers.release()
         if self._threads_before_load is not None:

@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 from torch.utils._pytree import tree_map
 
+from dpkit.engine.item_weighting import ItemCount
 from dpkit.engine.resumable_loader import BatchRecord
 from dpkit.parallel.scatter import common_batch_size
 
@@ -68,6 +69,22 @@ def rows_of(batch: Any) -> int:
 def _no_rows(batch: Any) -> Any:
     """`batch` with every tensor cut to zero rows (its structure kept)."""
     return tree_map(lambda value: value[:0] if isinstance(value, torch.Tensor) and value.dim() > 0 else value, batch)
+
+
+def stream_weight(
+    record: BatchRecord, items: float | None, counts: ItemCount, strategy: Strategy
+) -> tuple[float, float]:
+    """(the loss's scale, the items it counts) for a stream's batch in engine.backward: a mean loss counts as a sum
+    over the batch's rows, whose totals the rows exchange already gave (the step divides by the window's rows over
+    every process, no reduction); a shadow (a rank sitting out) weighs nothing, with or without items=."""
+    if record.rows == 0:
+        counts.add(0.0, known_total=None if items is not None else float(record.global_rows))
+        return 0.0, 0.0
+    if items is None:
+        counts.add(float(record.rows), known_total=float(record.global_rows))
+        return strategy.sum_weight() * record.rows, float(record.rows)
+    counts.add(items)
+    return strategy.sum_weight(), items
 
 
 class StreamEnded(RuntimeError):

@@ -216,6 +216,18 @@ class CollectiveRecord:
                 inside.entry = None
                 self.count_bytes(entry.size_bytes, gradients=entry.gradients)
 
+    @contextlib.contextmanager
+    def unrecorded(self) -> Iterator[None]:
+        """Collectives this thread issues inside are not entries (a background save's, on a group of its own): the
+        record's numbering stays what every process's training issued."""
+        inside = self._inside
+        depth, entry = getattr(inside, "depth", 0), getattr(inside, "entry", None)
+        inside.depth, inside.entry, inside.sized_by_inner = depth + 1, None, False
+        try:
+            yield
+        finally:
+            inside.depth, inside.entry = depth, entry
+
     def issued_async(self) -> None:
         """The collective this thread is issuing (the outermost recorded) was issued asynchronously: it returns
         when enqueued (DDP's gradient buckets, issued inside ddp.py's comm hook)."""

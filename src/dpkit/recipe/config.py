@@ -102,6 +102,7 @@ class TrainConfig:
     outer_momentum: float | None = None  # diloco: its Nesterov momentum (None: the paper's 0.9)
     out: str = "runs/train"
     checkpoint_every: int | None = None
+    sync_checkpoints: bool = False  # the saves every checkpoint_every steps hold the loop (default: background)
     keep: int = 2
     eval_every: int | None = None  # evaluate on the test data every K steps (and at the end)
     keep_best: str | None = None  # "accuracy" or "loss": keep OUT/best.pt, the best model by that evaluation metric

@@ -145,6 +145,9 @@ def write_summary(
         "best": best.record() if best is not None else None,
         "compress": str(parse_compression(config.compress)),
         "communication_bytes": communication_bytes,
+        # the saves of the state, and the time they held the loop (staging the background ones, waiting for them)
+        "saves": engine.saves,
+        "save_blocking_seconds": engine.save_blocking_seconds,
         **engine.strategy.run_metrics(),  # (localsgd, diloco: the replicas' spread at each meeting)
         "resumed": plan.resume,
         "changes": list(plan.changes),

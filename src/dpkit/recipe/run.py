@@ -264,7 +264,10 @@ class Run:
         if config.checkpoint_every and (
             steps_done % config.checkpoint_every == 0 or stopping or steps_done == config.steps
         ):
-            self.saved_path = self._save_state(self._seconds())
+            # in the background between them (unless sync_checkpoints); a stop's save and the last one block, so
+            # that the line said at the end names a state that is whole
+            last = stopping or steps_done == config.steps
+            self._save_state(self._seconds(), blocking=config.sync_checkpoints or last)
         if stopping:
             raise self._stopped()
         return steps_done == config.steps
@@ -340,12 +343,16 @@ class Run:
             settings = {**self.config.settings(), **where, "job": self.plan.job, "changes": list(self.plan.changes)}
             write_json(self.out / RUN_SETTINGS, settings)
 
-    def _save_state(self, seconds: float) -> Path:
+    def _save_state(self, seconds: float, blocking: bool = True) -> None:
         self.records.write_rows()
         self._write_settings()
-        return self.engine.save_state(
+        finished = self.engine.wait_for_saves()  # the one in flight: whole now (or its error raised here)
+        if finished is not None:
+            self.saved_path = finished
+        saved = self.engine.save_state(
             self.out / STATE_FOLDER,
             keep=self.config.keep,
+            blocking=blocking,
             **self.records.saved(),
             seconds=seconds,
             communication_bytes=self._communication_bytes(),
@@ -354,6 +361,8 @@ class Run:
             # best.pt and best.json as they are at this step: a resume from here rolls them back to them
             best_files=best_files(self.out) if self.best is not None and self.engine.is_global_zero else None,
         )
+        if isinstance(saved, Path):
+            self.saved_path = saved
 
     def _finish(self) -> dict[str, Any] | None:
         """The final evaluation and files: a stop that arrives now lets them be written (each whole or not at

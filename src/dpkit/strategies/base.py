@@ -364,6 +364,11 @@ class Strategy:
         meeting); empty when nothing."""
         return {}
 
+    def background_collectives(self) -> tuple[Callable[[], None], Callable[[Any], list[Any]]]:
+        """(barrier, all_gather_object) for a save written in the background, apart from the training's own
+        collectives; in one process there is nobody to agree with."""
+        return (lambda: None), (lambda value: [value])
+
     def process_state(self) -> dict[str, Any] | None:
         """What this process's strategy keeps of its own between steps, saved in its rank-R.pt (the compressed
         exchange's error feedback and factors); None when nothing."""

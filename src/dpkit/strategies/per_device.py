@@ -10,7 +10,7 @@ keeping what holds the process group in `self.wrapped`.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import fields
 from typing import Any, ClassVar, TypeVar
 
@@ -59,6 +59,7 @@ class PerDeviceStrategy(Strategy):
         self.device = self.devices[self.local_rank]
         self.group = ProcessGroup(self.rank, self.world_size, self.local_world_size, self.device, options, marks)
         self.wrapped: nn.Module | None = None  # the wrapped model, which holds on to the process group
+        self._save_group: Any = None  # background saves' own process group (background_collectives)
 
     @property
     def root_device(self) -> torch.device:
@@ -98,6 +99,22 @@ class PerDeviceStrategy(Strategy):
 
     def barrier(self) -> None:
         self.group.barrier()
+
+    def background_collectives(self) -> tuple[Callable[[], None], Callable[[Any], list[Any]]]:
+        """A gloo group of its own, made by every process at its first background save (every process saves at the
+        same point), so that a save's agreement never interleaves with the training's collectives."""
+        import torch.distributed as dist
+
+        if self._save_group is None:
+            self._save_group = dist.new_group(backend="gloo")
+        group = self._save_group
+
+        def gather(value: Any) -> list[Any]:
+            gathered: list[Any] = [None] * self.world_size
+            dist.all_gather_object(gathered, value, group=group)
+            return gathered
+
+        return (lambda: dist.barrier(group=group)), gather
 
     def teardown(self) -> None:
         self.group.close(self.wrapped)

@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+from torch.utils._pytree import tree_map
 
 from dpkit.checkpoint.generators import capture_rng
 from dpkit.checkpoint.model_files import detached_on_cpu, strip_prefixes
@@ -24,11 +27,26 @@ from dpkit.engine.wrappers import SetUp
 log = logging.getLogger("dpkit")
 
 
-def save_training_state(
-    set_up: SetUp, directory: str | os.PathLike, *, keep: int | None, extra: dict[str, Any]
-) -> Path:
-    """Save `set_up` into `directory`/step-NNNNNNNN and point `directory`/latest at it (engine.save_state's work;
-    every process calls it). Returns the step directory written."""
+@dataclass
+class StagedState:
+    """A training state as one save writes it: every process's part, taken at one step (`copied`: its tensors are
+    copies, which the training may go on changing the originals of while it is written in the background)."""
+
+    directory: Path
+    step: int
+    shared: SharedState | None
+    mine: ProcessState
+    shards: dict[str, Any] | None
+    keep: int | None
+    rank: int
+    copied: bool
+
+
+def stage_training_state(
+    set_up: SetUp, directory: str | os.PathLike, *, keep: int | None, extra: dict[str, Any], copy: bool = False
+) -> StagedState:
+    """What a save of `set_up` writes, gathered now (collective where the state is spread: every process calls it);
+    with copy=True every tensor is copied, so that writing it later writes this step's state."""
     keep = check_keep(keep)
     if set_up.optimizers and not set_up.accumulation.at_boundary:  # without the Engine's optimizer no window is known
         raise RuntimeError(
@@ -36,7 +54,6 @@ def save_training_state(
             f"of {set_up.accumulation.every} of an "
             "accumulation window, before its optimizer.step(); call it after optimizer.step()"
         )
-    directory = Path(directory)
     bare = set_up.model
     optimizers = [optimizer.optimizer for optimizer in set_up.optimizers]
     # every process takes part: a sharded strategy's processes each write their shards (DCP); another
@@ -85,19 +102,45 @@ def save_training_state(
         # what this process's strategy keeps of its own (the compressed exchange's state: PowerSGD's)
         "strategy": set_up.strategy.process_state(),
     }
+    staged = StagedState(Path(directory), set_up.step, shared, mine, shards, keep, set_up.strategy.rank, copy)
+    if copy:
+        staged.shared = copied(shared)
+        staged.mine = copied(mine)
+        staged.shards = copied(shards)
+    return staged
+
+
+def copied(value: Any) -> Any:
+    """`value` with every tensor in it copied (detached), the rest as it is (nested dicts, lists and tuples)."""
+    return tree_map(lambda leaf: leaf.detach().clone() if isinstance(leaf, torch.Tensor) else leaf, value)
+
+
+def write_staged_state(
+    staged: StagedState, *, barrier: Callable[[], None], gather: Callable[[Any], list[Any]] | None
+) -> Path:
+    """Write a staged state as one step directory, all or nothing, and point `latest` at it (every process)."""
+    written = write_state_directory(
+        staged.directory,
+        staged.step,
+        staged.shared,
+        staged.mine,
+        rank=staged.rank,
+        keep=staged.keep,
+        barrier=barrier,
+        shards=staged.shards,
+        gather=gather,
+    )
+    if staged.rank == 0:
+        log.info("saved the training state at step %d to %s", staged.step, written)
+    return written
+
+
+def save_training_state(
+    set_up: SetUp, directory: str | os.PathLike, *, keep: int | None, extra: dict[str, Any]
+) -> Path:
+    """Save `set_up` into `directory`/step-NNNNNNNN and point `directory`/latest at it (engine.save_state's work;
+    every process calls it). Returns the step directory written."""
+    staged = stage_training_state(set_up, directory, keep=keep, extra=extra)
     # all or nothing in every process: a failure anywhere (a full disk) raises everywhere and leaves the
     # previous states and `latest` as they were
-    written = write_state_directory(
-        directory,
-        set_up.step,
-        shared,
-        mine,
-        rank=set_up.strategy.rank,
-        keep=keep,
-        barrier=set_up.strategy.barrier,
-        shards=shards,
-        gather=set_up.strategy.all_gather_object,
-    )
-    if set_up.is_global_zero:
-        log.info("saved the training state at step %d to %s", set_up.step, written)
-    return written
+    return write_staged_state(staged, barrier=set_up.strategy.barrier, gather=set_up.strategy.all_gather_object)
