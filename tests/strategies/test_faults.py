@@ -110,7 +110,7 @@ def test_a_worker_killed_mid_run_restarts_resumes_and_ends_with_the_uninterrupte
             "2",
             "--checkpoint-every",
             "2",
-            "--sync-checkpoints",  # (the step-4 state whole before step 6 dies: a background one may still be in flight)
+            "--sync-checkpoints",  # (step 4 whole before step 6 dies: a background save may still be in flight)
             "--out",
             str(tmp_path / "restarted"),
             *flags,
