@@ -70,7 +70,7 @@ SLOWEST_FILES = [  # by wall time in `make test` (2026-12-03, summed over each f
     "tests/strategies/test_compression.py",
     "tests/recipe/test_train_compressed.py",
     "tests/engine/test_process_streams.py",
-    "tests/strategies/test_periodic.py",
+    "tests/strategies/test_localsgd_diloco.py",
     "tests/recipe/test_train_streams.py",
     "tests/engine/test_background_save.py",
     "tests/cli/test_strategy_settings.py",

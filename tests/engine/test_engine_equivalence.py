@@ -95,7 +95,7 @@ def single_runs():
     return get
 
 
-# (localsgd and diloco, which meet every few steps and change the optimization: tests/strategies/test_periodic.py)
+# (localsgd and diloco meet every few steps and change the optimization: tests/strategies/test_localsgd_diloco.py)
 MULTI_DEVICE = [
     name
     for name in available_strategies()

@@ -116,9 +116,9 @@ def test_each_strategy_takes_what_its_exchange_allows_and_says_who_takes_the_res
         checked_compression("zero", {"compress": "powersgd", "stage": 2})
     assert str(refused.value) == (
         "compress: strategy 'zero' stage=2 reduce-scatters gradients to their shards and takes bf16 or fp16 only, "
-        "got 'powersgd:2'; powersgd goes with replicated, ddp, zero stage 1"
+        "got 'powersgd:2'; powersgd goes with replicated, ddp, zero stage 1, localsgd, diloco"
     )
     with pytest.raises(ValueError) as refused:
         checked_compression("dp", {"compress": "bf16"})
     assert str(refused.value).startswith("compress: strategy 'dp' has no gradient exchange to compress")
-    assert str(refused.value).endswith("bf16 goes with replicated, ddp, fsdp, zero, hsdp")
+    assert str(refused.value).endswith("bf16 goes with replicated, ddp, fsdp, zero, hsdp, localsgd, diloco")

@@ -17,7 +17,7 @@ from dpkit.strategies import available_strategies, strategy_class
 # relative to the values' size (tests/closeness.py): the strategies sum the rows' gradients in other orders and
 # matrix products of other shapes than one device's
 TOLERANCE = 1e-5
-# (localsgd and diloco, which meet every few steps and change the optimization: tests/strategies/test_periodic.py)
+# (localsgd and diloco meet every few steps and change the optimization: tests/strategies/test_localsgd_diloco.py)
 MULTI_DEVICE = [
     name
     for name in available_strategies()

@@ -60,7 +60,10 @@ def test_tiny_gpt2_with_checkpointing_equals_single(strategy):
 
 
 # the strategies with a process per device (ddp, fsdp, zero, hsdp), in one launched group of 2
-PER_DEVICE = dpkit.strategies.matching(lambda traits: traits.processes == dpkit.strategies.PER_DEVICE)
+# (localsgd and diloco meet every few steps and change the optimization: tests/strategies/test_localsgd_diloco.py)
+PER_DEVICE = dpkit.strategies.matching(
+    lambda traits: traits.processes == dpkit.strategies.PER_DEVICE and traits.sync_every == 1
+)
 
 
 @pytest.mark.filterwarnings("ignore:`gradient_checkpointing_enable` is deprecated")

@@ -337,6 +337,13 @@ class Engine(AmongProcesses):
     def in_shadow_step(self) -> bool:
         return self._batches.in_shadow
 
+    def print(self, *args: object, **kwargs: Any) -> None:
+        """print(), on rank 0 only; a loss printed under a strategy with a process per device is said, once, to be
+        this process's (engine/run_time_notes.py)."""
+        if self.is_global_zero:
+            self._printed_loss.printing(self.strategy, self.world_size, args)
+        super().print(*args, **kwargs)
+
     @property
     def step(self) -> int:
         """Optimizer steps taken through the Engine's optimizer (restored by load_state)."""
