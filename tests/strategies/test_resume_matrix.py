@@ -5,7 +5,8 @@ The matrix: single, dp, replicated (one process), ddp, fsdp, zero stage 1 and 2,
 distributing load once asserted "Expected device to be set"), SGD with momentum, and AdamW with a cosine schedule
 made after the load as the recipe makes it (the saved groups hold `initial_lr`, which once failed the load). Each
 resumes from step 3 of a state saved by one device (whole) and of one saved by fsdp on two processes (sharded),
-trains to step 6, and ends where one device trained 6 steps without a stop ends. The processes are the suite's
+trains to step 6 (the sharded state with AdamW and its schedule, the whole one with every optimizer), and ends where
+one device trained 6 steps without a stop ends. The processes are the suite's
 shared launched groups: each group runs its whole column in one job.
 """
 
@@ -23,6 +24,9 @@ STEPS, SAVED_AT = 6, 3
 TOLERANCE = 1e-5  # relative to the largest weight: layouts sum the rows in different orders
 # optimizer, momentum, schedule (lr 0.2 for sgd, 0.01 for adamw)
 OPTIMIZERS = [("sgd", 0.0, "constant"), ("sgd", 0.9, "constant"), ("adamw", 0.0, "cosine")]
+# a sharded state is resumed with the optimizer whose state it shards per parameter, with its schedule (the whole
+# state with all three: plain SGD, whose state has no tensors, once failed only there)
+SHARDED_WITH = OPTIMIZERS[2]
 IN_ONE_PROCESS = [("single", 1, {}), ("dp", 2, {}), ("replicated", 2, {})]
 IN_TWO = [("ddp", 2, {}), ("fsdp", 2, {}), ("zero", 2, {"stage": 1}), ("zero", 2, {"stage": 2}), ("hsdp", 2, {})]
 IN_FOUR = [("hsdp", 4, {"shard_size": 2})]
@@ -70,15 +74,17 @@ def column(layouts: list, sources: dict[str, str]) -> dict[str, dict]:
     for layout in layouts:
         for optimizer in OPTIMIZERS:
             for source, saved in sources.items():
+                if source == "sharded" and optimizer != SHARDED_WITH:
+                    continue
                 key = f"{layout[0]} {layout[2]} {optimizer[0]} {optimizer[1]} {source}"
                 results[key] = train(layout, optimizer, STEPS, resume_from=f"{saved}/{optimizer[0]}-{optimizer[1]}")
     return results
 
 
 def save_sharded(folder: str) -> None:
-    """In each of two processes: fsdp's state at SAVED_AT for every optimizer."""
-    for optimizer in OPTIMIZERS:
-        train(("fsdp", 2, {}), optimizer, SAVED_AT, save_to=f"{folder}/{optimizer[0]}-{optimizer[1]}")
+    """In each of two processes: fsdp's state at SAVED_AT, with AdamW (per-parameter state in shards)."""
+    optimizer = SHARDED_WITH
+    train(("fsdp", 2, {}), optimizer, SAVED_AT, save_to=f"{folder}/{optimizer[0]}-{optimizer[1]}")
 
 
 def test_every_strategy_resumes_a_whole_and_a_sharded_state_with_every_optimizer(tmp_path, groups):
@@ -100,7 +106,7 @@ def test_every_strategy_resumes_a_whole_and_a_sharded_state_with_every_optimizer
             differences[f"{key} (process {process})"] = max(
                 difference_to_scale(weights[k], reference[k]) for k in reference
             )
-    expected = (len(IN_ONE_PROCESS) + 2 * len(IN_TWO) + 4 * len(IN_FOUR)) * len(OPTIMIZERS) * len(sources)
+    expected = (len(IN_ONE_PROCESS) + 2 * len(IN_TWO) + 4 * len(IN_FOUR)) * (len(OPTIMIZERS) + 1)
     assert len(differences) == expected
     worst = {key: value for key, value in differences.items() if value > TOLERANCE}
     assert not worst, worst
