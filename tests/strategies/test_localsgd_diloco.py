@@ -100,3 +100,27 @@ def test_the_meeting_settings_are_checked_before_anything_starts(tmp_path, capsy
         assert dpkit_main([*cpu, *flags]) == 2
         assert said in capsys.readouterr().err
         assert not (tmp_path / "run").exists()
+
+
+def train_without_the_engines_loader() -> float:
+    """In each process: four steps on tensors fed straight to the model (no engine.setup_dataloader), meeting at the
+    fourth; how far the weights moved from where they started."""
+    engine = Engine(strategy="localsgd", accelerator="cpu", devices=2, progress=False, sync_every=4)
+    torch.manual_seed(0)
+    net = nn.Linear(8, 1)
+    before = [p.detach().clone() for p in net.parameters()]
+    model, optimizer = engine.setup(net, torch.optim.SGD(net.parameters(), lr=0.1))
+    generator = torch.Generator().manual_seed(engine.rank)
+    x, y = torch.randn(16, 8, generator=generator), torch.randn(16, 1, generator=generator)
+    for _ in range(4):
+        optimizer.zero_grad()
+        engine.backward(nn.functional.mse_loss(model(x), y))
+        optimizer.step()
+    moved = max(float((p.detach() - b).abs().max()) for p, b in zip(net.parameters(), before))
+    engine.close()
+    return moved
+
+
+def test_a_loop_without_the_engines_loader_meets_with_equal_weights(groups):
+    """It counted no rows: the meeting once weighted every replica by zero and threw the period's training away."""
+    assert all(moved > 0.05 for moved in groups(2).run(train_without_the_engines_loader))

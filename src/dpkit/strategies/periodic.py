@@ -157,7 +157,8 @@ class PeriodicStrategy(PerDeviceStrategy):
         with hooks.phase("average", self.device), RECORD.exchanging_gradients(), torch.no_grad():
             self.group.marks.all_reduce_marks_alone()
             rows = self.group.all_reduce(torch.tensor(float(self.rows_in_period), dtype=torch.float64), "sum")
-            share = self.rows_in_period * self.world_size / max(float(rows), 1.0)
+            # rows weighted; a loop that does not go through the Engine's loaders counts no rows: equal weights then
+            share = self.rows_in_period * self.world_size / float(rows) if float(rows) > 0 else 1.0
             moved = [(p.detach().float() - a.float()) * share for p, a in zip(params, self.anchor)]
             peers = ProcessPeers(self.world_size)
             with RECORD.issuing(f"all_reduce of the replicas' moves ({self.exchange.compression})") as entry:
