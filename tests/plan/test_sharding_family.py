@@ -248,9 +248,9 @@ def test_nothing_fitting_suggests_the_lightest_sharding_that_would(registry):
 # ---- plan/ predicts from traits and imports no strategy --------------------------------------------------------
 
 PLAN = Path(dpkit.__file__).parent / "plan"
-# what plan/ may import of strategies/: the registry and the traits, and the rule of the units a sharded strategy
-# gathers (a helper of the sharding strategies, not one of them)
-ALLOWED = {"dpkit.strategies", "dpkit.strategies.base", "dpkit.strategies.units"}
+# what plan/ may import of strategies/: the registry and the traits, the rule of the units a sharded strategy
+# gathers (a helper of the sharding strategies, not one of them), and the compression value (what --compress names)
+ALLOWED = {"dpkit.strategies", "dpkit.strategies.base", "dpkit.strategies.units", "dpkit.strategies.compression"}
 
 
 def test_plan_imports_no_strategy_module():

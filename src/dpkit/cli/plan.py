@@ -10,17 +10,20 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import replace
-from pathlib import Path
+from typing import Any
 
 from dpkit.checks import check_output_file
 from dpkit.cli import vocabulary
-from dpkit.plan.catalogue import PRECISIONS, Catalogue
+from dpkit.plan.catalogue import PRECISIONS, Catalogue, Link
 from dpkit.plan.configuration import BatchSize, Hardware
 from dpkit.plan.constants import OPTIMIZER_STATE_BYTES_PER_PARAMETER, CostConstants
+from dpkit.plan.cost_model import compression_takers
+from dpkit.plan.doctor_links import calibration_files, doctor_gpu, measured_link, measured_words, with_measured_link
 from dpkit.plan.planner import make_plan
 from dpkit.plan.profiles import BUILTIN_PROFILES, ModelProfile, builtin_profile, given_profile, measure_model
 from dpkit.plan.tables import wrap
 from dpkit.strategies import PER_DEVICE, strategy_class
+from dpkit.strategies.compression import parse_compression
 
 # library arguments this command spells differently
 SPELLED = {
@@ -46,6 +49,8 @@ EXAMPLES = [
     "dpkit plan --model mypkg.models:build --input-shape 64 --calibration bench.json --batch-size 256",
     "dpkit plan --example launch-bound --gpu a100-80gb-sxm --batch-size 32 --device-counts 1,2",
     "dpkit plan --model gpt2-124m --gpu h100-sxm --batch-size-per-device 8 --strategy ddp",
+    "dpkit plan --params 1e9 --gpu h100-sxm --nodes 2 --network eth-10g --batch-size-per-device 8 --compress bf16",
+    "dpkit plan --model gpt2-124m --gpu a100-80gb-pcie --batch-size-per-device 4 --accumulate 8",
 ]
 
 
@@ -120,11 +125,14 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     vocabulary.add_strategy_settings(run_group)
     vocabulary.add_precision(run_group, choices=PRECISIONS)  # the catalogue's: tf32 is a rate, not a mode
     vocabulary.add_optimizer(run_group, "adam", choices=tuple(OPTIMIZER_STATE_BYTES_PER_PARAMETER))
+    vocabulary.add_compress(run_group)
+    vocabulary.add_accumulate(run_group)
     run_group.add_argument(
         "--calibration",
         action="append",
         help="a dpkit bench JSON to fit the compute and per-step constants to; repeat it to fit several runs at "
-        "once (a launch-bound model and a compute-bound one tell the per-step costs from the arithmetic)",
+        "once (a launch-bound model and a compute-bound one tell the per-step costs from the arithmetic); or a "
+        "dpkit doctor JSON, whose measured all-reduce replaces the catalogue's link (docs/cost-model.md)",
     )
     vocabulary.add_outputs(parser, png="throughput per strategy and the step by phase")
     return parser
@@ -274,37 +282,78 @@ def options_from_settings(args: argparse.Namespace) -> dict[str, dict[str, int]]
     return options
 
 
+def check_compression(args: argparse.Namespace, strategy_options: dict[str, dict[str, int]]) -> None:
+    """--compress that no planned strategy takes: one line naming those that do."""
+    compression = parse_compression(args.compress)
+    if not compression.compresses:
+        return
+    if compression_takers(compression, args.strategies, strategy_options):
+        return
+    owners = compression_takers(compression, vocabulary.available_strategies())
+    raise ValueError(
+        f"--compress: {args.compress} is taken by none of the planned strategies ({','.join(args.strategies)}); "
+        f"{compression.kind} goes with {', '.join(owners)}: add one to --strategies, or leave --compress out"
+    )
+
+
+def measured_links(args: argparse.Namespace) -> tuple[list[str], tuple[str, dict[str, Any], Link] | None]:
+    """(the dpkit bench files of --calibration, the dpkit doctor report with its path and measured link, if any),
+    every file read and checked; a CUDA doctor's GPU stands for --gpu when none is named."""
+    benches, doctors = calibration_files(args.calibration or [])
+    if not doctors:
+        return benches, None
+    path, report = next(iter(doctors.items()))
+    link = measured_link(report, path)
+    if not args.gpu and report.get("accelerator") == "cuda":
+        args.gpu = doctor_gpu(report)
+    if not args.gpu and not benches:
+        raise ValueError(
+            "--calibration: a dpkit doctor JSON measures the links only; name the GPUs with --gpu, or add a dpkit "
+            "bench JSON of this machine for its compute"
+        )
+    return benches, (path, report, link)
+
+
+def planned_machine(
+    args: argparse.Namespace, catalogue: Catalogue, named: Hardware | None, benches: list[str]
+) -> tuple[Hardware, CostConstants, str]:
+    """The hardware and constants to plan on: the catalogue's (named), fitted to the bench files where given; with
+    the line saying how well the fit matched."""
+    if not benches:
+        assert named is not None, "hardware_from_args asks for --gpu when there is no --calibration"
+        return named, CostConstants(), ""
+    from dpkit.plan.calibration import calibrate
+
+    calibration = calibrate(benches, named)
+    hardware, constants = calibration.for_hardware(named)
+    calibrated = (
+        f"calibrated on {', '.join(benches)}: fitted step times within {calibration.median_abs_error:.0%} (median "
+        f"absolute error over {len(calibration.fit_errors)} configurations)"
+    )
+    if args.nodes > 1:
+        hardware = replace(hardware, nodes=args.nodes, network=catalogue.network(args.network))
+    return hardware, constants, calibrated
+
+
 def run(args: argparse.Namespace) -> int:
     # every flag checked before any work (measuring a factory, fitting a calibration)
     if args.strategy:  # one strategy: the table of it alone (and its one-device reference)
         args.strategies = [args.strategy]
     strategy_options = options_from_settings(args)
+    check_compression(args, strategy_options)
     for name in ("json", "png"):
         check_output_file(getattr(args, name), name)
-    for path in args.calibration or ():
-        if not Path(path).is_file():
-            raise ValueError(f"--calibration: no such file {path!r}; give a JSON file that dpkit bench --json wrote")
+    benches, doctor = measured_links(args)
     catalogue = Catalogue.load(args.catalogue)
     named_hardware, link_note = hardware_from_args(args, catalogue)
     batch = batch_from_args(args)
     profile = load_profile(args)
-    constants = CostConstants()
-    calibrated = ""
-    if args.calibration:
-        from dpkit.plan.calibration import calibrate
-
-        calibration = calibrate(args.calibration, named_hardware)
-        hardware, constants = calibration.for_hardware(named_hardware)
-        calibrated = (
-            f"calibrated on {', '.join(args.calibration)}: fitted step times within "
-            f"{calibration.median_abs_error:.0%} (median absolute error over {len(calibration.fit_errors)} "
-            "configurations)"
-        )
-        if args.nodes > 1:
-            hardware = replace(hardware, nodes=args.nodes, network=catalogue.network(args.network))
-    else:
-        assert named_hardware is not None, "hardware_from_args asks for --gpu when there is no --calibration"
-        hardware = named_hardware
+    hardware, constants, calibrated = planned_machine(args, catalogue, named_hardware, benches)
+    measured = ""
+    if doctor is not None:
+        path, report, link = doctor
+        measured = measured_words(path, hardware, report, link)
+        hardware, link_note = with_measured_link(hardware, report, link), ""
     plan = make_plan(
         profile,
         hardware,
@@ -314,11 +363,14 @@ def run(args: argparse.Namespace) -> int:
         args.precision,
         constants,
         args.optimizer,
-        links=catalogue.links if not hardware.shared_compute else None,
+        links=catalogue.links if not hardware.shared_compute and doctor is None else None,
         networks=catalogue.networks,
         strategy_options=strategy_options,
+        compression=args.compress,
+        accumulate=args.accumulate,
     )
     plan.meta["link_assumed"] = bool(link_note.startswith(" (the usual"))
+    plan.meta["link_measured"] = doctor[0] if doctor is not None else None
     lines = wrap(
         f"dpkit plan: {profile.name}, {_parameters(profile.parameters)} parameters, "
         f"{_flops(profile.flops_per_sample)} forward per sample"
@@ -326,9 +378,14 @@ def run(args: argparse.Namespace) -> int:
     nodes = f"{hardware.nodes} nodes of " if hardware.nodes > 1 else ""
     network = f", network {hardware.network.name}" if hardware.nodes > 1 and hardware.network else ""
     lines += wrap(f"hardware: {nodes}{hardware.gpu.name}, link {hardware.link.name}{link_note}{network}")
-    lines += wrap(f"batch {batch.describe()}, precision {args.precision}, optimizer {args.optimizer}")
-    if calibrated:
-        lines += wrap(calibrated)
+    lines += wrap(
+        f"batch {batch.describe()}, precision {args.precision}, optimizer {args.optimizer}"
+        + (f", {args.accumulate} micro-batches per step" if args.accumulate > 1 else "")
+        + (f", gradients compressed: {args.compress}" if args.compress != "none" else "")
+    )
+    for line in (calibrated, measured):
+        if line:
+            lines += wrap(line)
     print("\n".join(lines) + "\n")
     print(plan.format_table())
     if args.json:

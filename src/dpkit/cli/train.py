@@ -13,6 +13,7 @@ import shlex
 from dpkit.cli.flags import from_args
 from dpkit.cli.vocabulary import (
     add_accelerator,
+    add_accumulate,
     add_batch_size,
     add_compile,
     add_compress,
@@ -109,7 +110,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     steps = parser.add_argument_group("optimization")
     add_steps(steps, 100, "optimizer steps in total, a resumed run's included")
     add_batch_size(steps, "64")
-    steps.add_argument("--accumulate", type=positive_int, default=1, help="micro-batches per optimizer step")
+    add_accumulate(steps)
     add_optimizer(steps, "sgd")
     add_lr(steps, 0.1)
     steps.add_argument("--momentum", type=float, default=0.0, help="sgd's momentum")

@@ -35,6 +35,7 @@ VOCABULARY = {
     "--batch-size": "samples per forward over all devices, split across them (with --accumulate K a step takes K "
     "such batches)",
     "--batch-size-per-device": "samples per device per step; the global batch is this times the devices",
+    "--accumulate": "micro-batches per optimizer step, the gradients exchanged once per step",
     "--precision": "numeric precision: " + ", ".join(PRECISIONS) + " (plan also knows tf32)",
     "--optimizer": "the optimizer: sgd (with --momentum), adamw or adam",
     "--lr": "the learning rate (the peak one with a schedule)",
@@ -274,6 +275,14 @@ def global_batch(args: argparse.Namespace, devices: int, *, default: int) -> int
     if args.batch_size_per_device is not None:
         return args.batch_size_per_device * devices
     return args.batch_size if args.batch_size is not None else default
+
+
+def add_accumulate(parser: ParserOrGroup) -> None:
+    """--accumulate K: micro-batches per optimizer step (a run's, or a plan's)."""
+    _tag(
+        parser.add_argument("--accumulate", type=positive_int, default=1, metavar="K", help=VOCABULARY["--accumulate"]),
+        "--accumulate",
+    )
 
 
 def add_precision(parser: ParserOrGroup, choices: Sequence[str] = PRECISIONS) -> None:

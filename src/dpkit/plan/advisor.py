@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from dpkit.plan.advice_words import PHASE_WORDS, devices_words, gib, phase_words, shards_words
+from dpkit.plan.advice_words import PHASE_WORDS, devices_words, gib, milliseconds, phase_words, shards_words
 from dpkit.plan.cost_model import Prediction
 from dpkit.plan.lightest_sharding import lightest_sharding, lightest_worthwhile
 from dpkit.plan.memory import Sizing
@@ -31,17 +31,20 @@ LAUNCH_BOUND_SHARE = 0.5  # a step whose launches and per-step Python are this s
 @dataclass
 class Recommendation:
     """A strategy and its devices (in all, across nodes), or, when nothing fits, no strategy (None) and no
-    devices; then `would_fit` says what would: the sharded strategy's device count, CPU offload, a batch."""
+    devices; then `would_fit` says what would: the sharded strategy's device count, CPU offload, a batch.
+    `compress`: the gradient compression it names (compression_advice.py), None where none pays or applies."""
 
     strategy: str | None
     devices: int | None
     reasons: list[str] = field(default_factory=list)
     would_fit: dict[str, Any] | None = None
+    compress: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "strategy": self.strategy,
             "devices": self.devices,
+            "compress": self.compress,
             "reasons": list(self.reasons),
             "would_fit": dict(self.would_fit) if self.would_fit is not None else None,
         }
@@ -241,12 +244,44 @@ def _why_this_sharding(at_largest: list[Prediction], best: Prediction) -> tuple[
     )
     if shards(best.strategy) and best_whole is not None:
         faster = best.samples_per_second / best_whole.samples_per_second - 1
-        return (
-            best.strategy,
-            f"{best.strategy} is {faster:.0%} faster than {best_whole.strategy}: each device steps only its "
-            "shard of the optimizer state",
+        why = why_faster(best, best_whole)
+        return best.strategy, f"{best.strategy} is {faster:.0%} faster than {best_whole.strategy}" + (
+            f": {why}" if why else ""
         )
     return None
+
+
+def deciding_term(faster: Prediction, slower: Prediction) -> tuple[str, float, float] | None:
+    """The phase that decides between two configurations: the one in which `faster` saves the most time over
+    `slower`, with its seconds in each; None when it saves in none."""
+    names = set(faster.breakdown) | set(slower.breakdown)
+    saving = {name: slower.breakdown.get(name, 0.0) - faster.breakdown.get(name, 0.0) for name in names}
+    name = max(sorted(saving), key=lambda phase: saving[phase], default=None)
+    if name is None or saving[name] <= 0:
+        return None
+    return name, faster.breakdown.get(name, 0.0), slower.breakdown.get(name, 0.0)
+
+
+def why_faster(faster: Prediction, slower: Prediction) -> str:
+    """Why `faster` (a sharded strategy) beats `slower` (a whole copy per device), citing the deciding term with
+    its figures from the phase table, and what in the traits makes it so where the advice knows."""
+    term = deciding_term(faster, slower)
+    if term is None:
+        return ""
+    name, ours, theirs = term
+    figures = f"{milliseconds(ours)} against {slower.strategy}'s {milliseconds(theirs)}"
+    if name == "optimizer":
+        return f"each device steps only its shard of the optimizer state (the optimizer step {figures})"
+    words = phase_words(faster.strategy).get(name, name)
+    text = f"its {words} take{'' if words.endswith('s') else 's'} {figures}"
+    traits = strategy_class(faster.strategy).traits_for(**faster.options)
+    replicas = faster.total_devices // max(1, traits.shard_size(faster.total_devices, faster.devices))
+    if name == "all_reduce" and traits.sharded and replicas > 1:
+        text += (
+            f": it all-reduces each shard among its {replicas} replicas, {slower.strategy} the whole gradient among "
+            f"all {slower.total_devices} processes"
+        )
+    return text
 
 
 def _limits(chosen: Prediction, link_name: str, network_name: str) -> list[str]:

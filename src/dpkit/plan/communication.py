@@ -3,12 +3,14 @@ hide (Rajbhandari et al. 2020, section 7): nothing sharded, DDP's bucketed all-r
 optimizer state or the gradients sharded over whole weights (ZeRO-1/2), a reduce-scatter of the gradients and an
 all-gather of the updated weights; the weights sharded (ZeRO-3, fsdp), their all-gathers unit by unit and the
 gradients' reduce-scatter; across the replicas of a shard (hybrid sharding), the shards' all-reduce. Which link
-each crosses: the node's, the one between processes, or the network across nodes.
+each crosses: the node's, the one between processes, or the network across nodes. A compression (Setup.compression)
+shrinks what the gradients' collectives carry (compression_cost.py); the parameters' all-gathers stay as they are.
 """
 
 from __future__ import annotations
 
 from dpkit.plan.catalogue import Link
+from dpkit.plan.compression_cost import all_reduced_whole, collectives_per_bucket, wire_fraction
 from dpkit.plan.configuration import Setup, gathered_bytes_per_parameter
 from dpkit.plan.constants import REDUCE_SCATTER_BYTES_PER_PARAMETER
 from dpkit.plan.transfers import ring_all_gather_seconds, ring_all_reduce_seconds
@@ -64,7 +66,7 @@ def exposed_collective_seconds(setup: Setup, forward_seconds: float, backward_se
         profile, hardware = setup.profile, setup.hardware
         link = collective_link(setup)
         shared_network = hardware.nodes > 1 and link is hardware.network
-        nbytes = profile.parameter_bytes / (1 if shared_network else setup.shard_size)
+        nbytes = profile.parameter_bytes * wire_fraction(setup) / (1 if shared_network else setup.shard_size)
         across = ring_all_reduce_seconds(link, nbytes, replicas, messages=profile.units)
         if hardware.shared_compute:
             phases["all_reduce"] = across
@@ -76,10 +78,16 @@ def exposed_collective_seconds(setup: Setup, forward_seconds: float, backward_se
 
 def exposed_all_reduce_seconds(setup: Setup, backward_seconds: float) -> float:
     """DDP's bucketed ring all-reduce, started bucket by bucket while backward runs; what backward
-    cannot hide is exposed: at least the last bucket, which is ready only when backward ends."""
-    profile, constants = setup.profile, setup.constants
-    buckets = max(1, -(-profile.parameter_bytes // constants.bucket_bytes))
-    whole = ring_all_reduce_seconds(collective_link(setup), profile.parameter_bytes, setup.processes, messages=buckets)
+    cannot hide is exposed: at least the last bucket, which is ready only when backward ends. Compressed, each
+    bucket carries its share of the compressed bytes, in one all-reduce or PowerSGD's three."""
+    profile = setup.profile
+    buckets = setup.gradient_buckets
+    whole = ring_all_reduce_seconds(
+        collective_link(setup),
+        profile.parameter_bytes * wire_fraction(setup),
+        setup.processes,
+        messages=buckets * collectives_per_bucket(setup.compression),
+    )
     if setup.hardware.shared_compute:
         return whole  # one pool of cores: communication and computation take turns
     last_bucket = whole / buckets
@@ -91,12 +99,16 @@ def exposed_zero_seconds(setup: Setup, backward_seconds: float) -> dict[str, flo
     """ZeRO-1/2 (whole weights, sharded optimizer state, gradients whole or sharded): the gradients reduce-scattered
     in float32 bucket by bucket while backward runs (half an all-reduce, hidden like DDP's but for the last bucket),
     each process steps its shard, and the updated weights are all-gathered after the step (exposed: the next
-    forward needs them). Together the bytes of one all-reduce (Rajbhandari et al. 2020, section 7.2)."""
-    profile, constants = setup.profile, setup.constants
+    forward needs them). Together the bytes of one all-reduce (Rajbhandari et al. 2020, section 7.2). Under
+    PowerSGD (stage 1 only: whole gradients) the gradients are all-reduced as ddp's, compressed."""
+    profile = setup.profile
     link, group = shard_group_link(setup), setup.shard_size
-    buckets = max(1, -(-profile.parameter_bytes // constants.bucket_bytes))
-    scatter = ring_all_gather_seconds(link, profile.parameters * REDUCE_SCATTER_BYTES_PER_PARAMETER, group, buckets)
+    buckets = setup.gradient_buckets
+    gradient_bytes = profile.parameters * REDUCE_SCATTER_BYTES_PER_PARAMETER * wire_fraction(setup)
+    scatter = ring_all_gather_seconds(link, gradient_bytes, group, buckets)
     gather = ring_all_gather_seconds(link, profile.parameter_bytes, group, buckets)
+    if all_reduced_whole(setup.compression):
+        return {"all_reduce": exposed_all_reduce_seconds(setup, backward_seconds), "all_gather": gather}
     if setup.hardware.shared_compute:
         return {"reduce_scatter": scatter, "all_gather": gather}
     hidden_window = backward_seconds * (buckets - 1) / buckets
@@ -123,7 +135,7 @@ def exposed_sharded_seconds(setup: Setup, forward_seconds: float, backward_secon
         link, profile.parameters * gathered_bytes_per_parameter(setup.precision), group, messages=units
     )
     scatter = ring_all_gather_seconds(
-        link, profile.parameters * REDUCE_SCATTER_BYTES_PER_PARAMETER, group, messages=units
+        link, profile.parameters * REDUCE_SCATTER_BYTES_PER_PARAMETER * wire_fraction(setup), group, messages=units
     )
     again = gather if setup.traits.gathers == PER_UNIT else 0.0  # backward's gathers of what forward dropped
     if setup.hardware.shared_compute:

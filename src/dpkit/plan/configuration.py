@@ -19,6 +19,7 @@ from dpkit.plan.catalogue import GPU, Link
 from dpkit.plan.constants import CostConstants
 from dpkit.plan.profiles import FP32_BYTES, ModelProfile
 from dpkit.strategies import Traits, strategy_traits
+from dpkit.strategies.compression import Compression
 
 
 @dataclass(frozen=True)
@@ -76,7 +77,9 @@ def as_batch(batch: int | BatchSize) -> BatchSize:
 class Setup:
     """One configuration to predict: a profiled model on `hardware`, a strategy (built with `options`) on `devices`
     per node, the fullest device's samples, the precision, the host's constants and the optimizer; `offload`: the
-    sharded parts of the state kept in host memory (CPU offload)."""
+    sharded parts of the state kept in host memory (CPU offload); `compression`: the gradients' on the link (one the
+    strategy takes, Traits.compressions; PowerSGD as it runs after its warm-up); `accumulate`: micro-batches of
+    `batch_per_device` samples per optimizer step, the gradient exchange once per step."""
 
     profile: ModelProfile
     hardware: Hardware
@@ -88,6 +91,8 @@ class Setup:
     optimizer: str = "adam"
     options: Mapping[str, Any] = field(default_factory=dict)
     offload: bool = False
+    compression: Compression = Compression()
+    accumulate: int = 1
 
     @property
     def traits(self) -> Traits:
@@ -107,6 +112,11 @@ class Setup:
     def replicas_of_a_shard(self) -> int:
         """Shard groups holding the same shards (hybrid sharding: the mesh's replicate dimension)."""
         return max(1, self.processes // self.shard_size)
+
+    @property
+    def gradient_buckets(self) -> int:
+        """The buckets DDP's exchange splits the float32 gradients into (CostConstants.bucket_bytes each)."""
+        return max(1, -(-self.profile.parameter_bytes // self.constants.bucket_bytes))
 
     def with_batch(self, batch_per_device: int) -> Setup:
         return replace(self, batch_per_device=batch_per_device)

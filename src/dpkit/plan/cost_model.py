@@ -28,7 +28,7 @@ traits it declares (with its options: Strategy.traits_for).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -37,7 +37,8 @@ from dpkit.plan.constants import OPTIMIZER_STATE_BYTES_PER_PARAMETER, CostConsta
 from dpkit.plan.memory import largest_batch_per_device, memory_per_device
 from dpkit.plan.profiles import ModelProfile
 from dpkit.plan.step_time import step_breakdown
-from dpkit.strategies import PER_DEVICE, reference, strategy_class
+from dpkit.strategies import PER_DEVICE, Traits, reference, strategy_class
+from dpkit.strategies.compression import Compression, parse_compression
 
 
 @dataclass
@@ -58,6 +59,8 @@ class Prediction:
     runs: bool = True  # the strategy supports the precision (16-mixed needs a GradScaler)
     global_batch: int | None = None  # the samples of one step in all (None: batch_per_device on every device)
     options: dict[str, Any] = field(default_factory=dict)  # the strategy's options it was predicted with
+    compress: str = "none"  # the gradient compression it was predicted with (none where the strategy takes none)
+    accumulate: int = 1  # micro-batches per optimizer step: the step's time and samples are the K micro-batches'
 
     @property
     def total_devices(self) -> int:
@@ -89,6 +92,8 @@ class Prediction:
             "max_batch_size_per_device": self.max_batch_per_device,
             "fits": self.fits,
             "runs": self.runs,
+            "compress": self.compress,
+            "accumulate": self.accumulate,
             "breakdown": dict(self.breakdown),
             "notes": list(self.notes),
         }
@@ -105,12 +110,26 @@ def predict(
     optimizer: str = "adam",
     global_batch: int | None = None,
     options: Mapping[str, Any] | None = None,
+    *,
+    compression: str | Compression | None = None,
+    accumulate: int = 1,
 ) -> Prediction:
-    """One configuration (see Setup; `options`: the strategy's). `global_batch`: the samples of the step in all,
-    split across the devices, the fullest taking `batch_per_device` (their largest share), which sets the step time
-    and the peak memory."""
+    """One configuration (see Setup; `options`: the strategy's). `global_batch`: the samples of one micro-batch in
+    all, split across the devices, the fullest taking `batch_per_device` (their largest share), which sets the step
+    time and the peak memory. `compression`: one the strategy takes ("bf16", "powersgd:4", ...); `accumulate`:
+    micro-batches per optimizer step."""
     setup = Setup(
-        profile, hardware, strategy, devices, batch_per_device, precision, constants, optimizer, dict(options or {})
+        profile,
+        hardware,
+        strategy,
+        devices,
+        batch_per_device,
+        precision,
+        constants,
+        optimizer,
+        dict(options or {}),
+        compression=parse_compression(compression),
+        accumulate=accumulate,
     )
     return predict_setup(setup, global_batch)
 
@@ -131,11 +150,15 @@ def predict_setup(setup: Setup, global_batch: int | None = None) -> Prediction:
         raise ValueError(
             f"optimizer: expected one of {', '.join(OPTIMIZER_STATE_BYTES_PER_PARAMETER)}, got {setup.optimizer!r}"
         )
+    check_compression(setup.compression, setup.strategy, setup.traits)
+    if isinstance(setup.accumulate, bool) or not isinstance(setup.accumulate, int) or setup.accumulate < 1:
+        raise ValueError(f"accumulate: expected a positive number of micro-batches per step, got {setup.accumulate!r}")
     breakdown = step_breakdown(setup)
     step = sum(breakdown.values())
     peaks, _ = memory_per_device(setup)
     largest = largest_batch_per_device(setup)
-    samples = setup.batch_per_device * setup.processes if global_batch is None else global_batch
+    micro_batch = setup.batch_per_device * setup.processes if global_batch is None else global_batch
+    samples = micro_batch * setup.accumulate
     prediction = Prediction(
         setup.strategy,
         devices,
@@ -148,6 +171,8 @@ def predict_setup(setup: Setup, global_batch: int | None = None) -> Prediction:
         samples_per_second=samples / step,
         global_batch=global_batch,
         options=dict(setup.options),
+        compress=str(setup.compression) if setup.processes > 1 else "none",
+        accumulate=setup.accumulate,
     )
     usable = hardware.gpu.memory_bytes * setup.constants.memory_headroom
     if not hardware.shared_compute and max(peaks) > usable:
@@ -164,6 +189,30 @@ def predict_setup(setup: Setup, global_batch: int | None = None) -> Prediction:
     return prediction
 
 
+def check_compression(compression: Compression, strategy: str, traits: Traits) -> None:
+    """A compression the strategy does not take: one line naming what it takes."""
+    if compression.kind not in traits.compressions:
+        raise ValueError(
+            f"compress: strategy {strategy!r} takes {', '.join(traits.compressions)}; got {str(compression)!r}"
+        )
+
+
+def compression_takers(
+    compression: Compression, strategies: Sequence[str], options: Mapping[str, Mapping[str, Any]] | None = None
+) -> list[str]:
+    """Those of `strategies` (with their `options`, by name) that take `compression`."""
+    return [
+        name
+        for name in strategies
+        if compression.kind in strategy_class(name).traits_for(**(options or {}).get(name, {})).compressions
+    ]
+
+
+def taken(compression: Compression, traits: Traits) -> Compression:
+    """The compression a strategy is predicted with: the one asked where it takes it, else none."""
+    return compression if compression.kind in traits.compressions else Compression()
+
+
 def predict_all(
     profile: ModelProfile,
     hardware: Hardware,
@@ -174,17 +223,24 @@ def predict_all(
     constants: CostConstants = CostConstants(),
     optimizer: str = "adam",
     strategy_options: Mapping[str, Mapping[str, Any]] | None = None,
+    *,
+    compression: str | Compression | None = None,
+    accumulate: int = 1,
 ) -> list[Prediction]:
     """Every strategy at every device count it can use (only strategies with a process per device, such
     as ddp, span nodes), with speed-up and efficiency against the reference strategy on one device of one node
     (with a global batch: that device running the whole batch). A plain number is a batch per device.
-    `strategy_options`: a strategy's options by its name (zero's stage, hsdp's shard_size); its defaults else."""
+    `strategy_options`: a strategy's options by its name (zero's stage, hsdp's shard_size); its defaults else.
+    `compression`: the strategies that take it are predicted with it, the others uncompressed with a note;
+    `accumulate`: micro-batches per optimizer step, the reference's too."""
     batch = as_batch(batch_per_device)
     chosen = strategy_options or {}
+    asked = parse_compression(compression)
 
     def predict_batch(machine: Hardware, strategy: str, devices: int) -> Prediction:
         total = devices * machine.nodes
-        return predict(
+        applied = taken(asked, strategy_class(strategy).traits_for(**chosen.get(strategy, {})))
+        prediction = predict(
             profile,
             machine,
             strategy,
@@ -195,7 +251,12 @@ def predict_all(
             optimizer,
             global_batch=None if batch.per_device else batch.samples,
             options=chosen.get(strategy),
+            compression=applied,
+            accumulate=accumulate,
         )
+        if asked.compresses and not applied.compresses and total > 1:
+            prediction.notes.append(f"takes no {asked}: predicted uncompressed")
+        return prediction
 
     baseline = predict_batch(replace(hardware, nodes=1), reference(), 1)
     predictions = []

@@ -32,6 +32,7 @@ MEMORY_CATEGORIES = (
     # reduce-scatter
     "gradient_buckets",  # DDP's buckets: a second copy of whole gradients, for the all-reduce
     "autocast_copies",  # mixed precision: autocast's 16-bit copy of each whole weight, kept for backward
+    "compression_state",  # PowerSGD: its error feedback (a float32 copy of the gradients) and one bucket's copy
     "activations",  # saved for backward, and the outputs with their gradient: per sample
     "gathered_outputs",  # the replicas' outputs gathered on device 0 for the loss (dp): per sample
 )
@@ -85,6 +86,7 @@ def _root_and_other(setup: Setup) -> tuple[dict[str, int], dict[str, int]]:
         "gathered_parameters": gathered_bytes(setup),
         "gradient_buckets": FP32_BYTES * profile.parameters if whole_gradients else 0,
         "autocast_copies": autocast,
+        "compression_state": compression_state_bytes(setup),
         "activations": per_sample * batch,
         "gathered_outputs": 0.0,
     }
@@ -97,6 +99,16 @@ def _root_and_other(setup: Setup) -> tuple[dict[str, int], dict[str, int]]:
     elif traits.shares_host_weights and setup.hardware.shared_compute:
         other["parameters"] = other["optimizer_state"] = 0
     return {name: int(root[name]) for name in MEMORY_CATEGORIES}, {name: int(other[name]) for name in MEMORY_CATEGORIES}
+
+
+def compression_state_bytes(setup: Setup) -> float:
+    """What a low-rank compression keeps beside the gradients (torch's powerSGD_hook): the error feedback, a float32
+    copy of every gradient element kept between steps, and, while a bucket is compressed, a copy of it; the P and Q
+    factors are small beside them. A 16-bit cast holds one bucket's 16-bit copy at a time, left out."""
+    compression = setup.compression
+    if not compression.compresses or compression.wire_dtype is not None or setup.processes <= 1:
+        return 0.0
+    return FP32_BYTES * setup.profile.parameters + min(setup.constants.bucket_bytes, setup.profile.parameter_bytes)
 
 
 def kept_state_bytes(setup: Setup) -> dict[str, float]:

@@ -11,129 +11,18 @@ from dpkit.observe.plots import save_scaling_figure
 from dpkit.observe.report import write_json
 from dpkit.plan.advisor import Recommendation, recommend
 from dpkit.plan.catalogue import Link
-from dpkit.plan.configuration import BatchSize, Hardware, Setup, as_batch
+from dpkit.plan.compression_advice import add_compression_advice
+from dpkit.plan.configuration import BatchSize, Hardware, as_batch
 from dpkit.plan.constants import CostConstants
-from dpkit.plan.cost_model import Prediction, predict_all
-from dpkit.plan.memory import Sizing, memory_by_category
+from dpkit.plan.cost_model import Prediction, predict, predict_all
+from dpkit.plan.memory import Sizing
+from dpkit.plan.memory_rows import MEMORY_COLUMNS, MemoryRow, memory_rows
 from dpkit.plan.payoff import MOST_SAMPLES, break_even_batch
 from dpkit.plan.profiles import ModelProfile
 from dpkit.plan.step_time import PHASE_ORDER
 from dpkit.plan.tables import fitted_table, wrap
-from dpkit.strategies import PER_DEVICE, reference, strategy_class
-
-# the memory table's columns: (header, the categories of memory.MEMORY_CATEGORIES added up in it, legend)
-MEMORY_COLUMNS = (
-    ("params", ("parameters",), "the weights kept between steps"),
-    ("grads", ("gradients",), "the gradients after the exchange"),
-    ("optim", ("optimizer_state",), "the optimizer's state"),
-    (
-        "gathered",
-        ("gathered_parameters",),
-        "weights gathered whole, a unit's gradient before its reduce-scatter",
-    ),
-    ("copies", ("gradient_buckets", "autocast_copies"), "DDP's gradient buckets and autocast's 16-bit weights"),
-    ("activ", ("activations", "gathered_outputs"), "activations, outputs, and outputs gathered on device 0"),
-)
-
-
-@dataclass
-class MemoryRow:
-    """A strategy (with options: a variant the strategy plans, such as zero's stage=2) on the most devices it uses
-    of a plan: the fullest device's predicted bytes by category, and what it shards over how many processes."""
-
-    strategy: str
-    options: dict[str, Any]
-    devices: int  # per node
-    nodes: int
-    bytes_by_category: dict[str, int]
-    sharded_parts: tuple[str, ...]
-    shard_size: int
-    replicas_of_a_shard: int
-
-    @property
-    def label(self) -> str:
-        return " ".join([self.strategy, *(f"{key}={value}" for key, value in sorted(self.options.items()))])
-
-    @property
-    def peak_bytes(self) -> int:
-        return sum(self.bytes_by_category.values())
-
-    @property
-    def shards(self) -> str:
-        """What it shards over how many processes: "w,g,o/8", "o/8", "w,g,o/4 x2" (replicated twice), "-"."""
-        if not self.sharded_parts:
-            return "-"
-        parts = ",".join({"weights": "w", "gradients": "g", "optimizer_state": "o"}[p] for p in self.sharded_parts)
-        return f"{parts}/{self.shard_size}" + (f" x{self.replicas_of_a_shard}" if self.replicas_of_a_shard > 1 else "")
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "strategy": self.strategy,
-            "options": dict(self.options),
-            "devices": self.devices,
-            "nodes": self.nodes,
-            "sharded": list(self.sharded_parts),
-            "shard_size": self.shard_size,
-            "bytes_by_category": dict(self.bytes_by_category),
-            "peak_bytes": self.peak_bytes,
-        }
-
-
-def memory_rows(
-    profile: ModelProfile,
-    hardware: Hardware,
-    strategies: list[str],
-    device_counts: list[int],
-    batch: BatchSize,
-    precision: str = "32",
-    constants: CostConstants = CostConstants(),
-    optimizer: str = "adam",
-    strategy_options: Mapping[str, Mapping[str, Any]] | None = None,
-) -> list[MemoryRow]:
-    """Every strategy asked, and each variant it plans (Strategy.planned_variants), on the most devices it can use
-    of `device_counts` (per node; nodes as in predict_all): the fullest device's memory by category. A strategy
-    given `strategy_options` (by its name) is planned with those alone."""
-    rows = []
-    for name in strategies:
-        cls = strategy_class(name)
-        given = (strategy_options or {}).get(name)
-        for options in (given,) if given else ({}, *cls.planned_variants):
-            traits = cls.traits_for(**options)
-            one_device = traits.max_devices == 1
-            spans_nodes = traits.processes == PER_DEVICE and not one_device
-            if hardware.nodes > 1 and not spans_nodes and not one_device:
-                continue  # one process cannot drive another node's devices
-            usable = [n for n in device_counts if traits.max_devices is None or n <= traits.max_devices]
-            if not usable:
-                continue
-            machine = replace(hardware, nodes=hardware.nodes if spans_nodes else 1)
-            devices = max(usable)
-            setup = Setup(
-                profile,
-                machine,
-                name,
-                devices,
-                batch.share(devices * machine.nodes),
-                precision,
-                constants,
-                optimizer,
-                dict(options),
-            )
-            fullest = max(memory_by_category(setup), key=lambda account: sum(account.values()))
-            sharded = traits.sharded_parts
-            rows.append(
-                MemoryRow(
-                    name,
-                    dict(options),
-                    devices,
-                    machine.nodes,
-                    fullest,
-                    sharded,
-                    setup.shard_size,
-                    setup.replicas_of_a_shard if sharded else 1,
-                )
-            )
-    return rows
+from dpkit.strategies import reference
+from dpkit.strategies.compression import Compression, parse_compression
 
 
 @dataclass
@@ -183,12 +72,16 @@ class Plan:
 
     def summary_lines(self) -> list[str]:
         per_device = all(p.global_batch is None for p in self.predictions)
-        header = ["strategy", "devices"] + ([] if per_device else ["batch/dev"])
+        compressing = self.meta.get("compress", "none") != "none"
+        header = ["strategy", "devices"] + (["compress"] if compressing else []) + ([] if per_device else ["batch/dev"])
         header += ["step ms", "samples/s", "speedup", "eff", "peak GiB", "max batch"]
         rows = []
         for p in self.predictions:
             strategy, devices = self._label(p)
-            row = [strategy + ("" if p.runs else "*"), devices] + ([] if per_device else [str(p.batch_per_device)])
+            row = [strategy + ("" if p.runs else "*"), devices]
+            row += ([p.compress if p.total_devices > 1 else "-"] if compressing else []) + (
+                [] if per_device else [str(p.batch_per_device)]
+            )
             row += [
                 _step_milliseconds(p.step_seconds),
                 f"{p.samples_per_second:,.0f}" if p.samples_per_second >= 10 else f"{p.samples_per_second:.3g}",
@@ -216,7 +109,27 @@ class Plan:
         cannot = sorted({p.strategy for p in self.predictions if not p.runs})
         if cannot:
             notes.append(f"* cannot run at precision {self.precision}: {', '.join(cannot)} (no GradScaler)")
+        notes += self.compression_notes()
+        accumulate = self.meta.get("accumulate", 1)
+        if accumulate > 1:
+            notes.append(
+                f"step: one optimizer step of {accumulate} micro-batches, the gradients exchanged once; samples/s "
+                "counts them all"
+            )
         return lines + [line for note in notes for line in wrap(note)]
+
+    def compression_notes(self) -> list[str]:
+        """What the compress column means, and which strategies were predicted without the compression asked."""
+        asked = self.meta.get("compress", "none")
+        if asked == "none":
+            return []
+        declining = sorted({p.strategy for p in self.predictions if p.total_devices > 1 and p.compress != asked})
+        warm_up = "; PowerSGD as it runs after its warm-up" if asked.startswith("powersgd") else ""
+        note = f"compress: the gradient compression predicted{warm_up}"
+        if declining:
+            verb = "takes" if len(declining) == 1 else "take"
+            note += f"; none: {', '.join(declining)} {verb} no {asked}, predicted uncompressed"
+        return [note]
 
     def phase_lines(self) -> list[str]:
         """The step of each configuration by phase, milliseconds on the slowest device."""
@@ -333,6 +246,7 @@ PHASE_HEADERS = {
     "loss": ("loss", "loss"),
     "backward": ("bwd", "backward"),
     "reduce": ("red", "gradient reduce to device 0"),
+    "compress": ("cmpr", "gradient compression's work"),
     "all_reduce": ("a-red", "exposed all-reduce"),
     "all_gather": ("a-gat", "exposed parameter all-gathers"),
     "reduce_scatter": ("r-sct", "exposed gradient reduce-scatter"),
@@ -411,20 +325,51 @@ def make_plan(
     links: Mapping[str, Link] | None = None,
     networks: Mapping[str, Link] | None = None,
     strategy_options: Mapping[str, Mapping[str, Any]] | None = None,
+    *,
+    compression: str | Compression | None = None,
+    accumulate: int = 1,
 ) -> Plan:
     """Every prediction and the recommendation. A plain number is a batch per device. `links` (the catalogue's)
     and `networks` let the advice re-run the plan with a faster link, among the links the GPU can have
-    (`hardware.gpu.links`), and a faster network."""
+    (`hardware.gpu.links`), and a faster network. `compression`: the gradients' on the link, where a strategy takes
+    it (without one, the recommendation says which pays); `accumulate`: micro-batches per optimizer step."""
     batch = as_batch(batch_per_device)
-    predictions = predict_all(
-        profile, hardware, strategies, device_counts, batch, precision, constants, optimizer, strategy_options
-    )
-    gpu_links = {name: links[name] for name in hardware.gpu.links if name in links} if links else {}
+    asked = parse_compression(compression)
 
     def rerun(machine: Hardware, changed: BatchSize = batch) -> list[Prediction]:
         return predict_all(
-            profile, machine, strategies, device_counts, changed, precision, constants, optimizer, strategy_options
+            profile,
+            machine,
+            strategies,
+            device_counts,
+            changed,
+            precision,
+            constants,
+            optimizer,
+            strategy_options,
+            compression=asked,
+            accumulate=accumulate,
         )
+
+    def compressed(p: Prediction, changed: Compression) -> Prediction:
+        machine = replace(hardware, nodes=p.nodes)
+        return predict(
+            profile,
+            machine,
+            p.strategy,
+            p.devices,
+            p.batch_per_device,
+            precision,
+            constants,
+            optimizer,
+            p.global_batch,
+            p.options,
+            compression=changed,
+            accumulate=accumulate,
+        )
+
+    predictions = rerun(hardware)
+    gpu_links = {name: links[name] for name in hardware.gpu.links if name in links} if links else {}
 
     def what_if(change: str, devices: int) -> tuple[str, list[Prediction]] | None:
         if change == "faster-link":
@@ -465,7 +410,7 @@ def make_plan(
         return f"it would pay from a batch of {pays:,} {unit}"
 
     memory = memory_rows(
-        profile, hardware, strategies, device_counts, batch, precision, constants, optimizer, strategy_options
+        profile, hardware, strategies, device_counts, batch, precision, constants, optimizer, strategy_options, asked
     )
     recommendation = recommend(
         predictions,
@@ -475,6 +420,7 @@ def make_plan(
         Sizing(profile, hardware, batch, precision, optimizer, constants),
         payoff,
     )
+    add_compression_advice(recommendation, predictions, asked, compressed)
     return Plan(
         profile,
         hardware,
@@ -486,6 +432,8 @@ def make_plan(
             "batch_size": None if batch.per_device else batch.samples,
             "batch_size_per_device": batch.samples if batch.per_device else None,
             "optimizer": optimizer,
+            "compress": str(asked),
+            "accumulate": accumulate,
         },
         memory,
     )

@@ -54,6 +54,10 @@ class ModelProfile:
     # modules in the model, the root included (model.modules()): what DataParallel re-makes in Python for every
     # replica at every step (0: unknown; then estimated from the parameter tensors)
     modules: int = 0
+    # the weight matrices gradient compression sees, as (rows, columns, how many): every trainable parameter of two
+    # or more dimensions viewed as its first dimension by the rest, as torch's PowerSGD hook views it; the other
+    # parameters are vectors (empty: unknown; plan/compression_cost.py approximates them then)
+    weight_matrices: tuple[tuple[int, int, int], ...] = ()
 
     @property
     def module_count(self) -> int:
@@ -84,7 +88,21 @@ class ModelProfile:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> ModelProfile:
         known = {name: data[name] for name in cls.__dataclass_fields__ if name in data}
+        if "weight_matrices" in known:  # JSON's lists back to the frozen value's tuples
+            known["weight_matrices"] = tuple(tuple(int(n) for n in entry) for entry in known["weight_matrices"])
         return cls(**known)
+
+
+def matrix_counts(parameters: Sequence[torch.Tensor]) -> tuple[tuple[int, int, int], ...]:
+    """ModelProfile.weight_matrices of these parameters: (rows, columns, how many) of those with two or more
+    dimensions, each viewed as its first dimension by the rest."""
+    counts: dict[tuple[int, int], int] = {}
+    for parameter in parameters:
+        if parameter.dim() >= 2:
+            rows = int(parameter.shape[0])
+            shape = (rows, int(parameter.numel()) // max(1, rows))
+            counts[shape] = counts.get(shape, 0) + 1
+    return tuple((rows, columns, count) for (rows, columns), count in sorted(counts.items()))
 
 
 # ---- measuring a model ----------------------------------------------------------------------------
@@ -197,6 +215,7 @@ def measure_model(
         largest_unit_parameters=max(units, default=0),
         shard_units=len(units),
         modules=len(list(model.modules())),
+        weight_matrices=matrix_counts(trainable),
     )
 
 
@@ -267,6 +286,15 @@ def _transformer(
     block = (parameters - embedding * (1 if tied else 2)) / layers
     largest_unit = int(max(block, embedding))
     units = layers + (1 if tied else 3)  # the blocks, the root, and untied: the embedding and the output layer
+    # a block's matrices as GPT-2 has them (the attention's input and output projections, the MLP's two: 12 width^2),
+    # which LLaMA's gated MLP matches within 1%; the embedding, and untied the output layer too
+    matrices = (
+        (width, 3 * width, layers),
+        (width, width, layers),
+        (width, 4 * width, layers),
+        (4 * width, width, layers),
+        (vocab, width, 1 if tied else 2),
+    )
 
     def build(input_shape: Sequence[int] | None = None, seq_len: int | None = None) -> ModelProfile:
         seq = int(seq_len or (input_shape[0] if input_shape else default_seq))
@@ -291,6 +319,7 @@ def _transformer(
             largest_unit,
             units,
             MODULES_PER_BLOCK * layers + 8,
+            matrices,
         )
 
     return build

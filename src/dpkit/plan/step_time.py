@@ -10,9 +10,12 @@ step_breakdown adds them up. No term asks which strategy it is.
                     made again, and the reduce back into device 0
     loss            where Traits.loss runs it: device 0 over every replica's gathered outputs, or each replica
     exchange        how persistent replicas sum their gradients: collectives as the traits shard the state
-                    (communication.py), or one sum in memory (Traits.shares_host_weights, virtual CPU devices)
+                    (communication.py), or one sum in memory (Traits.shares_host_weights, virtual CPU devices);
+                    compressed (Setup.compression), fewer bytes and the compression's own work (compression_cost.py)
     optimizer       its memory passes over what this process steps (1/S where Traits.optimizer_state is SHARDED)
     overhead        the step's Python, and the hand-offs to one process's replica threads
+    accumulation    K micro-batches per optimizer step (Setup.accumulate): everything K times but the gradient
+                    exchange, the gathers of weights kept for the step and the optimizer, once per step
 """
 
 from __future__ import annotations
@@ -20,11 +23,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from dpkit.plan.communication import exposed_collective_seconds
+from dpkit.plan.compression_cost import compression_seconds, wire_fraction
 from dpkit.plan.configuration import Setup, achieved_flops, kernel_launch_seconds, mixed_precision
 from dpkit.plan.constants import OPTIMIZER_TRAFFIC_BYTES_PER_PARAMETER, SHARDED_KERNELS_PER_COLLECTIVE
 from dpkit.plan.profiles import FP32_BYTES
 from dpkit.plan.transfers import root_fan_seconds, transfer_seconds
-from dpkit.strategies import IN_REPLICAS, ON_ROOT, ONE_PROCESS, PER_STEP, PERSISTENT, SHARDED
+from dpkit.strategies import IN_REPLICAS, ON_ROOT, ONE_PROCESS, PER_STEP, PER_UNIT, PERSISTENT, SHARDED
 
 PHASE_ORDER = (
     "scatter",
@@ -35,6 +39,7 @@ PHASE_ORDER = (
     "loss",
     "backward",
     "reduce",
+    "compress",
     "all_reduce",
     "all_gather",
     "reduce_scatter",
@@ -56,7 +61,25 @@ def step_breakdown(setup: Setup) -> dict[str, float]:
     phases.update(gradient_exchange_seconds(setup, work, forward, backward))
     phases["optimizer"] = optimizer_seconds(setup, work)
     phases["overhead"] = overhead_seconds(setup, work)
+    phases = accumulated(setup, phases)
     return {name: phases[name] for name in PHASE_ORDER if name in phases and phases[name] > 0}
+
+
+# what happens once per optimizer step, whatever the micro-batches: the gradient exchange (and its compression),
+# and the optimizer's step
+ONCE_PER_STEP = ("compress", "all_reduce", "reduce_scatter", "optimizer")
+
+
+def accumulated(setup: Setup, phases: dict[str, float]) -> dict[str, float]:
+    """One optimizer step of Setup.accumulate micro-batches: each micro-batch computes, launches, scatters, makes
+    its replicas and gathers again; the gradients are exchanged once, in the last micro-batch's backward (what it
+    cannot hide is the same as without accumulation), and the optimizer steps once. Weights gathered for the step
+    (Traits.gathers FOR_THE_STEP) or all-gathered after it (ZeRO-1) are gathered once; those dropped after each
+    pass (PER_UNIT) are gathered again in each micro-batch."""
+    if setup.accumulate <= 1:
+        return phases
+    once = set(ONCE_PER_STEP) | ({"all_gather"} if setup.traits.gathers != PER_UNIT else set())
+    return {name: seconds * (1 if name in once else setup.accumulate) for name, seconds in phases.items()}
 
 
 @dataclass(frozen=True)
@@ -231,14 +254,21 @@ def gradient_exchange_seconds(
     virtual CPU devices (Traits.shares_host_weights) sum into replica 0's weights in memory; persistent ones
     (Traits.replicas PERSISTENT) exchange it by collectives, as the traits shard the state, with what the
     computing cannot hide exposed (communication.py). Replicas re-made every step reduce into device 0 instead
-    (per_step_replica_seconds)."""
+    (per_step_replica_seconds). A compression adds its own work on each device (compression_cost.py)."""
     if setup.processes <= 1:
         return {}
+    phases: dict[str, float] = {}
     if work.shared_weights:
-        return {"all_reduce": (setup.processes - 1) * 3 * setup.profile.parameter_bytes / work.memory_rate}
-    if setup.traits.replicas == PERSISTENT:
-        return exposed_collective_seconds(setup, forward_seconds, backward_seconds)
-    return {}
+        summed_bytes = setup.profile.parameter_bytes * wire_fraction(setup)
+        phases["all_reduce"] = (setup.processes - 1) * 3 * summed_bytes / work.memory_rate
+    elif setup.traits.replicas == PERSISTENT:
+        phases.update(exposed_collective_seconds(setup, forward_seconds, backward_seconds))
+    else:
+        return phases
+    if setup.compression.compresses:
+        flops_rate = achieved_flops(setup.hardware, "32", setup.constants) / work.crowding  # float32 gradients
+        phases["compress"] = compression_seconds(setup, work.memory_rate, flops_rate, work.launch_seconds)
+    return phases
 
 
 def optimizer_seconds(setup: Setup, work: DeviceWork) -> float:
