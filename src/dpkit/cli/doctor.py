@@ -267,6 +267,7 @@ def run(args: argparse.Namespace) -> int:
     print(format_report(report))
     if args.json:
         with open(args.json, "w", encoding="utf-8") as handle:
-            json.dump(report, handle, indent=2)
+            # the kind `dpkit plan --calibration` tells a doctor report from a bench JSON by
+            json.dump({"kind": "dpkit-doctor", **report}, handle, indent=2)
         print(f"\nwrote {args.json}")
     return 0

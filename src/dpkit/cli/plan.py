@@ -18,7 +18,13 @@ from dpkit.plan.catalogue import PRECISIONS, Catalogue, Link
 from dpkit.plan.configuration import BatchSize, Hardware
 from dpkit.plan.constants import OPTIMIZER_STATE_BYTES_PER_PARAMETER, CostConstants
 from dpkit.plan.cost_model import compression_takers
-from dpkit.plan.doctor_links import calibration_files, doctor_gpu, measured_link, measured_words, with_measured_link
+from dpkit.plan.doctor_links import (
+    calibration_files,
+    check_measured_machine,
+    measured_link,
+    measured_words,
+    with_measured_link,
+)
 from dpkit.plan.planner import make_plan
 from dpkit.plan.profiles import BUILTIN_PROFILES, ModelProfile, builtin_profile, given_profile, measure_model
 from dpkit.plan.tables import wrap
@@ -298,19 +304,14 @@ def check_compression(args: argparse.Namespace, strategy_options: dict[str, dict
 
 def measured_links(args: argparse.Namespace) -> tuple[list[str], tuple[str, dict[str, Any], Link] | None]:
     """(the dpkit bench files of --calibration, the dpkit doctor report with its path and measured link, if any),
-    every file read and checked; a CUDA doctor's GPU stands for --gpu when none is named."""
+    every file read and checked against the machine planned; a CUDA doctor's GPU stands for --gpu when none is
+    named."""
     benches, doctors = calibration_files(args.calibration or [])
     if not doctors:
         return benches, None
     path, report = next(iter(doctors.items()))
     link = measured_link(report, path)
-    if not args.gpu and report.get("accelerator") == "cuda":
-        args.gpu = doctor_gpu(report)
-    if not args.gpu and not benches:
-        raise ValueError(
-            "--calibration: a dpkit doctor JSON measures the links only; name the GPUs with --gpu, or add a dpkit "
-            "bench JSON of this machine for its compute"
-        )
+    args.gpu = check_measured_machine(report, args.gpu, bool(benches))
     return benches, (path, report, link)
 
 

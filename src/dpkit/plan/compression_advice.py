@@ -143,6 +143,7 @@ def _what_it_changes(kind: str, before: Prediction, after: Prediction) -> str:
         f"{milliseconds(before.step_seconds)} step, plus {milliseconds(work)} of "
         f"compression work: the step {milliseconds(after.step_seconds)} ({faster:.2f}x the samples/s)"
         + ("; after its warm-up (the first steps go uncompressed)" if compression.wire_dtype is None else "")
+        + ("; it costs more than it saves here" if faster < 1 else "")
     )
 
 

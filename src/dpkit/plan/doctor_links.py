@@ -37,15 +37,14 @@ def read_json(path: str) -> dict[str, Any]:
     """A calibration file's JSON object, or one line naming the file and what is wrong."""
     if not Path(path).is_file():
         raise ValueError(
-            f"--calibration: no such file {path!r}; give a JSON file that dpkit bench --json or dpkit doctor --json "
-            "wrote"
+            f"calibration: no such file {path!r}; give a JSON file that dpkit bench --json or dpkit doctor --json wrote"
         )
     try:
         data = json.loads(Path(path).read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as error:
-        raise ValueError(f"--calibration: {path!r} is not JSON ({error})") from None
+        raise ValueError(f"calibration: {path!r} is not JSON ({error})") from None
     if not isinstance(data, dict):
-        raise ValueError(f"--calibration: {path!r} is not a dpkit bench or dpkit doctor JSON (not an object)")
+        raise ValueError(f"calibration: {path!r} is not a dpkit bench or dpkit doctor JSON (not an object)")
     return data
 
 
@@ -68,7 +67,7 @@ def calibration_files(paths: Sequence[str]) -> tuple[list[str], dict[str, dict[s
         kind = calibration_kind(data)
         if kind is None:
             raise ValueError(
-                f"--calibration: {path!r} is neither a dpkit bench JSON (kind {BENCH_KIND!r}) nor a dpkit doctor "
+                f"calibration: {path!r} is neither a dpkit bench JSON (kind {BENCH_KIND!r}) nor a dpkit doctor "
                 "JSON; write one with dpkit bench --json or dpkit doctor --json"
             )
         if kind == "bench":
@@ -76,7 +75,7 @@ def calibration_files(paths: Sequence[str]) -> tuple[list[str], dict[str, dict[s
         else:
             doctors[path] = data
     if len(doctors) > 1:
-        raise ValueError(f"--calibration: give one dpkit doctor JSON (one machine's links), got {', '.join(doctors)}")
+        raise ValueError(f"calibration: give one dpkit doctor JSON (one machine's links), got {', '.join(doctors)}")
     return benches, doctors
 
 
@@ -86,7 +85,7 @@ def measured_link(report: dict[str, Any], source: str) -> Link:
     processes = int(report.get("world_size") or 0)
     if not rows or processes < 2:
         raise ValueError(
-            f"--calibration: {source!r} has no all-reduce measured (dpkit doctor on one process, or without "
+            f"calibration: {source!r} has no all-reduce measured (dpkit doctor on one process, or without "
             "--collectives all_reduce); run dpkit doctor --nproc-per-node 2 or more"
         )
     moved = [2 * (processes - 1) / processes * float(row["size_bytes"]) for row in rows]
@@ -125,19 +124,43 @@ def doctor_gpu(report: dict[str, Any]) -> str | None:
     return devices[0].get("catalogue_gpu") if devices else None
 
 
+def check_measured_machine(report: dict[str, Any], gpu: str | None, bench_given: bool) -> str | None:
+    """The GPU to plan on (`gpu`, the --gpu given, or the one a CUDA report found), once the report is known to
+    describe the machine planned: GPUs measured by NCCL, or CPU processes beside a bench of their machine."""
+    if report.get("accelerator") == "cuda":
+        found = gpu or doctor_gpu(report)
+        if found is None:
+            raise ValueError(
+                "calibration: the GPUs dpkit doctor measured are not in the catalogue; name them (gpu=NAME; "
+                "catalogue_file=FILE adds one)"
+            )
+        return found
+    if gpu:
+        raise ValueError(
+            f"calibration: the dpkit doctor report measured gloo between CPU processes, which says nothing of "
+            f"{gpu}'s link; run dpkit doctor on the GPUs, or plan this CPU machine without naming a GPU"
+        )
+    if not bench_given:
+        raise ValueError(
+            "calibration: a dpkit doctor JSON measures the links only; name the GPUs (gpu=NAME), or add a dpkit "
+            "bench JSON of this machine for its compute"
+        )
+    return None
+
+
 def with_measured_link(hardware: Hardware, report: dict[str, Any], link: Link) -> Hardware:
     """The hardware with the doctor's measured link: between the GPUs of a node (NCCL), or between the processes of
     virtual CPU devices (gloo); one line where the report measured the other kind of machine."""
     if report.get("accelerator") == "cuda":
         if hardware.shared_compute:
             raise ValueError(
-                "--calibration: the dpkit doctor report measured GPUs, and the plan is of virtual CPU devices; "
-                "name the GPUs with --gpu"
+                "calibration: the dpkit doctor report measured GPUs, and the plan is of virtual CPU devices; "
+                "name the GPUs (gpu=NAME)"
             )
         return replace(hardware, link=link, interprocess=None)
     if not hardware.shared_compute:
         raise ValueError(
-            "--calibration: the dpkit doctor report measured gloo between CPU processes, which says nothing of "
+            "calibration: the dpkit doctor report measured gloo between CPU processes, which says nothing of "
             f"{hardware.gpu.name}'s link; run dpkit doctor on the GPUs, or plan the CPU machine with a dpkit bench JSON"
         )
     return replace(hardware, interprocess=link)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -14,11 +14,11 @@ from dpkit.plan.catalogue import Link
 from dpkit.plan.compression_advice import add_compression_advice
 from dpkit.plan.configuration import BatchSize, Hardware, as_batch
 from dpkit.plan.constants import CostConstants
-from dpkit.plan.cost_model import Prediction, predict, predict_all
+from dpkit.plan.cost_model import Prediction
 from dpkit.plan.memory import Sizing
 from dpkit.plan.memory_rows import MEMORY_COLUMNS, MemoryRow, memory_rows
-from dpkit.plan.payoff import MOST_SAMPLES, break_even_batch
 from dpkit.plan.profiles import ModelProfile
+from dpkit.plan.reruns import Reruns
 from dpkit.plan.step_time import PHASE_ORDER
 from dpkit.plan.tables import fitted_table, wrap
 from dpkit.strategies import reference
@@ -304,15 +304,6 @@ def equal_lines(throughput: dict[str, list[tuple[int, float]]]) -> list[list[str
     return [group for group in groups if len(group) > 1]
 
 
-def faster_link(hardware: Hardware, links: Mapping[str, Link], devices: int) -> Link | None:
-    """The fastest of `links` that joins `devices` devices and is faster than the hardware's own (None if none)."""
-    joining = [link for link in links.values() if link.max_devices is None or link.max_devices >= devices]
-    fastest = max(joining, key=lambda link: link.achieved_bytes_per_second, default=None)
-    if fastest is None or fastest.achieved_bytes_per_second <= hardware.link.achieved_bytes_per_second:
-        return None
-    return fastest
-
-
 def make_plan(
     profile: ModelProfile,
     hardware: Hardware,
@@ -334,93 +325,43 @@ def make_plan(
     (`hardware.gpu.links`), and a faster network. `compression`: the gradients' on the link, where a strategy takes
     it (without one, the recommendation says which pays); `accumulate`: micro-batches per optimizer step."""
     batch = as_batch(batch_per_device)
-    asked = parse_compression(compression)
-
-    def rerun(machine: Hardware, changed: BatchSize = batch) -> list[Prediction]:
-        return predict_all(
-            profile,
-            machine,
-            strategies,
-            device_counts,
-            changed,
-            precision,
-            constants,
-            optimizer,
-            strategy_options,
-            compression=asked,
-            accumulate=accumulate,
-        )
-
-    def compressed(p: Prediction, changed: Compression) -> Prediction:
-        machine = replace(hardware, nodes=p.nodes)
-        return predict(
-            profile,
-            machine,
-            p.strategy,
-            p.devices,
-            p.batch_per_device,
-            precision,
-            constants,
-            optimizer,
-            p.global_batch,
-            p.options,
-            compression=changed,
-            accumulate=accumulate,
-        )
-
-    predictions = rerun(hardware)
-    gpu_links = {name: links[name] for name in hardware.gpu.links if name in links} if links else {}
-
-    def what_if(change: str, devices: int) -> tuple[str, list[Prediction]] | None:
-        if change == "faster-link":
-            link = faster_link(hardware, gpu_links, devices)
-            if link is None:
-                return None
-            return (
-                f"{link.name}, the fastest link for {hardware.gpu.name}",
-                rerun(replace(hardware, link=link, interprocess=None)),
-            )
-        if change == "faster-network":
-            if hardware.nodes < 2 or not networks or hardware.network is None:
-                return None
-            fastest = max(networks.values(), key=lambda link: link.achieved_bytes_per_second)
-            if fastest.achieved_bytes_per_second <= hardware.network.achieved_bytes_per_second:
-                return None
-            return f"{fastest.name}, the fastest network", rerun(replace(hardware, network=fastest))
-        if change == "double-batch":
-            doubled = batch.doubled()
-            words = (
-                f"twice the batch per device ({doubled.samples})"
-                if batch.per_device
-                else f"twice the batch ({doubled.samples})"
-            )
-            return words, rerun(hardware, doubled)
-        return None
-
-    def payoff(strategy: str, devices: int) -> str | None:
-        """From which batch `strategy` on `devices` devices outruns one device, in the plan's batch terms."""
-        if hardware.nodes > 1:
-            return None
-        pays = break_even_batch(
-            profile, hardware, strategy, devices, precision, constants, optimizer, per_device=batch.per_device
-        )
-        unit = "per device" if batch.per_device else "in all"
-        if pays is None:
-            return f"it does not pay at any batch up to {MOST_SAMPLES:,} {unit}"
-        return f"it would pay from a batch of {pays:,} {unit}"
-
+    asked = Reruns(
+        profile,
+        hardware,
+        strategies,
+        device_counts,
+        batch,
+        precision,
+        constants,
+        optimizer,
+        dict(strategy_options or {}),
+        dict(links or {}),
+        dict(networks or {}),
+        parse_compression(compression),
+        accumulate,
+    )
+    predictions = asked.predictions()
     memory = memory_rows(
-        profile, hardware, strategies, device_counts, batch, precision, constants, optimizer, strategy_options, asked
+        profile,
+        hardware,
+        strategies,
+        device_counts,
+        batch,
+        precision,
+        constants,
+        optimizer,
+        strategy_options,
+        asked.compression,
     )
     recommendation = recommend(
         predictions,
         hardware.link.name,
         hardware.network.name if hardware.network else "",
-        what_if,
+        asked.what_if,
         Sizing(profile, hardware, batch, precision, optimizer, constants),
-        payoff,
+        asked.payoff,
     )
-    add_compression_advice(recommendation, predictions, asked, compressed)
+    add_compression_advice(recommendation, predictions, asked.compression, asked.compressed)
     return Plan(
         profile,
         hardware,
@@ -432,7 +373,7 @@ def make_plan(
             "batch_size": None if batch.per_device else batch.samples,
             "batch_size_per_device": batch.samples if batch.per_device else None,
             "optimizer": optimizer,
-            "compress": str(asked),
+            "compress": str(asked.compression),
             "accumulate": accumulate,
         },
         memory,

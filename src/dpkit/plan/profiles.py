@@ -286,13 +286,15 @@ def _transformer(
     block = (parameters - embedding * (1 if tied else 2)) / layers
     largest_unit = int(max(block, embedding))
     units = layers + (1 if tied else 3)  # the blocks, the root, and untied: the embedding and the output layer
-    # a block's matrices as GPT-2 has them (the attention's input and output projections, the MLP's two: 12 width^2),
-    # which LLaMA's gated MLP matches within 1%; the embedding, and untied the output layer too
+    # a block's matrices as GPT-2 has them (the attention's input and output projections, the MLP's two), the MLP's
+    # width set so that they hold the block's parameters (4 x width for GPT-2; LLaMA's three gated matrices hold
+    # about as many); the embedding, and untied the output layer too
+    mlp = max(1, round((block - 4 * width * width) / (2 * width)))
     matrices = (
         (width, 3 * width, layers),
         (width, width, layers),
-        (width, 4 * width, layers),
-        (4 * width, width, layers),
+        (width, mlp, layers),
+        (mlp, width, layers),
         (vocab, width, 1 if tied else 2),
     )
 
