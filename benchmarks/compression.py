@@ -326,4 +326,8 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt:  # the namespaces are gone by now (shaped_link's finally)
+        print("compression.py: interrupted; its network namespaces removed", file=sys.stderr)
+        sys.exit(130)
