@@ -53,7 +53,7 @@ class ProcessPeers:
         dist.all_to_all_single(received, padded)
         share = (received.view(processes, chunk).float().sum(0) * scale).to(dtype)
         gathered = torch.empty_like(padded)
-        dist.all_gather_into_tensor(gathered, share)
+        dist.all_gather_single(gathered, share)
         self.sent_bytes += numel * padded.element_size()  # as an all-reduce of the 16-bit gradient counts it
         return gathered[:numel].float()
 
