@@ -98,7 +98,8 @@ def test_every_strategy_trains_uneven_streams_as_one_device_on_each_steps_union(
 def test_accumulation_with_clipping_and_token_weighting(groups):
     for kwargs in ({"accumulate": 2, "clip": 0.05}, {"items": True}, {"accumulate": 2, "items": True}):
         expected = one_device(**kwargs)
-        for strategy, options in (("ddp", {}), ("fsdp", {})):
+        # (fsdp's sharded clipping with the first; the weighting is the Engine's, the same under both)
+        for strategy, options in (("ddp", {}), ("fsdp", {})) if "clip" in kwargs else (("ddp", {}),):
             result = groups(2).run(train_streams, strategy, options, **kwargs)[0]
             difference = difference_to_scale(result["weights"], expected)
             assert difference <= TOLERANCE, f"{strategy} {kwargs}: {difference:.3g}"
