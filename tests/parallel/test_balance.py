@@ -253,8 +253,12 @@ def test_speed_balance_gives_the_slower_device_fewer_rows():
 
 
 def test_a_wrapper_dropped_while_measuring_leaves_nothing_running():
+    import gc
+
     from torch.utils._python_dispatch import _get_current_dispatch_mode
 
+    gc.collect()  # a wrapper an earlier test of this worker dropped in a reference cycle stops its observer now
+    assert dpkit.observe.active() == ()
     dp = dpkit.DataParallel(torch.nn.Linear(3, 2), dpkit.cpu_devices(2), loss_fn=F.mse_loss, balance="memory")
     dp(torch.randn(8, 3), target=torch.randn(8, 2)).backward()
     assert len(dpkit.observe.active()) == 1  # the warm-up step is being observed
