@@ -5,8 +5,8 @@ The matrix: single, dp, replicated (one process), ddp, fsdp, zero stage 1 and 2,
 distributing load once asserted "Expected device to be set"), SGD with momentum, and AdamW with a cosine schedule
 made after the load as the recipe makes it (the saved groups hold `initial_lr`, which once failed the load). Each
 resumes from step 3 of a state saved by one device (whole) and of one saved by fsdp on two processes (sharded),
-trains to step 6 (the sharded state with AdamW and its schedule, the whole one with every optimizer), and ends where
-one device trained 6 steps without a stop ends. The processes are the suite's
+trains to step 6 (the sharded state with AdamW and its schedule, the whole one with every optimizer; hsdp 2x2 both
+with AdamW), and ends where one device trained 6 steps without a stop ends. The processes are the suite's
 shared launched groups: each group runs its whole column in one job.
 """
 
@@ -76,6 +76,8 @@ def column(layouts: list, sources: dict[str, str]) -> dict[str, dict]:
             for source, saved in sources.items():
                 if source == "sharded" and optimizer != SHARDED_WITH:
                     continue
+                if layout[1] == 4 and optimizer != SHARDED_WITH:  # (four processes on two cores: the hardest case)
+                    continue
                 key = f"{layout[0]} {layout[2]} {optimizer[0]} {optimizer[1]} {source}"
                 results[key] = train(layout, optimizer, STEPS, resume_from=f"{saved}/{optimizer[0]}-{optimizer[1]}")
     return results
@@ -106,7 +108,7 @@ def test_every_strategy_resumes_a_whole_and_a_sharded_state_with_every_optimizer
             differences[f"{key} (process {process})"] = max(
                 difference_to_scale(weights[k], reference[k]) for k in reference
             )
-    expected = (len(IN_ONE_PROCESS) + 2 * len(IN_TWO) + 4 * len(IN_FOUR)) * (len(OPTIMIZERS) + 1)
+    expected = (len(IN_ONE_PROCESS) + 2 * len(IN_TWO)) * (len(OPTIMIZERS) + 1) + 4 * len(IN_FOUR) * 2
     assert len(differences) == expected
     worst = {key: value for key, value in differences.items() if value > TOLERANCE}
     assert not worst, worst
