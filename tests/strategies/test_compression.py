@@ -84,7 +84,8 @@ def test_sixteen_bits_under_every_strategy_end_near_float32_and_agree_where_the_
         "replicated": train("replicated", 2, "bf16")["weights"],
         "replicated none": train("replicated", 2)["weights"],
     }
-    for strategy, options in (("ddp", {}), ("zero", {"stage": 1}), ("zero", {"stage": 2}), ("fsdp", {}), ("hsdp", {})):
+    # (zero stage 1 runs ddp's exchange, hsdp on 2 processes fsdp's: tests/recipe and benchmarks cover them)
+    for strategy, options in (("ddp", {}), ("zero", {"stage": 2}), ("fsdp", {})):
         results[f"{strategy} {options}"] = groups(2).run(train, strategy, 2, "bf16", options=options)[0]["weights"]
     for name, weights in results.items():
         difference = difference_to_scale(weights, single)
