@@ -78,7 +78,7 @@ def train(
     return {"weights": weights, **counted}
 
 
-def test_sixteen_bits_under_every_strategy_end_near_float32_and_agree_where_the_arithmetic_is_the_same(groups):
+def test_sixteen_bits_under_each_exchange_end_near_float32_and_agree_where_the_arithmetic_is_the_same(groups):
     single = train("single", 1)["weights"]
     results = {
         "replicated": train("replicated", 2, "bf16")["weights"],
