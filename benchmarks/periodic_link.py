@@ -36,16 +36,22 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
-import signal
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
+
+# the shaped links and their namespaces, the batches, the launch environment: compression.py's, shared
+from compression import (  # noqa: E402  (benchmarks/ is the script's folder)
+    measure_link,
+    process_batch,
+    python_env,
+    shaped_link,
+    stop_on_sigterm,
+    why_no_namespace,
+)
 
 WIDTH = 2048
 CLASSES = 10
@@ -84,15 +90,6 @@ def period_options(strategy: str) -> list[str]:
 
 
 # --- inside the launched processes ------------------------------------------------------------------------------
-def process_batch(rank: int):
-    """This process's rows of the synthetic global batch."""
-    import torch
-
-    generator = torch.Generator().manual_seed(rank)
-    rows = BATCH_SIZE // PROCESSES
-    return torch.randn(rows, WIDTH, generator=generator), torch.randint(0, CLASSES, (rows,), generator=generator)
-
-
 def compute_only_step(rank: int):
     """The step without an exchange (plain torch, one intra-op thread, as each of the 2 processes gets here)."""
     import torch
@@ -175,55 +172,6 @@ def worker(args: argparse.Namespace) -> None:
 
 
 # --- the link ---------------------------------------------------------------------------------------------------
-def why_no_namespace() -> str | None:
-    """Why this process cannot make a shaped namespace, or None when it can."""
-    if os.geteuid() != 0:
-        return "not root"
-    missing = [command for command in ("ip", "tc") if shutil.which(command) is None]
-    if missing:
-        return f"no {' or '.join(missing)} command"
-    probe = f"dpkit-periodic-{os.getpid()}-probe"
-    made = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True)
-    if made.returncode != 0:
-        return f"ip netns add failed: {made.stderr.strip() or made.returncode}"
-    subprocess.run(["ip", "netns", "delete", probe], check=False)
-    return None
-
-
-@contextmanager
-def shaped_link(rate: str | None) -> Iterator[list[str]]:
-    """The argv prefix that runs a command over the link: [] for plain loopback, else `ip netns exec N` for a
-    namespace N made here, its loopback shaped to `rate`, and removed on the way out."""
-    if rate is None:
-        yield []
-        return
-    name = f"dpkit-periodic-{os.getpid()}-{rate}"
-    inside = ["ip", "netns", "exec", name]
-    subprocess.run(["ip", "netns", "add", name], check=True)
-    try:
-        subprocess.run([*inside, "ip", "link", "set", "lo", "up"], check=True)
-        shaping = ["tc", "qdisc", "add", "dev", "lo", "root", "tbf", "rate", rate, "burst", "1mb", "latency", "100ms"]
-        subprocess.run([*inside, *shaping], check=True)
-        yield inside
-    finally:
-        subprocess.run(["ip", "netns", "delete", name], check=False)
-
-
-def stop_on_sigterm() -> None:
-    """SIGTERM as Ctrl-C, so that the namespaces are removed on the way out either way."""
-
-    def interrupt(signum, frame):
-        raise KeyboardInterrupt
-
-    signal.signal(signal.SIGTERM, interrupt)
-
-
-def python_env() -> dict[str, str]:
-    """This process's environment, dpkit importable from this checkout's src first."""
-    source = str(HERE.parent / "src")
-    return dict(os.environ, PYTHONPATH=os.pathsep.join([source, *filter(None, [os.environ.get("PYTHONPATH")])]))
-
-
 def dpkit_command(prefix: list[str], *arguments: str) -> None:
     """`python -m dpkit ARGUMENTS` over the link, in this folder (where `periodic_link:wide_model` imports from)."""
     command = [*prefix, sys.executable, "-m", "dpkit", *arguments]
@@ -237,13 +185,6 @@ def measure_steps(prefix: list[str], args: argparse.Namespace, result: Path) -> 
     launch = [*prefix, sys.executable, "-m", "dpkit", "launch", f"--nproc-per-node={PROCESSES}"]
     subprocess.run([*launch, *script, f"--result={result}"], env=python_env(), check=True)
     return json.loads(result.read_text())
-
-
-def measure_link(prefix: list[str], doctor_json: Path) -> None:
-    """`dpkit doctor`'s all-reduce over the link, 1 to 16 MiB: the planner's calibration of the link."""
-    sizes = ["--min-bytes=1M", "--max-bytes=16M", "--factor=4", "--iters=3", "--warmup=1"]
-    dpkit_command(prefix, "doctor", f"--nproc-per-node={PROCESSES}", "--collectives=all_reduce", *sizes,
-                  "--no-progress", f"--json={doctor_json}")  # fmt: skip
 
 
 def measure_compute(bench_json: Path) -> None:
