@@ -32,6 +32,15 @@ import tempfile
 import time
 from pathlib import Path
 
+# the tiny GPT-2, its Markov-chain tokens and its evaluation: compression_quality.py's, shared
+from compression_quality import (  # noqa: E402  (benchmarks/ is the script's folder)
+    chain_entropy_nats,
+    eval_loss,
+    markov_tokens,
+    python_env,
+    tiny_gpt2,
+)
+
 HERE = Path(__file__).resolve().parent
 DEVICES = 2
 DIGITS_FLAGS = ["--example=digits", "--optimizer=adamw", "--lr=3e-3", "--steps=240", f"--devices={DEVICES}"]
@@ -44,12 +53,6 @@ GPT2_LOW_MOMENTUM = 0.5
 # the tiny GPT-2 and its tokens (benchmarks/compression_quality.py's)
 VOCAB, SEQUENCE, SUCCESSORS = 128, 32, 4  # tokens, tokens per sequence, likely successors of each token
 TRAIN_SEQUENCES, EVAL_SEQUENCES, GPT2_BATCH = 4096, 256, 32
-
-
-def python_env() -> dict[str, str]:
-    """This process's environment, dpkit importable from this checkout's src first."""
-    source = str(HERE.parent / "src")
-    return dict(os.environ, PYTHONPATH=os.pathsep.join([source, *filter(None, [os.environ.get("PYTHONPATH")])]))
 
 
 def contender_name(strategy: str, sync_every: int | None) -> str:
@@ -92,61 +95,6 @@ def digits_table(folder: Path) -> list[str]:
 
 
 # --- 2. the tiny GPT-2 --------------------------------------------------------------------------------------------
-def tiny_gpt2():
-    import torch
-    import transformers
-
-    config = transformers.GPT2Config(
-        n_layer=2, n_embd=64, n_head=4, vocab_size=VOCAB, n_positions=SEQUENCE, resid_pdrop=0.0, embd_pdrop=0.0,
-        attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    return transformers.GPT2LMHeadModel(config)
-
-
-def markov_chain():
-    """The fixed random Markov chain of the tokens: each token is followed by one of its SUCCESSORS likely tokens
-    (90%) or any token (10%); row i of the result is the distribution of the token after token i."""
-    import torch
-
-    likely = torch.randint(0, VOCAB, (VOCAB, SUCCESSORS), generator=torch.Generator().manual_seed(1234))
-    transitions = torch.full((VOCAB, VOCAB), 0.1 / VOCAB, dtype=torch.float64)
-    return transitions.scatter_add_(1, likely, torch.full((VOCAB, SUCCESSORS), 0.9 / SUCCESSORS, dtype=torch.float64))
-
-
-def chain_entropy_nats() -> float:
-    """The chain's entropy rate: the lowest mean next-token loss a model can reach (the first token aside)."""
-    transitions = markov_chain()
-    stationary = transitions.new_full((VOCAB,), 1 / VOCAB)
-    for _ in range(1000):
-        stationary = stationary @ transitions
-    return float(-(stationary[:, None] * transitions * transitions.log()).sum())
-
-
-def markov_tokens(sequences: int, seed: int):
-    """Sequences of the chain, the first token uniform; `seed` draws the sequences, not the chain."""
-    import torch
-
-    transitions = markov_chain()
-    draws = torch.Generator().manual_seed(seed)
-    tokens = torch.empty(sequences, SEQUENCE, dtype=torch.long)
-    tokens[:, 0] = torch.randint(0, VOCAB, (sequences,), generator=draws)
-    for position in range(1, SEQUENCE):
-        tokens[:, position] = torch.multinomial(transitions[tokens[:, position - 1]], 1, generator=draws).squeeze(1)
-    return tokens
-
-
-def eval_loss(model, tokens) -> float:
-    """The mean next-token loss over the held-out sequences (every sequence as long: the mean of batch means)."""
-    import torch
-
-    model.eval()
-    with torch.no_grad():
-        losses = [model(input_ids=batch, labels=batch).loss.item() for batch in tokens.split(64)]
-    model.train()
-    return sum(losses) / len(losses)
-
-
 def train_batches(engine):
     """The training sequences as the Engine's loader of global batches of GPT2_BATCH sequences, in a fixed order
     (each process gets its share of each). Through engine.setup_dataloader: localsgd and diloco weight their
