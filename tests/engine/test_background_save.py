@@ -1,12 +1,16 @@
 """Saves that do not stop training (issue 48): engine.save_state(blocking=False) copies the state now and writes it
 in the background, all or nothing; a resume from it equals the uninterrupted run bit for bit; while it is being
 written the newest whole state is still the one a load finds; a failed write is raised in the loop at the next save
-(or close) with its path and cause; under ddp the writing thread's agreement stays off the training's collectives."""
+(or close) with its path and cause; under ddp, fsdp and zero the writing thread's agreement (and the sharded
+strategies' shards) stays off the training's collectives."""
 
 from __future__ import annotations
 
 import errno
+import subprocess
+import sys
 import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -45,7 +49,8 @@ def train(strategy: str, devices: int, folder: str, steps: int = STEPS, save_at:
                 handle = engine.save_state(folder, blocking=False)  # the loop goes on while it is written
             if engine.step == steps:
                 break
-    weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    # (a sharded strategy's weights are DTensors: whole ones, gathered by every process alike)
+    weights = {k: getattr(v, "full_tensor", v.detach)().detach().clone() for k, v in model.state_dict().items()}
     engine.close()  # (waits for the save in flight)
     return weights, isinstance(handle, SaveHandle)
 
@@ -84,7 +89,8 @@ def test_while_it_is_written_the_newest_whole_state_is_what_a_load_finds(tmp_pat
     engine.close()
 
 
-def test_a_failed_background_write_is_raised_at_the_next_save_with_its_path(tmp_path, monkeypatch):
+@pytest.mark.parametrize("where", ["next save", "close"])
+def test_a_failed_background_write_is_raised_in_the_loop_with_its_path(tmp_path, monkeypatch, where):
     engine = Engine(accelerator="cpu", devices=1, progress=False)
     net = nn.Linear(4, 2)
     model, optimizer = engine.setup(net, torch.optim.SGD(net.parameters(), lr=0.1))
@@ -99,18 +105,52 @@ def test_a_failed_background_write_is_raised_at_the_next_save_with_its_path(tmp_
     optimizer.step()
     engine.save_state(folder, blocking=False)
     with pytest.raises(CheckpointWriteError) as failed:
-        engine.save_state(folder)  # the next save says it, in the loop, before it stages its own
+        # the next save says it, in the loop, before it stages its own; close says it after releasing the rest
+        engine.save_state(folder) if where == "next save" else engine.close()
     assert str(failed.value) == (
         f"no space left on device while writing {folder / 'step-00000001' / 'rank-0.pt'}; the previous state is intact"
     )
     assert (folder / "latest").read_text().split()[0] == first.name  # the previous state intact
+    assert sorted(path.name for path in folder.iterdir()) == ["latest", first.name]
     engine.close()
 
 
-def test_under_ddp_the_background_write_keeps_out_of_the_training_collectives(tmp_path, groups):
-    folder = str(tmp_path / "ddp")
-    whole = groups(2).run(train, "ddp", 2, folder, save_at=2)
-    resumed = groups(2).run(train, "ddp", 2, folder, resume=True)
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp", "zero"])
+def test_per_device_the_background_write_keeps_out_of_the_training_collectives(tmp_path, groups, strategy):
+    # ddp's whole state from rank 0; fsdp's and zero's shards written by every process through DCP, on the save's
+    # own group while the training's collectives go on
+    folder = str(tmp_path / strategy)
+    whole = groups(2).run(train, strategy, 2, folder, save_at=2)
+    resumed = groups(2).run(train, strategy, 2, folder, resume=True)
     for rank in range(2):
         assert whole[rank][1]
         assert all(torch.equal(whole[rank][0][k], resumed[rank][0][k]) for k in whole[rank][0])
+
+
+HELD_SAVE = Path(__file__).with_name("held_save.py")
+
+
+@pytest.mark.parametrize("point", ["write_checked", "atomic_write"])  # in its files; placed, before `latest` moves
+def test_a_kill_during_the_background_write_leaves_the_newest_whole_state_to_resume(tmp_path, point):
+    folder, weights = tmp_path / "state", tmp_path / "step-1.pt"
+    child = subprocess.Popen(
+        [sys.executable, str(HELD_SAVE), str(folder), str(weights), point], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert child.stdout.readline() == "held\n"  # the step-2 write is held inside `point` now
+    finally:
+        child.kill()
+        child.communicate()
+    assert (folder / "latest").read_text().split()[0] == "step-00000001"
+    engine = Engine(accelerator="cpu", devices=1, progress=False)
+    net = nn.Linear(4, 2)
+    model, optimizer = engine.setup(net, torch.optim.AdamW(net.parameters(), lr=0.1))
+    engine.load_state(folder)
+    assert engine.step == 1
+    saved = torch.load(weights, weights_only=True)
+    assert all(torch.equal(saved[key], value) for key, value in model.state_dict().items())
+    engine.backward(model(torch.ones(3, 4)).sum())
+    optimizer.step()
+    assert engine.save_state(folder).name == "step-00000002"  # over what the killed write left
+    assert sorted(path.name for path in folder.iterdir()) == ["latest", "step-00000001", "step-00000002"]
+    engine.close()

@@ -41,11 +41,12 @@ def ignored_name(name: str) -> bool:
 _CHUNK_BYTES = 1 << 20
 
 
-def write_shards(state: dict[str, Any], folder: Path) -> None:
-    """Every process writes its shards of `state` into `folder` (a collective)."""
+def write_shards(state: dict[str, Any], folder: Path, group: Any = None) -> None:
+    """Every process writes its shards of `state` into `folder` (a collective over `group`, by default the
+    default process group)."""
     import torch.distributed.checkpoint as dcp
 
-    dcp.save(state, checkpoint_id=folder)
+    dcp.save(state, checkpoint_id=folder, process_group=group)
 
 
 def _digest(path: Path) -> str:

@@ -7,10 +7,12 @@ raises in every process and leaves the previous states and `latest` as they were
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import os
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -110,10 +112,14 @@ def write_state_directory(
     barrier: Callable[[], None],
     shards: dict[str, Any] | None = None,
     gather: Callable[[str | None], list[str | None]] | None = None,
+    shard_group: Any = None,
+    committing: AbstractContextManager[Any] | None = None,
 ) -> Path:
     """Write one state directory; every process calls this (rank 0 passes `shared`). With `shards` (a sharded
     strategy's state, on every process) each process writes its shards into the folder SHARDS through
-    torch.distributed.checkpoint, and rank 0 records every shard file's SHA-256 in `shared`.
+    torch.distributed.checkpoint (over `shard_group`, by default the default group), and rank 0 records every
+    shard file's SHA-256 in `shared`. `committing` is entered around the rename and the move of `latest` (a save
+    abandoned before then raises there, and nothing of it is committed).
 
     All or nothing: a save that fails in any process (a full disk, a write error) raises in every process
     (given `gather`, an all_gather_object; with `barrier` alone only in the process that failed), removes
@@ -151,6 +157,10 @@ def write_state_directory(
     def place() -> None:
         if rank != 0:
             return
+        with committing or contextlib.nullcontext():
+            commit()
+
+    def commit() -> None:
         if (temporary / SHARDS).is_dir():
             fsync_directory(temporary / SHARDS)
         fsync_directory(temporary)
@@ -174,7 +184,7 @@ def write_state_directory(
         _together(agree, begin)
         if shards is not None:
             try:  # DCP's save is a collective that raises in every process when one fails
-                write_shards(shards, temporary / SHARDS)
+                write_shards(shards, temporary / SHARDS, shard_group)
             except BaseException as error:
                 _raise_write_failure(error, final / SHARDS)
         _together(agree, write_files)

@@ -47,7 +47,6 @@ from dpkit.engine.placement import Placement, is_choice, resolve_placement
 from dpkit.engine.process_streams import ProcessStream, check_uneven, stream_weight
 from dpkit.engine.resumable_loader import ResumableLoader, resumable
 from dpkit.engine.resume.load import LoaderPosition, load_training_state
-from dpkit.engine.resume.save import save_training_state, stage_training_state, write_staged_state
 from dpkit.engine.run_time_notes import PrintedLossNote
 from dpkit.engine.together import agreed
 from dpkit.engine.whole_model import load_whole_model, save_whole_model
@@ -167,7 +166,6 @@ class Engine(AmongProcesses):
         self._threads_before_load: int | None = None
         self._streams = False  # a per-process stream was set up (its position is not saved: said once)
         self._saves = BackgroundSaves()  # the save in flight, and what saves held the loop
-        self._said_sharded_blocks = False
         if self.is_global_zero:
             log.debug("engine: %s, accumulate %d", self.placement, accumulate)
 
@@ -396,8 +394,7 @@ class Engine(AmongProcesses):
         Returns the step directory written. With blocking=False the state is copied now and written in the
         background (engine/background_save.py): it returns a SaveHandle (`.wait()` gives the step directory,
         `.done()`), at most one save is in flight (the next save, load_state, close and the process's exit wait
-        for it), and a failed write is raised at the next of those; sharded states (fsdp, zero, hsdp) are written
-        before it returns for now.
+        for it), and a failed write is raised at the next of those.
         """
         if not isinstance(blocking, bool):
             raise TypeError(f"blocking: expected True (written before save_state returns) or False, got {blocking!r}")
@@ -408,25 +405,18 @@ class Engine(AmongProcesses):
                 "iterable where you make it start (skip what was used, or use a loader that saves its own position)"
             )
             self._streams = False  # said once
-        saves = self._saves
-        if not blocking and set_up.strategy.traits.sharded:
-            if not self._said_sharded_blocks:
-                log.info("engine.save_state(blocking=False): a sharded state is written before it returns for now")
-                self._said_sharded_blocks = True
-            blocking = True
         with busy("saving the training state"):  # a slow save is progress, not a hang (dpkit.launch.busy)
-            if blocking:
-                return saves.blocking(lambda: save_training_state(set_up, directory, keep=keep, extra=extra))
-            barrier, gather = set_up.strategy.background_collectives()
-            return saves.start(
-                lambda: stage_training_state(set_up, directory, keep=keep, extra=extra, copy=True),
-                lambda staged: write_staged_state(staged, barrier=barrier, gather=gather),
-            )
+            return self._saves.save(set_up, directory, keep=keep, extra=extra, blocking=blocking)
 
     def wait_for_saves(self) -> Path | None:
         """Wait for the background save in flight, if any (its step directory; its error raised here)."""
         with busy("waiting for the training state's save"):
             return self._saves.finish()
+
+    def abandon_saves(self) -> int | None:
+        """Give up the background save in flight unless its commit is made already (a stop that cannot wait): the
+        step given up, or None. The newest state on disk is settled when it returns."""
+        return self._saves.abandon()
 
     @property
     def saves(self) -> int:

@@ -22,6 +22,7 @@ from torch import nn
 from torch.utils.data import DataLoader, RandomSampler, TensorDataset
 
 from dpkit.checkpoint.errors import CheckpointCorruptError
+from dpkit.checkpoint.steps import step_of
 from dpkit.compilation import compile_counts, describe_compile
 from dpkit.devices import available_cores
 from dpkit.engine.engine import Engine
@@ -82,6 +83,7 @@ class Run:
         self.best = Best(config.keep_best, BEST_BY[config.keep_best]) if config.keep_best else None
         self.records = StepRecords(self.engine)
         self.steps_done = 0
+        self.first_step = 0  # the step this run began at (set again after a resume)
         self.saved_path: Path | None = None  # the state this run saved last
         self.window_losses: list[torch.Tensor] = []  # the accumulation window's loss sums and rows so far
         self.window_rows = 0
@@ -95,6 +97,7 @@ class Run:
         self._set_up()
         self._resume_or_replace()
         self.steps_done = len(self.records.losses.losses)
+        self.first_step = self.steps_done  # a state past it was saved by this run
         # the rate of the next step comes from the schedule at this step (a resumed run's changes included)
         config = self.config
         with warnings.catch_warnings():
@@ -109,7 +112,9 @@ class Run:
                 self._say_start()
                 self._train_steps()
                 metrics = self._finish()
-        except (StoppedBySignal, TrainingDiverged, KeyboardInterrupt):
+        except KeyboardInterrupt:  # a second Ctrl-C: at once, the save in flight given up unless committed
+            raise self._interrupted() from None
+        except (StoppedBySignal, TrainingDiverged):
             raise
         except Exception:
             if self.stop.signum is not None:  # a peer stopped first and its collective broke: the stop is news
@@ -296,10 +301,24 @@ class Run:
 
     def _stopped(self, during: str = "") -> StoppedBySignal:
         signum = self.stop.signum if self.stop.signum is not None else signal.SIGTERM  # a peer was stopped
+        finished = self.engine.wait_for_saves()  # a background save in flight is whole first (a stop in evaluation)
+        self.saved_path = finished or self.saved_path
         quiet = not self.engine.is_global_zero or relaunched()
         newest = self.saved_path or newest_state(self.out)
         message = stopped_message(self.config, signum, self.steps_done, self.saved_path, newest, during)
         return StoppedBySignal("" if quiet else message, signum)
+
+    def _interrupted(self) -> StoppedBySignal:
+        """The stop line of a run stopped at once: its newest whole state (a background save not yet committed is
+        given up: checkpoint/writes.py never commits it)."""
+        abandoned = self.engine.abandon_saves()
+        during = f"the background save of step {abandoned} given up" if abandoned is not None else ""
+        newest = newest_state(self.out)
+        this_run = newest is not None and (step_of(newest) or 0) > self.first_step
+        saved = newest if abandoned is None and this_run else None
+        quiet = not self.engine.is_global_zero or relaunched()
+        message = stopped_message(self.config, signal.SIGINT, self.steps_done, saved, newest, during)
+        return StoppedBySignal("" if quiet else message, signal.SIGINT)
 
     # --- what the run writes -------------------------------------------------------------------------
 

@@ -17,7 +17,7 @@ import contextlib
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple, Protocol, TypeVar
 
 import torch
 from torch import nn
@@ -48,6 +48,15 @@ FOR_THE_STEP = "step"  # unit by unit in forward and kept until backward: the wh
 # Traits.shard_group: the processes a shard spans; the state is replicated across the groups (an int: that many)
 ALL_PROCESSES = "all"  # every process of the run, across nodes
 ONE_NODE = "node"  # the processes of one node (hybrid sharding: shard within a node, replicate across nodes)
+
+
+class SaveCollectives(NamedTuple):
+    """What the processes of a save written in the background agree through: a barrier, an all_gather_object, and
+    the process group torch.distributed.checkpoint writes shards over (None in one process)."""
+
+    barrier: Callable[[], None]
+    gather: Callable[[Any], list[Any]]
+    group: Any
 
 
 @dataclass(frozen=True)
@@ -364,10 +373,10 @@ class Strategy:
         meeting); empty when nothing."""
         return {}
 
-    def background_collectives(self) -> tuple[Callable[[], None], Callable[[Any], list[Any]]]:
-        """(barrier, all_gather_object) for a save written in the background, apart from the training's own
-        collectives; in one process there is nobody to agree with."""
-        return (lambda: None), (lambda value: [value])
+    def background_collectives(self) -> SaveCollectives:
+        """The collectives of a save written in the background, apart from the training's own; in one process
+        there is nobody to agree with."""
+        return SaveCollectives(lambda: None, lambda value: [value], None)
 
     def process_state(self) -> dict[str, Any] | None:
         """What this process's strategy keeps of its own between steps, saved in its rank-R.pt (the compressed

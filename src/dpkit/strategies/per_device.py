@@ -10,7 +10,7 @@ keeping what holds the process group in `self.wrapped`.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import fields
 from typing import Any, ClassVar, TypeVar
 
@@ -19,7 +19,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from dpkit.launch.environment import launched, missing_launch_variables, process_place
-from dpkit.strategies.base import Strategy
+from dpkit.strategies.base import SaveCollectives, Strategy
 from dpkit.strategies.process_group import ProcessGroup, ProcessGroupOptions
 from dpkit.strategies.step_marks import MarksRide
 
@@ -100,9 +100,9 @@ class PerDeviceStrategy(Strategy):
     def barrier(self) -> None:
         self.group.barrier()
 
-    def background_collectives(self) -> tuple[Callable[[], None], Callable[[Any], list[Any]]]:
+    def background_collectives(self) -> SaveCollectives:
         """A gloo group of its own, made by every process at its first background save (every process saves at the
-        same point), so that a save's agreement never interleaves with the training's collectives."""
+        same point), so that a save's agreement and its shards never interleave with the training's collectives."""
         import torch.distributed as dist
 
         if self._save_group is None:
@@ -114,7 +114,7 @@ class PerDeviceStrategy(Strategy):
             dist.all_gather_object(gathered, value, group=group)
             return gathered
 
-        return (lambda: dist.barrier(group=group)), gather
+        return SaveCollectives(lambda: dist.barrier(group=group), gather, group)
 
     def teardown(self) -> None:
         self.group.close(self.wrapped)

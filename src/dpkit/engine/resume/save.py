@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -111,14 +112,21 @@ def stage_training_state(
 
 
 def copied(value: Any) -> Any:
-    """`value` with every tensor in it copied (detached), the rest as it is (nested dicts, lists and tuples)."""
-    return tree_map(lambda leaf: leaf.detach().clone() if isinstance(leaf, torch.Tensor) else leaf, value)
+    """`value` with every tensor in it copied into host memory (detached; a DTensor stays one, its local shard
+    copied), the rest as it is (nested dicts, lists and tuples): a GPU's memory holds no second copy."""
+    return tree_map(lambda leaf: leaf.detach().to("cpu", copy=True) if isinstance(leaf, torch.Tensor) else leaf, value)
 
 
 def write_staged_state(
-    staged: StagedState, *, barrier: Callable[[], None], gather: Callable[[Any], list[Any]] | None
+    staged: StagedState,
+    *,
+    barrier: Callable[[], None],
+    gather: Callable[[Any], list[Any]] | None,
+    shard_group: Any = None,
+    committing: AbstractContextManager[Any] | None = None,
 ) -> Path:
-    """Write a staged state as one step directory, all or nothing, and point `latest` at it (every process)."""
+    """Write a staged state as one step directory, all or nothing, and point `latest` at it (every process; the
+    shards over `shard_group`, the commit inside `committing`: checkpoint/writes.py)."""
     written = write_state_directory(
         staged.directory,
         staged.step,
@@ -129,6 +137,8 @@ def write_staged_state(
         barrier=barrier,
         shards=staged.shards,
         gather=gather,
+        shard_group=shard_group,
+        committing=committing,
     )
     if staged.rank == 0:
         log.info("saved the training state at step %d to %s", staged.step, written)
