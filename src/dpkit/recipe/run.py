@@ -48,6 +48,7 @@ from dpkit.recipe.folder import (
 )
 from dpkit.recipe.metrics import StepRecords, write_summary
 from dpkit.recipe.optimization import build_optimizer, schedule_at
+from dpkit.recipe.save_memory import check_save_memory, staged_copy
 from dpkit.recipe.stop import StopRequest, stopped_message
 from dpkit.recipe.streams import Streams, evaluate_stream
 
@@ -79,6 +80,8 @@ class Run:
         # record counts from here, with what a resumed run's earlier parts counted
         self.bytes_at_start, self.bytes_restored = RECORD.total_bytes, 0
         self.prepared = prepared
+        # sized from the model as built, whole: a sharded strategy's setup leaves this process its shards only
+        self.staged_copy = staged_copy(prepared.model, config.optimizer, config.momentum)
         self.stop = StopRequest()
         self.best = Best(config.keep_best, BEST_BY[config.keep_best]) if config.keep_best else None
         self.records = StepRecords(self.engine)
@@ -168,6 +171,8 @@ class Run:
             if self.best is not None and engine.is_global_zero and "best_files" in extras:
                 # what a later, discarded part of the run wrote there is not this run's best
                 restore_best_files(out, extras["best_files"])
+        # before any step and before an old run goes; after a load, which says the step the saves count from
+        check_save_memory(config, self.staged_copy, engine.strategy, engine.placement, engine.step)
         if self.plan.remove:
             # every process is here, so every process passed every check (its own, the Engine's, the setup's):
             # only now does the old run go
