@@ -1,6 +1,6 @@
 """What a save of the training state holds the loop for: background (engine.save_state(blocking=False)) against
-blocking, on the wide-blocks example (a saved state of 89.5 MB with AdamW: weights and two moments), single, ddp and fsdp
-on 2 processes.
+blocking, on the wide-blocks example (a saved state of 89.5 MB with AdamW: weights and two moments), single, and
+ddp and fsdp on 2 processes.
 
 Each mode trains the same steps, saving every 5th; the loop's time is measured per step. Reported per mode: the
 median time the loop was held by a save (for background saves: staging the copy, and waiting at the next save for
