@@ -407,7 +407,7 @@ def test_any_failure_midway_through_a_save_leaves_nothing_behind(tmp_path, monke
             engine.strategy, "sharded_state", lambda bare, optimizers: {"model": bare.state_dict(), "optimizers": {}}
         )
 
-        def broken(content, folder):
+        def broken(content, folder, group=None):
             folder.mkdir()
             (folder / "__0_0.distcp").write_bytes(b"half")
             raise RuntimeError("a shard write failed")

@@ -1,8 +1,9 @@
 """Saves that do not stop training (issue 48): engine.save_state(blocking=False) copies the state now and writes it
-in the background, all or nothing; a resume from it equals the uninterrupted run bit for bit; while it is being
-written the newest whole state is still the one a load finds; a failed write is raised in the loop at the next save
-(or close) with its path and cause; under ddp, fsdp and zero the writing thread's agreement (and the sharded
-strategies' shards) stays off the training's collectives."""
+in the background, all or nothing; a resume from it equals the uninterrupted run bit for bit (the one-process
+strategies, ddp, fsdp and zero, whose writing thread's agreement and shards stay off the training's collectives);
+while it is being written the newest whole state is still the one a load finds, and a process killed inside the
+write leaves it to resume from; a failed write is raised in the loop at the next save or at close, with its path and
+cause."""
 
 from __future__ import annotations
 
@@ -55,10 +56,11 @@ def train(strategy: str, devices: int, folder: str, steps: int = STEPS, save_at:
     return weights, isinstance(handle, SaveHandle)
 
 
-def test_a_background_save_resumes_bit_for_bit(tmp_path):
-    whole, background = train("single", 1, str(tmp_path / "a"), save_at=2)
+@pytest.mark.parametrize("strategy,devices", [("single", 1), ("dp", 2), ("dp-balanced", 2), ("replicated", 2)])
+def test_a_background_save_resumes_bit_for_bit(tmp_path, strategy, devices):
+    whole, background = train(strategy, devices, str(tmp_path / "a"), save_at=2)
     assert background
-    resumed, _ = train("single", 1, str(tmp_path / "a"), resume=True)
+    resumed, _ = train(strategy, devices, str(tmp_path / "a"), resume=True)
     assert all(torch.equal(whole[k], resumed[k]) for k in whole)
 
 
