@@ -118,11 +118,6 @@ def launched_runs(specs: list[RunSpec], devices: int, groups) -> list[list[dict]
     return groups(devices).run(train_many, [asdict(spec) for spec in specs])
 
 
-def max_difference(mine: dict, theirs: dict) -> float:
-    assert mine.keys() == theirs.keys() and mine
-    return max((mine[k].float() - theirs[k].float()).abs().max().item() for k in mine)
-
-
 def observed_memory(reshard_after_forward: bool) -> dict:
     """Two observed Adam steps under fsdp: the observer's books next to the bytes this process's tensors hold."""
     from dpkit.observe import Observer

@@ -164,8 +164,3 @@ def train_many(runs: list[dict]) -> list[dict]:
         except Exception as error:  # the cell's outcome: equal, or one line naming the option
             results.append({"error": f"{type(error).__name__}: {error}".splitlines()[0]})
     return results
-
-
-def max_difference(mine: dict, theirs: dict) -> float:
-    assert mine.keys() == theirs.keys() and mine
-    return max((mine[k] - theirs[k]).abs().max().item() for k in mine)
