@@ -156,3 +156,19 @@ def test_a_kill_during_the_background_write_leaves_the_newest_whole_state_to_res
     assert engine.save_state(folder).name == "step-00000002"  # over what the killed write left
     assert sorted(path.name for path in folder.iterdir()) == ["latest", "step-00000001", "step-00000002"]
     engine.close()
+
+
+def test_a_worker_leaving_without_atexit_writes_its_save_in_flight_first(tmp_path):
+    # a launched worker leaves through exit_worker, which skips the atexit handlers: the save is written first
+    folder = tmp_path / "state"
+    child = subprocess.run(
+        [sys.executable, str(HELD_SAVE), str(folder), str(tmp_path / "step-1.pt"), "exit_worker"], timeout=300
+    )
+    assert child.returncode == 0
+    assert (folder / "latest").read_text().split()[0] == "step-00000002"
+    engine = Engine(accelerator="cpu", devices=1, progress=False)
+    net = nn.Linear(4, 2)
+    engine.setup(net, torch.optim.AdamW(net.parameters(), lr=0.1))
+    engine.load_state(folder)
+    assert engine.step == 2
+    engine.close()

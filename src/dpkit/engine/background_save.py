@@ -31,6 +31,7 @@ from pathlib import Path
 
 from dpkit.engine.resume.save import StagedState, save_training_state, stage_training_state, write_staged_state
 from dpkit.engine.wrappers import SetUp
+from dpkit.launch.worker import before_worker_exit
 from dpkit.observe.collectives import RECORD
 
 log = logging.getLogger("dpkit")
@@ -117,14 +118,18 @@ class SaveHandle:
 _IN_FLIGHT: weakref.WeakSet[SaveHandle] = weakref.WeakSet()
 
 
-@atexit.register
 def _finish_saves_in_flight() -> None:
-    """A process that ends with a save in flight writes it first (all or nothing either way)."""
+    """A process that ends with a save in flight writes it first (all or nothing either way): at exit, and before a
+    launched worker leaves without the atexit handlers (dpkit.launch.worker.exit_worker)."""
     for handle in list(_IN_FLIGHT):
         try:
             handle.wait()
         except BaseException as error:  # the process is ending: say it, the previous state is intact
             log.error("the background save of step %d failed at exit: %s", handle.step, error)
+
+
+atexit.register(_finish_saves_in_flight)
+before_worker_exit(_finish_saves_in_flight)
 
 
 class BackgroundSaves:

@@ -11,7 +11,7 @@ import os
 import runpy
 import signal
 import sys
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 from dpkit.launch.environment import LAUNCHER_PID_VARIABLE, STACKS_DIR_VARIABLE, stack_file
 
@@ -20,6 +20,7 @@ log = logging.getLogger("dpkit")
 PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
 # the signal on which a worker writes every thread's Python stack to its stack file (the launcher's hang report)
 STACK_SIGNAL = signal.SIGUSR1
+_BEFORE_EXIT: list[Callable[[], None]] = []  # before_worker_exit's actions
 _STACK_FILES: list = []  # open for the life of the process: faulthandler writes to their descriptors
 
 
@@ -173,14 +174,22 @@ def _imported_search(name: str) -> str | None:
         return None
 
 
+def before_worker_exit(action: Callable[[], None]) -> None:
+    """Run `action` when exit_worker leaves, which skips the atexit handlers (a background save in flight is
+    written first: engine/background_save.py)."""
+    _BEFORE_EXIT.append(action)
+
+
 def exit_worker(code: int) -> None:
     """Leave a launched worker process without interpreter teardown.
 
     Under load, a gloo worker that has finished cleanly (process group destroyed, files written) can
     still abort during interpreter teardown ("terminate called without an active exception", no
     Python frame left), which the launcher reports as a failed run. The work is done and flushed by
-    then, so a worker skips that teardown.
+    then, so a worker skips that teardown; what was registered with before_worker_exit runs first.
     """
+    for action in _BEFORE_EXIT:
+        action()
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
