@@ -153,8 +153,11 @@ def test_ddp_training_that_diverges_is_not_restarted(tmp_path):
 
 # --- the hang watch and busy() ------------------------------------------------------------------------
 
-HANG_TIMEOUT = 5
-# rank 0 "saves the state" (a sleep of twice the hang timeout, or for ever) while rank 1 waits in a barrier, as
+HANG_TIMEOUT = 5  # as test_collective_faults: a loaded machine must not look hung
+# longer than the hang timeout plus the watch's look every second and a margin: without busy(), the watch would
+# have stopped rank 0 during such a save (test_without_busy_a_long_save_is_taken_for_a_hang)
+SAVE_SECONDS = HANG_TIMEOUT + 3
+# rank 0 "saves the state" (a sleep of SAVE_SECONDS, or for ever) while rank 1 waits in a barrier, as
 # Engine.save_state does; then both train on, and with `hang-after` rank 1 gets stuck outside any busy block
 SAVES = textwrap.dedent("""
     import contextlib, os, sys, time, torch
@@ -175,7 +178,7 @@ SAVES = textwrap.dedent("""
     steps(3)
     if engine.rank == 0:
         if mode == "stuck-in-busy":
-            block = busy("writing to a dead mount", limit_seconds=2)
+            block = busy("writing to a dead mount", limit_seconds=1)
         elif mode == "no-busy":
             block = contextlib.nullcontext()
         else:
@@ -207,7 +210,7 @@ def _run_saves(tmp_path, mode: str, save_seconds: float) -> tuple[LaunchError | 
 
 
 def test_a_save_inside_busy_longer_than_the_hang_timeout_is_not_stopped_but_a_hang_after_it_is(tmp_path):
-    error, elapsed = _run_saves(tmp_path, "hang-after", 2 * HANG_TIMEOUT)
+    error, elapsed = _run_saves(tmp_path, "hang-after", SAVE_SECONDS)
     assert (tmp_path / "saved-0").exists() and (tmp_path / "saved-1").exists()  # rank 0 lived through its save
     assert error is not None and elapsed < 200, elapsed  # far below the 300 s collective timeout
     message = str(error)
@@ -232,7 +235,7 @@ def test_a_rank_stuck_inside_busy_past_its_limit_is_still_stopped(tmp_path):
     assert error is not None and elapsed < 200, elapsed
     message = str(error)
     assert re.match(r"worker rank 0 \(pid \d+, node 0\) made no progress for \d+ s", message), message
-    assert "it has been busy (writing to a dead mount) for" in message and "past the 2 s" in message
+    assert "it has been busy (writing to a dead mount) for" in message and "past the 1 s" in message
 
 
 def test_the_hang_rule_counts_a_busy_block_as_progress_up_to_its_limit():
