@@ -7,13 +7,12 @@ import logging
 import os
 import re
 import signal
-import subprocess
-import sys
 import textwrap
 import time
 
 import pytest
 
+from dpkit.cli.main import main
 from dpkit.launch import LaunchError, busy, launch
 
 # --- restarts -----------------------------------------------------------------------------------------
@@ -37,20 +36,16 @@ def _attempts(folder) -> set[int]:
 
 
 @pytest.mark.parametrize("code,meaning", [(2, "bad input"), (3, "training diverged")])
-def test_a_worker_exiting_with_2_or_3_ends_the_job_instead_of_a_restart(tmp_path, code, meaning):
+def test_a_worker_exiting_with_2_or_3_ends_the_job_instead_of_a_restart(tmp_path, capfd, code, meaning):
     script = tmp_path / "fails.py"
     script.write_text(FAILS_EVERY_TIME)
-    result = subprocess.run(
-        [sys.executable, "-m", "dpkit.cli.main", "launch", "--max-restarts", "3", "--nproc-per-node", "2"]
-        + [str(script), str(tmp_path), str(code)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert result.returncode == code, result.stdout + result.stderr
+    # `dpkit launch` in this process: its exit code is what main returns
+    returned = main(["launch", "--max-restarts", "3", "--nproc-per-node", "2", str(script), str(tmp_path), str(code)])
+    stdout, stderr = capfd.readouterr()
+    assert returned == code, stdout + stderr
     assert _attempts(tmp_path) == {0}  # never restarted
-    summaries = [line for line in result.stderr.splitlines() if line.startswith("dpkit launch: error:")]
-    assert len(summaries) == 1, result.stderr
+    summaries = [line for line in stderr.splitlines() if line.startswith("dpkit launch: error:")]
+    assert len(summaries) == 1, stderr
     assert re.match(
         rf"dpkit launch: error: worker rank 1 \(local rank 1, pid \d+\) exited with code {code} "
         rf"\({meaning}, not retried\); the launcher then stopped worker rank\(s\) 0",
@@ -133,20 +128,19 @@ def test_only_a_failure_a_restart_would_repeat_is_deterministic(records, expecte
     assert deterministic_failure(_failures(*records)) == expected
 
 
-def test_ddp_training_that_diverges_is_not_restarted(tmp_path):
+def test_ddp_training_that_diverges_is_not_restarted(tmp_path, capfd):
     out = tmp_path / "run"
-    result = subprocess.run(
-        [sys.executable, "-m", "dpkit.cli.main", "train", "--strategy", "ddp", "--accelerator", "cpu"]
-        + ["--devices", "2", "--lr", "1e30", "--steps", "5", "--max-restarts", "3", "--out", str(out), "--no-progress"],
-        capture_output=True,
-        text=True,
-        timeout=300,
+    # `dpkit train` in this process, which starts the workers as its own process would
+    code = main(
+        ["train", "--strategy", "ddp", "--accelerator", "cpu", "--devices", "2", "--lr", "1e30", "--steps", "5"]
+        + ["--max-restarts", "3", "--out", str(out), "--no-progress"]
     )
-    assert result.returncode == 3, result.stdout + result.stderr
-    lines = [line for line in result.stderr.splitlines() if not line.startswith(("INFO ", "DEBUG "))]
+    stdout, stderr = capfd.readouterr()
+    assert code == 3, stdout + stderr
+    lines = [line for line in stderr.splitlines() if not line.startswith(("INFO ", "DEBUG "))]
     # one attempt, where rank 0 alone says why (every attempt of a restarted group said it again before), once
     # (not once per process, nor two on one line)
-    assert result.stderr.count("the loss became") == 1, result.stderr
+    assert stderr.count("the loss became") == 1, stderr
     assert len(lines) == 1 and lines[0].startswith("dpkit train: error: --lr: the loss became "), lines
     assert not (out / "model.pt").exists()
 
