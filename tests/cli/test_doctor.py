@@ -176,14 +176,18 @@ def test_doctor_on_gpus():
         assert {row["size_bytes"] for row in report["collectives"]} == set(report["sizes_bytes"])
 
 
-def test_failed_worker_is_one_runtime_error_line():
+def test_failed_worker_is_one_runtime_error_line(tmp_path, monkeypatch):
     if torch.cuda.is_available():
         pytest.skip("needs a machine where NCCL workers fail: no GPU")
+    import tempfile
+
     from dpkit.tools.doctor.collectives import measure_collectives
 
-    with pytest.raises(RuntimeError) as info:
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # where torch's spawn puts its workers' error files
+    with pytest.raises(RuntimeError) as info:  # one worker is enough to fail: each fails alike, in set_device
         measure_collectives(
-            "nccl", 2, [4096], ["all_reduce"], iterations=1, warmup=0, show_progress=False, timeout_seconds=30
+            "nccl", 1, [4096], ["all_reduce"], iterations=1, warmup=0, show_progress=False, timeout_seconds=30
         )
     message = str(info.value)
     assert message.startswith("doctor: a nccl worker failed") and "\n" not in message
+    assert not list(tmp_path.iterdir())  # the failed workers' error files are removed, and doctor's own folder

@@ -136,6 +136,7 @@ def test_kill_9_of_the_launcher_leaves_no_worker_behind(tmp_path):
         [sys.executable, "-m", "dpkit.cli.main", "launch", "--nproc-per-node", "2", str(script)],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
+        env={**os.environ, "TMPDIR": str(tmp_path)},  # a killed launcher cannot remove its temporary folders
     )
     try:
         deadline = time.monotonic() + 60

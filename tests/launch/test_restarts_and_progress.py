@@ -7,13 +7,12 @@ import logging
 import os
 import re
 import signal
-import subprocess
-import sys
 import textwrap
 import time
 
 import pytest
 
+from dpkit.cli.main import main
 from dpkit.launch import LaunchError, busy, launch
 
 # --- restarts -----------------------------------------------------------------------------------------
@@ -37,20 +36,16 @@ def _attempts(folder) -> set[int]:
 
 
 @pytest.mark.parametrize("code,meaning", [(2, "bad input"), (3, "training diverged")])
-def test_a_worker_exiting_with_2_or_3_ends_the_job_instead_of_a_restart(tmp_path, code, meaning):
+def test_a_worker_exiting_with_2_or_3_ends_the_job_instead_of_a_restart(tmp_path, capfd, code, meaning):
     script = tmp_path / "fails.py"
     script.write_text(FAILS_EVERY_TIME)
-    result = subprocess.run(
-        [sys.executable, "-m", "dpkit.cli.main", "launch", "--max-restarts", "3", "--nproc-per-node", "2"]
-        + [str(script), str(tmp_path), str(code)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert result.returncode == code, result.stdout + result.stderr
+    # `dpkit launch` in this process: its exit code is what main returns
+    returned = main(["launch", "--max-restarts", "3", "--nproc-per-node", "2", str(script), str(tmp_path), str(code)])
+    stdout, stderr = capfd.readouterr()
+    assert returned == code, stdout + stderr
     assert _attempts(tmp_path) == {0}  # never restarted
-    summaries = [line for line in result.stderr.splitlines() if line.startswith("dpkit launch: error:")]
-    assert len(summaries) == 1, result.stderr
+    summaries = [line for line in stderr.splitlines() if line.startswith("dpkit launch: error:")]
+    assert len(summaries) == 1, stderr
     assert re.match(
         rf"dpkit launch: error: worker rank 1 \(local rank 1, pid \d+\) exited with code {code} "
         rf"\({meaning}, not retried\); the launcher then stopped worker rank\(s\) 0",
@@ -133,28 +128,30 @@ def test_only_a_failure_a_restart_would_repeat_is_deterministic(records, expecte
     assert deterministic_failure(_failures(*records)) == expected
 
 
-def test_ddp_training_that_diverges_is_not_restarted(tmp_path):
+def test_ddp_training_that_diverges_is_not_restarted(tmp_path, capfd):
     out = tmp_path / "run"
-    result = subprocess.run(
-        [sys.executable, "-m", "dpkit.cli.main", "train", "--strategy", "ddp", "--accelerator", "cpu"]
-        + ["--devices", "2", "--lr", "1e30", "--steps", "5", "--max-restarts", "3", "--out", str(out), "--no-progress"],
-        capture_output=True,
-        text=True,
-        timeout=300,
+    # `dpkit train` in this process, which starts the workers as its own process would
+    code = main(
+        ["train", "--strategy", "ddp", "--accelerator", "cpu", "--devices", "2", "--lr", "1e30", "--steps", "5"]
+        + ["--max-restarts", "3", "--out", str(out), "--no-progress"]
     )
-    assert result.returncode == 3, result.stdout + result.stderr
-    lines = [line for line in result.stderr.splitlines() if not line.startswith(("INFO ", "DEBUG "))]
+    stdout, stderr = capfd.readouterr()
+    assert code == 3, stdout + stderr
+    lines = [line for line in stderr.splitlines() if not line.startswith(("INFO ", "DEBUG "))]
     # one attempt, where rank 0 alone says why (every attempt of a restarted group said it again before), once
     # (not once per process, nor two on one line)
-    assert result.stderr.count("the loss became") == 1, result.stderr
+    assert stderr.count("the loss became") == 1, stderr
     assert len(lines) == 1 and lines[0].startswith("dpkit train: error: --lr: the loss became "), lines
     assert not (out / "model.pt").exists()
 
 
 # --- the hang watch and busy() ------------------------------------------------------------------------
 
-HANG_TIMEOUT = 5
-# rank 0 "saves the state" (a sleep of twice the hang timeout, or for ever) while rank 1 waits in a barrier, as
+HANG_TIMEOUT = 5  # as test_collective_faults: a loaded machine must not look hung
+# longer than the hang timeout plus the watch's look every second and a margin: without busy(), the watch would
+# have stopped rank 0 during such a save (test_without_busy_a_long_save_is_taken_for_a_hang)
+SAVE_SECONDS = HANG_TIMEOUT + 3
+# rank 0 "saves the state" (a sleep of SAVE_SECONDS, or for ever) while rank 1 waits in a barrier, as
 # Engine.save_state does; then both train on, and with `hang-after` rank 1 gets stuck outside any busy block
 SAVES = textwrap.dedent("""
     import contextlib, os, sys, time, torch
@@ -175,7 +172,7 @@ SAVES = textwrap.dedent("""
     steps(3)
     if engine.rank == 0:
         if mode == "stuck-in-busy":
-            block = busy("writing to a dead mount", limit_seconds=2)
+            block = busy("writing to a dead mount", limit_seconds=1)
         elif mode == "no-busy":
             block = contextlib.nullcontext()
         else:
@@ -207,7 +204,7 @@ def _run_saves(tmp_path, mode: str, save_seconds: float) -> tuple[LaunchError | 
 
 
 def test_a_save_inside_busy_longer_than_the_hang_timeout_is_not_stopped_but_a_hang_after_it_is(tmp_path):
-    error, elapsed = _run_saves(tmp_path, "hang-after", 2 * HANG_TIMEOUT)
+    error, elapsed = _run_saves(tmp_path, "hang-after", SAVE_SECONDS)
     assert (tmp_path / "saved-0").exists() and (tmp_path / "saved-1").exists()  # rank 0 lived through its save
     assert error is not None and elapsed < 200, elapsed  # far below the 300 s collective timeout
     message = str(error)
@@ -232,7 +229,7 @@ def test_a_rank_stuck_inside_busy_past_its_limit_is_still_stopped(tmp_path):
     assert error is not None and elapsed < 200, elapsed
     message = str(error)
     assert re.match(r"worker rank 0 \(pid \d+, node 0\) made no progress for \d+ s", message), message
-    assert "it has been busy (writing to a dead mount) for" in message and "past the 2 s" in message
+    assert "it has been busy (writing to a dead mount) for" in message and "past the 1 s" in message
 
 
 def test_the_hang_rule_counts_a_busy_block_as_progress_up_to_its_limit():

@@ -138,6 +138,7 @@ SUMS = textwrap.dedent("""
     import json, os, sys
     import torch
     import torch.distributed as dist
+    from dpkit.launch.worker import exit_worker
 
     dist.init_process_group("gloo")  # MASTER_ADDR/PORT, RANK and WORLD_SIZE from the launcher
     total = torch.tensor([float(dist.get_rank() + 1)])
@@ -147,6 +148,7 @@ SUMS = textwrap.dedent("""
     with open(os.path.join(sys.argv[1], f"rank{dist.get_rank()}.json"), "w") as handle:
         json.dump(seen, handle)
     dist.destroy_process_group()
+    exit_worker(0)  # as dpkit's own workers leave: without torch's interpreter teardown (seconds of CPU in all)
 """)
 
 

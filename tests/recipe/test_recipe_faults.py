@@ -14,7 +14,6 @@ import os
 import shlex
 import signal
 import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
@@ -108,21 +107,24 @@ def errors(capsys):
     return [line for line in capsys.readouterr().err.strip().splitlines() if not line.startswith("INFO ")]
 
 
-def _signalled_run(out, how, *argv):
-    """`dpkit train` in a process that sends itself a signal (`how`, DPKIT_TEST_SIGNAL); its exit code, lines."""
+def _signalled_run(capfd, out, how, *argv):
+    """`dpkit train` in this process, which sends itself a signal (`how`, DPKIT_TEST_SIGNAL) from the model: its
+    exit code (what main returns, the command's exit code), lines. The run's handlers take the signal; without them
+    a Ctrl-C still ends in main (130), and SIGTERM or SIGHUP would end the test's process: a failure either way."""
     env_before = os.environ.get("DPKIT_TEST_SIGNAL")
     os.environ["DPKIT_TEST_SIGNAL"] = how
     try:
-        process = _train_process(out, "--model", "signals:build", *argv)
+        capfd.readouterr()
+        code = main(["train", *CPU, "--out", str(out), "--model", "signals:build", *argv])
     finally:
         if env_before is None:
             del os.environ["DPKIT_TEST_SIGNAL"]
         else:
             os.environ["DPKIT_TEST_SIGNAL"] = env_before
-    stdout, stderr = process.communicate(timeout=120)
+    stdout, stderr = capfd.readouterr()
     lines = _dpkit_lines(stderr)
     assert "Traceback" not in stderr, stderr
-    return process.returncode, lines, stdout
+    return code, lines, stdout
 
 
 # --- 1. a restarted worker checks what the first attempt checked ------------------------------------------
@@ -174,39 +176,39 @@ def test_a_restarted_worker_refuses_a_run_its_job_did_not_create_and_continues_i
     assert metrics["resumed"] is True and len(metrics["loss"]) == 5
 
 
-def test_a_restart_under_the_launcher_never_resumes_another_run(tmp_path, modules):
+def test_a_restart_under_the_launcher_never_resumes_another_run(tmp_path, modules, capfd):
     out = tmp_path / "run"
     assert train(out, "--steps", "2", "--checkpoint-every", "1") == 0
     before = snapshot(out)
     (tmp_path / "restarted_once.py").write_text(RESTARTED_ONCE)
-    result = subprocess.run(
-        [sys.executable, "-m", "dpkit.cli.main", "launch", "--nproc-per-node", "2", "--max-restarts", "1"]
+    capfd.readouterr()
+    # `dpkit launch` in this process (main): the workers are the processes that matter
+    code = main(
+        ["launch", "--nproc-per-node", "2", "--max-restarts", "1"]
         + [str(tmp_path / "restarted_once.py"), "train", "--strategy", "ddp", "--devices", "2", *CPU]
-        + ["--steps", "4", "--lr", "0.5", "--checkpoint-every", "1", "--out", str(out)],
-        capture_output=True,
-        text=True,
-        timeout=180,
+        + ["--steps", "4", "--lr", "0.5", "--checkpoint-every", "1", "--out", str(out)]
     )
+    stderr = capfd.readouterr().err
     # the restarted group (the first one only died) refused the folder as a first attempt does
-    assert result.returncode == 2, result.stderr[-3000:]
-    assert f"dpkit train: error: --out: {str(out)!r} already holds a run" in result.stderr, result.stderr[-3000:]
+    assert code == 2, stderr[-3000:]
+    assert f"dpkit train: error: --out: {str(out)!r} already holds a run" in stderr, stderr[-3000:]
     assert snapshot(out) == before
 
 
 # --- 2. --overwrite removes the old run only after every check passed --------------------------------------
 
 
-def test_overwrite_keeps_the_old_run_when_a_worker_refuses(tmp_path, modules):
+def test_overwrite_keeps_the_old_run_when_a_worker_refuses(tmp_path, modules, capfd):
     out = tmp_path / "run"
     assert train(out, "--data", "picky:load", "--steps", "2", "--batch-size", "16") == 0
     before = snapshot(out)
-    process = _train_process(
-        out, "--strategy", "ddp", "--devices", "2", "--data", "picky:load", "--steps", "2", "--overwrite"
-    )
-    _, stderr = process.communicate(timeout=120)
+    capfd.readouterr()
+    # `dpkit train` in this process, which starts the workers
+    code = train(out, "--strategy", "ddp", "--devices", "2", "--data", "picky:load", "--steps", "2", "--overwrite")
+    stderr = capfd.readouterr().err
     # rank 0 never removed anything: it never heard that every process was ready
     assert snapshot(out) == before
-    assert process.returncode == 2, stderr[-3000:]
+    assert code == 2, stderr[-3000:]
     # rank 1 said why, once; the launching process added nothing
     assert _dpkit_lines(stderr) == [
         "dpkit train: error: --data: picky:load(seed) raised OSError: rank 1 cannot read its shard"
@@ -228,10 +230,10 @@ def test_a_precision_the_devices_cannot_do_keeps_the_old_run(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("when,during", [("4", ""), ("eval", ", in the final evaluation")])
-def test_a_run_stopped_at_its_end_is_completed_by_the_resume_command_it_printed(tmp_path, modules, when, during):
+def test_a_run_stopped_at_its_end_is_completed_by_the_resume_command_it_printed(tmp_path, modules, capfd, when, during):
     out = tmp_path / "stopped"
     flags = ["--steps", "4", "--checkpoint-every", "2", "--batch-size", "32", "--momentum", "0.9"]
-    code, lines, _ = _signalled_run(out, f"SIGTERM@{when}", *flags)
+    code, lines, _ = _signalled_run(capfd, out, f"SIGTERM@{when}", *flags)
     assert code == 128 + signal.SIGTERM and len(lines) == 1, lines
     assert lines[0].startswith(
         f"dpkit train: stopped by SIGTERM at step 4 of 4{during}; state saved in {out / 'state' / 'step-00000004'}; "
@@ -392,10 +394,10 @@ def test_a_read_only_state_folder_is_refused_before_training(tmp_path, capsys):
     ), lines
 
 
-def test_ctrl_c_after_a_resume_without_checkpoints_names_the_state_that_exists(tmp_path, modules):
+def test_ctrl_c_after_a_resume_without_checkpoints_names_the_state_that_exists(tmp_path, modules, capfd):
     out = tmp_path / "run"
     assert train(out, "--model", "signals:build", "--steps", "2", "--checkpoint-every", "2") == 0
-    code, lines, _ = _signalled_run(out, "SIGINT@2", "--steps", "50", "--resume")
+    code, lines, _ = _signalled_run(capfd, out, "SIGINT@2", "--steps", "50", "--resume")
     assert code == 130 and len(lines) == 1, lines
     assert lines[0].startswith(
         "dpkit train: stopped by Ctrl-C (SIGINT) at step 4 of 50; this run saved no state (--checkpoint-every K "
@@ -405,9 +407,9 @@ def test_ctrl_c_after_a_resume_without_checkpoints_names_the_state_that_exists(t
     assert lines[0].endswith("--resume")
 
 
-def test_sighup_saves_the_state_and_exits_129(tmp_path, modules):
+def test_sighup_saves_the_state_and_exits_129(tmp_path, modules, capfd):
     out = tmp_path / "run"
-    code, lines, _ = _signalled_run(out, "SIGHUP@3", "--steps", "50", "--checkpoint-every", "100")
+    code, lines, _ = _signalled_run(capfd, out, "SIGHUP@3", "--steps", "50", "--checkpoint-every", "100")
     assert code == 128 + signal.SIGHUP and len(lines) == 1, lines
     assert lines[0].startswith(
         f"dpkit train: stopped by SIGHUP at step 3 of 50; state saved in {out / 'state' / 'step-00000003'}; "

@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 import textwrap
 import time
 
 import torch
 
 from closeness import difference_to_scale
+from dpkit.cli.main import main
 
 WORKER = textwrap.dedent("""
     import os
@@ -32,21 +31,19 @@ WORKER = textwrap.dedent("""
 """)
 
 
-def test_a_dead_process_stops_the_others_with_a_clear_error(tmp_path):
+def test_a_dead_process_stops_the_others_with_a_clear_error(tmp_path, capfd):
     script = tmp_path / "dies.py"
     script.write_text(WORKER)
     began = time.monotonic()
-    result = subprocess.run(
-        [sys.executable, "-m", "dpkit.cli.main", "launch", "--nproc-per-node", "2", str(script)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    # `dpkit launch` in this process (the workers are the processes that matter; a launcher process more would
+    # only import torch again)
+    code = main(["launch", "--nproc-per-node", "2", str(script)])
     elapsed = time.monotonic() - began
-    assert result.returncode != 0
-    assert "finished without noticing" not in result.stdout
-    assert "dpkit launch: error: worker rank 1" in result.stderr, result.stderr[-3000:]
-    assert "exited with code 7" in result.stderr
+    stdout, stderr = capfd.readouterr()
+    assert code != 0
+    assert "finished without noticing" not in stdout
+    assert "dpkit launch: error: worker rank 1" in stderr, stderr[-3000:]
+    assert "exited with code 7" in stderr
     assert elapsed < 60, f"took {elapsed:.1f} s to stop"
 
 
@@ -72,10 +69,10 @@ KILLED_ONCE = textwrap.dedent("""
 """)
 
 
-def test_a_worker_killed_mid_run_restarts_resumes_and_ends_with_the_uninterrupted_weights(tmp_path, monkeypatch):
+def test_a_worker_killed_mid_run_restarts_resumes_and_ends_with_the_uninterrupted_weights(tmp_path, monkeypatch, capfd):
     (tmp_path / "dies_once.py").write_text(KILLED_ONCE)
-    monkeypatch.syspath_prepend(str(tmp_path))
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
+    monkeypatch.syspath_prepend(str(tmp_path))  # dies_once:build, here and in the workers
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
     flags = [
         "--model",
         "dies_once:build",
@@ -91,11 +88,9 @@ def test_a_worker_killed_mid_run_restarts_resumes_and_ends_with_the_uninterrupte
         "2",
         "--no-progress",
     ]
-    result = subprocess.run(
+    # `dpkit launch` in this process, its workers running `python -m dpkit.cli.main train`
+    code = main(
         [
-            sys.executable,
-            "-m",
-            "dpkit.cli.main",
             "launch",
             "--nproc-per-node",
             "2",
@@ -114,19 +109,14 @@ def test_a_worker_killed_mid_run_restarts_resumes_and_ends_with_the_uninterrupte
             "--out",
             str(tmp_path / "restarted"),
             *flags,
-        ],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=240,
+        ]
     )
-    assert result.returncode == 0, result.stderr[-3000:]
+    stdout, stderr = capfd.readouterr()
+    assert code == 0, stderr[-3000:]
     # the group restarted from the state of step 4 (rank 1 died in step 6) and finished the 9 steps
-    assert "resuming at step 4" in result.stdout, result.stdout
+    assert "resuming at step 4" in stdout, stdout
     metrics = json.loads((tmp_path / "restarted" / "metrics.json").read_text())
     assert metrics["resumed"] is True and len(metrics["loss"]) == 9
-
-    from dpkit.cli.main import main
 
     assert main(["train", "--strategy", "single", "--out", str(tmp_path / "whole"), *flags]) == 0
     restarted = torch.load(tmp_path / "restarted" / "model.pt", weights_only=True)

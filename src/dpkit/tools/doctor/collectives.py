@@ -3,6 +3,7 @@ loopback (gloo on CPU, NCCL on GPUs), as the slowest rank saw it; the rows with 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import tempfile
@@ -130,11 +131,12 @@ def measure_collectives(
         os.environ["GLOO_SOCKET_IFNAME"] = interface  # keep gloo on loopback, as dpkit's launcher does
     with tempfile.TemporaryDirectory(prefix="dpkit-doctor-") as folder:
         result_path = os.path.join(folder, "collectives.json")
+        context = None
         try:
-            mp.start_processes(
+            context = mp.start_processes(
                 _collective_worker,
                 nprocs=world_size,
-                join=True,
+                join=False,
                 start_method="spawn",
                 args=(
                     world_size,
@@ -149,12 +151,18 @@ def measure_collectives(
                     timeout_seconds,
                 ),
             )
+            while not context.join():
+                pass
         except ProcessException as error:
             last_line = str(error).strip().splitlines()[-1] if str(error).strip() else type(error).__name__
             raise RuntimeError(f"doctor: a {backend} worker failed ({last_line})") from error
         finally:
             if saved is None:
                 os.environ.pop("GLOO_SOCKET_IFNAME", None)
+            for error_file in context.error_files if context is not None else ():
+                # torch's spawn leaves a failed worker's traceback file in the temporary folder once it has read it
+                with contextlib.suppress(OSError):
+                    os.unlink(error_file)
         with open(result_path, encoding="utf-8") as handle:
             return json.load(handle)
 
