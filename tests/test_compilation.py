@@ -449,8 +449,9 @@ def test_a_state_saved_compiled_resumes_eager_and_back(tmp_path, first, second):
 
 # --- the launched strategies, in one group run ----------------------------------------------------------------
 # A model compiled before setup reaches the strategy as compile= does (take_compiled unwraps it, keeping its options,
-# whatever the strategy: tested in process above and here under ddp and fsdp), so zero and hsdp run compile= and
-# the wrapper compiled after setup; each case compiles afresh (about a second of the suite's time a case).
+# whatever the strategy: tested in process above and here under ddp and fsdp), so zero runs compile= and the wrapper
+# compiled after setup; each case compiles afresh (about a second of the suite's time a case). hsdp is fsdp's code on a
+# mesh: tests/strategies/test_compile_sharded.py compiles it on its 2-D mesh, both ways.
 LAUNCHED_CASES = [
     (strategy, how)
     for strategy, how in (
@@ -462,8 +463,6 @@ LAUNCHED_CASES = [
         ("fsdp", "after"),
         ("zero", "compile="),
         ("zero", "after"),
-        ("hsdp", "compile="),
-        ("hsdp", "after"),
     )
     if strategy in available_strategies()
 ]

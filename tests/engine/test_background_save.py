@@ -64,29 +64,40 @@ def test_a_background_save_resumes_bit_for_bit(tmp_path, strategy, devices):
     assert all(torch.equal(whole[k], resumed[k]) for k in whole)
 
 
-def test_while_it_is_written_the_newest_whole_state_is_what_a_load_finds(tmp_path, monkeypatch):
+# held in its files; placed (renamed into place), before `latest` moves
+@pytest.mark.parametrize("point,placed", [("write_checked", False), ("atomic_write", True)])
+def test_while_it_is_written_the_newest_whole_state_is_what_a_load_finds(tmp_path, monkeypatch, point, placed):
     engine = Engine(accelerator="cpu", devices=1, progress=False)
     net = nn.Linear(4, 2)
     model, optimizer = engine.setup(net, torch.optim.SGD(net.parameters(), lr=0.1))
     folder = tmp_path / "state"
     first = engine.save_state(folder)
     writing, release = threading.Event(), threading.Event()
-    real = writes.write_checked
+    real = getattr(writes, point)
 
-    def held(content, handle):  # the background write stops inside its files, driven from here
+    def held(*args, **kwargs):  # the background write stops at `point`, driven from here
         writing.set()
         release.wait()
-        real(content, handle)
+        return real(*args, **kwargs)
 
-    monkeypatch.setattr(writes, "write_checked", held)
+    monkeypatch.setattr(writes, point, held)
     engine.backward(model(torch.randn(3, 4)).sum())
     optimizer.step()
     handle = engine.save_state(folder, blocking=False)
-    assert writing.wait(timeout=60)
-    assert not handle.done()
-    assert (folder / "latest").read_text().split()[0] == first.name  # `latest` has not moved
-    assert sorted(p.name for p in folder.iterdir() if p.name.startswith("step-")) == [first.name]
-    release.set()
+    try:
+        assert writing.wait(timeout=60)
+        assert not handle.done()
+        assert (folder / "latest").read_text().split()[0] == first.name  # `latest` has not moved
+        steps = sorted(p.name for p in folder.iterdir() if p.name.startswith("step-"))
+        assert steps == ([first.name, "step-00000001"] if placed else [first.name])
+        reader = Engine(accelerator="cpu", devices=1, progress=False)  # what a kill now would leave to resume from
+        layer = nn.Linear(4, 2)
+        reader.setup(layer, torch.optim.SGD(layer.parameters(), lr=0.1))
+        reader.load_state(folder)
+        assert reader.step == 0
+        reader.close()
+    finally:
+        release.set()  # (a failed check must not leave the write held: the process's exit waits for it)
     assert handle.wait().name == "step-00000001" and (folder / "latest").read_text().startswith("step-00000001")
     engine.close()
 
@@ -132,14 +143,14 @@ def test_per_device_the_background_write_keeps_out_of_the_training_collectives(t
 HELD_SAVE = Path(__file__).with_name("held_save.py")
 
 
-@pytest.mark.parametrize("point", ["write_checked", "atomic_write"])  # in its files; placed, before `latest` moves
-def test_a_kill_during_the_background_write_leaves_the_newest_whole_state_to_resume(tmp_path, point):
+def test_a_kill_during_the_background_write_leaves_the_newest_whole_state_to_resume(tmp_path):
+    # the process killed with its write held inside its files (the test above holds it at the commit too)
     folder, weights = tmp_path / "state", tmp_path / "step-1.pt"
     child = subprocess.Popen(
-        [sys.executable, str(HELD_SAVE), str(folder), str(weights), point], stdout=subprocess.PIPE, text=True
+        [sys.executable, str(HELD_SAVE), str(folder), str(weights), "write_checked"], stdout=subprocess.PIPE, text=True
     )
     try:
-        assert child.stdout.readline() == "held\n"  # the step-2 write is held inside `point` now
+        assert child.stdout.readline() == "held\n"  # the step-2 write is held inside its files now
     finally:
         child.kill()
         child.communicate()
