@@ -73,6 +73,8 @@ SLOWEST_FILES = [  # by wall time in `make test` (2026-12-03, summed over each f
     "tests/strategies/test_localsgd_diloco.py",
     "tests/recipe/test_train_streams.py",
     "tests/engine/test_background_save.py",
+    "tests/recipe/test_save_memory.py",
+    "tests/recipe/test_background_stops.py",
     "tests/cli/test_strategy_settings.py",
     "tests/engine/test_prefetching_loop.py",
     "tests/cli/test_profile_balance.py",
