@@ -43,18 +43,24 @@ import tempfile
 import time
 from pathlib import Path
 
-# the shaped links and their namespaces, the batches, the launch environment: compression.py's, shared
+# the model, the shaped links and their namespaces, the batches, the launch environment: compression.py's, shared
+# (`dpkit plan --model periodic_link:wide_model` finds the model here too)
 from compression import (  # noqa: E402  (benchmarks/ is the script's folder)
+    CLASSES,
+    HERE,
+    LINK_RATES,
+    LINK_WORDS,
+    WIDTH,
+    gradient_bytes,
     measure_link,
     process_batch,
     python_env,
     shaped_link,
     stop_on_sigterm,
     why_no_namespace,
+    wide_model,
 )
 
-WIDTH = 2048
-CLASSES = 10
 BATCH_SIZE = 32  # global: 16 rows per process
 PROCESSES = 2
 SYNC_EVERY = 8
@@ -65,23 +71,6 @@ CONTENDERS = {
     f"localsgd H={SYNC_EVERY}": "localsgd",
     f"diloco H={SYNC_EVERY}": "diloco",
 }
-LINK_RATES = {"loopback": None, "1gbit": "1gbit", "100mbit": "100mbit"}  # name: tc's rate (None: unshaped)
-LINK_WORDS = {"loopback": "plain loopback", "1gbit": "1 Gbit/s", "100mbit": "100 Mbit/s"}
-HERE = Path(__file__).resolve().parent
-
-
-def wide_model():
-    """The benchmark's model (also `dpkit plan --model periodic_link:wide_model` and `dpkit bench`'s): 33.6 MB of
-    float32 gradients, 16.8 MFLOP forward per row."""
-    from torch import nn
-
-    return nn.Sequential(
-        nn.Linear(WIDTH, WIDTH), nn.ReLU(), nn.Linear(WIDTH, WIDTH), nn.ReLU(), nn.Linear(WIDTH, CLASSES)
-    )
-
-
-def model_bytes() -> int:
-    return sum(parameter.numel() * 4 for parameter in wide_model().parameters())
 
 
 def period_options(strategy: str) -> list[str]:
@@ -255,8 +244,9 @@ def main() -> int:
     links = parse_links(parser, args.links)
     stop_on_sigterm()
     print(
-        f"{PROCESSES} processes, 2 x {WIDTH}x{WIDTH} + a {CLASSES}-class head ({model_bytes() / 1e6:.1f} MB of float32 "
-        f"gradients), global batch {BATCH_SIZE}, SGD; {args.rounds} rounds x {args.periods} timed period(s) of "
+        f"{PROCESSES} processes, 2 x {WIDTH}x{WIDTH} + a {CLASSES}-class head "
+        f"({gradient_bytes() / 1e6:.1f} MB of float32 gradients), global batch {BATCH_SIZE}, SGD; "
+        f"{args.rounds} rounds x {args.periods} timed period(s) of "
         f"{SYNC_EVERY} steps per contender; {os.cpu_count()} CPUs",
         flush=True,
     )
